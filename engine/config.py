@@ -1,0 +1,98 @@
+"""EngineConfig: the engine's options, validated once, frozen afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options, named as in vLLM so its users feel at home."""
+
+    model: str = "default"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str = "auto"
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        """Names accepted as engine options."""
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from keyword options, rejecting unknown names with a clear message."""
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(model=model, **kwargs)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> EngineConfig:
+        """Options from SWITCHBOARD_ENGINE_* environment variables, then explicit overrides."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(f"SWITCHBOARD_ENGINE_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _parse_env_value(f.name, raw, str(f.type))
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse_env_value(name: str, raw: str, type_name: str) -> Any:
+    if "bool" in type_name:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if "int" in type_name:
+        try:
+            return int(raw)
+        except ValueError as exc:
+            raise ValueError(f"SWITCHBOARD_ENGINE_{name.upper()} must be an integer, got {raw!r}") from exc
+    if "float" in type_name:
+        return float(raw)
+    return raw
+
+
+def model_cache_dir() -> Path:
+    """Where converted models live: $SWITCHBOARD_MODEL_CACHE, else ~/.cache/switchboard/models."""
+    override = os.environ.get("SWITCHBOARD_MODEL_CACHE")
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "switchboard" / "models"

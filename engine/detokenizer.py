@@ -1,0 +1,86 @@
+"""Incremental detokenization with stop-string matching across token boundaries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# Decoding a short window of earlier tokens with the new ones lets byte-level BPE pieces and
+# leading-space markers resolve exactly as a full decode would, at O(window) cost per token.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+DecodeFn = Callable[[list[int]], str]
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, one token at a time.
+
+    Text is only emitted once it is complete: a token that ends inside a multi-byte UTF-8
+    character yields nothing until the character's last byte arrives.
+    """
+
+    def __init__(self, decode: DecodeFn, prompt_token_ids: list[int], stop_strings: list[str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop_strings = stop_strings
+        self._max_stop_len = max((len(s) for s in stop_strings), default=0)
+        self.text = ""
+        self.stopped_on: str | None = None
+
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if the text now contains one.
+
+        With `check_stop=False` (before min_tokens) stop strings are not looked for.
+        """
+        assert self.stopped_on is None, "no tokens may follow a stop string"
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return None  # incomplete character (or a token with no text): wait for more
+        return self._append(new_text[len(prefix_text) :], check_stop)
+
+    def flush(self) -> None:
+        """Emit whatever is pending (an incomplete character at the very end stays as U+FFFD)."""
+        if self.stopped_on is not None or self._read_offset >= len(self._ids):
+            return
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text):
+            self._append(new_text[len(prefix_text) :])
+
+    def _append(self, delta: str, check_stop: bool = True) -> str | None:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        start = max(0, len(self.text) - self._max_stop_len + 1)
+        self.text += delta
+        if not self._stop_strings or not check_stop:
+            return None
+        best: tuple[int, str] | None = None
+        for stop in self._stop_strings:
+            pos = self.text.find(stop, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return None
+        self.text = self.text[: best[0]]
+        self.stopped_on = best[1]
+        return best[1]
+
+    @property
+    def stable_text_len(self) -> int:
+        """Length of the text that no future token can take back (for streaming).
+
+        A suffix that is the start of a stop string is held back until it is decided.
+        """
+        if self.stopped_on is not None or not self._stop_strings:
+            return len(self.text)
+        held = 0
+        for stop in self._stop_strings:
+            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop[:k]):
+                    held = k
+                    break
+        return len(self.text) - held

@@ -1,0 +1,71 @@
+"""Paged attention layer and the per-step metadata it reads (passed as an argument)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import reference
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens go in the KV cache and what each one attends to.
+
+    The flattened batch holds the decode tokens first (one per sequence), then the prefill
+    (or prefill-chunk) tokens of each sequence in turn.
+    """
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
+    decode_context_lens: torch.Tensor  # (num_decodes,) int32
+    prefill_cu_seqlens: torch.Tensor  # (num_prefills + 1,) int32, offsets into the prefill tokens
+    prefill_context_lens: torch.Tensor  # (num_prefills,) int32
+    prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's K/V in the layer's paged pool, then attends through block tables."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: (num_tokens, heads, dim); k, v: (num_tokens, kv_heads, dim) -> (num_tokens, heads, dim)."""
+        k_cache, v_cache = kv_cache
+        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return reference.paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        prefill = reference.paged_prefill_attention(
+            q[nd:],
+            k_cache,
+            v_cache,
+            meta.prefill_cu_seqlens,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            self.scale,
+        )
+        if nd == 0:
+            return prefill
+        decode = reference.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        )
+        return torch.cat((decode, prefill), dim=0)

@@ -1,0 +1,274 @@
+"""LLMEngine: add_request / step / abort over the scheduler, model runner and sampler."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.default_model import resolve_model
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCacheCapacityError
+from engine.model_runner import ModelRunner
+from engine.models.config import ModelConfig
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampler import Sampler, SamplerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput, Scheduler
+from engine.sequence import Logprob, Sequence
+from engine.tokenizer import has_tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+
+
+class LLMEngine:
+    """The engine's synchronous core: one `step()` schedules, runs the model and postprocesses."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        model_dir = resolve_model(config.model)
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer: Any = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+        self.max_model_len = _resolve_max_model_len(config, self.model_config)
+        self.runner = ModelRunner(config, self.model_config, model_dir, self.max_model_len)
+        layout = self.runner.layout
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises an InvalidRequestError subclass when it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        max_tokens = self._check_lengths(len(prompt_ids), params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [self._new_sequence(request_id, i, prompt_ids, params, max_tokens, arrival) for i in range(params.n)]
+        self._requests[request_id] = _Request(request_id, prompt_text, prompt_ids, seqs, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
+            ids = list(self.tokenizer(prompt).input_ids)
+            text: str | None = prompt
+        else:
+            ids, text = list(prompt), None
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return text, ids
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion)"
+            )
+        capacity = self.runner.layout.num_token_slots
+        if prompt_len + max_tokens > capacity:
+            raise KVCacheCapacityError(
+                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache but the whole pool holds "
+                f"{capacity}: lower max_tokens or give the engine more kv_cache_memory"
+            )
+        return max_tokens
+
+    def _new_sequence(
+        self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+        arrival: float,
+    ) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed((params.seed + index * 0x9E3779B9) % (1 << 63))
+        detok = None
+        if self.tokenizer is not None:
+            tok, skip = self.tokenizer, params.skip_special_tokens
+            detok = IncrementalDetokenizer(
+                lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings
+            )
+        return Sequence(
+            next(self._seq_ids), request_id, index, prompt_ids, params, max_tokens, self.eos_token_ids, detok,
+            generator, arrival,
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if unknown)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is still waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests not finished yet."""
+        return len(self._requests)
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of requests that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        logits = self.runner.execute(sched.scheduled)
+        return self._postprocess(sched, logits)
+
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        sampled = [s.seq for s in sched.scheduled if s.samples]
+        result = self.sampler(logits, sampled) if sampled else SamplerOutput([], [])
+        self.scheduler.update_after_step(sched.scheduled)
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            seq.append_token(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if logprob is not None:
+                self._record_logprobs(seq, token, logprob)
+            stop = self._check_stop(seq, token)
+            if stop is not None:
+                self.scheduler.finish(seq, *stop)
+            touched[seq.request_id] = None
+        outputs = []
+        for request_id in touched:
+            req = self._requests[request_id]
+            out = self._make_output(req)
+            if out.finished:
+                del self._requests[request_id]
+            outputs.append(out)
+        return outputs
+
+    def _record_logprobs(self, seq: Sequence, token: int, logprob: tuple[float, int, list[tuple[int, float]]]) -> None:
+        value, rank, top = logprob
+        entry = {token: Logprob(value, rank, self._decode_one(token))}
+        for i, (tid, lp) in enumerate(top):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, i + 1, self._decode_one(tid))
+        assert seq.logprobs is not None
+        seq.logprobs.append(entry)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        """Stop token / EOS, stop string, max_tokens, context length: the first that holds."""
+        params = seq.params
+        if token in seq.stop_token_ids:  # the sampler masks them until min_tokens
+            if seq.detokenizer is not None:
+                seq.detokenizer.flush()
+            explicit = token in (params.stop_token_ids or ())
+            return "stop", token if explicit else None
+        if seq.detokenizer is not None:
+            stop_string = seq.detokenizer.add_token(token, seq.num_output_tokens >= params.min_tokens)
+            if stop_string is not None:
+                return "stop", stop_string
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            if seq.detokenizer is not None:
+                seq.detokenizer.flush()
+            return "length", None
+        return None
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            logprobs = list(seq.logprobs) if seq.logprobs is not None else None
+            cumulative = sum(e[t].logprob for e, t in zip(logprobs, seq.output_token_ids, strict=False)) if logprobs else None
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.output_text,
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=logprobs,
+                    cumulative_logprob=cumulative,
+                )
+            )
+        first = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=_min_time(s.first_scheduled_time for s in req.seqs),
+            first_token_time=_min_time(s.first_token_time for s in req.seqs),
+            finished_time=max((s.finished_time or 0.0) for s in req.seqs) if all(s.is_finished for s in req.seqs) else None,
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=all(s.is_finished for s in req.seqs),
+            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+
+def _min_time(values: Any) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window is not None:
+        limit = min(limit, model_config.sliding_window)  # attention without the window is exact up to here
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"
+        )
+    return config.max_model_len

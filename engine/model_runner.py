@@ -1,0 +1,163 @@
+"""ModelRunner: owns the model and the KV pools; turns a scheduled step into logits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.models.registry import build_model
+from engine.scheduler import ScheduledSeq
+from engine.weights import iter_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """`auto` means CUDA when available, else CPU."""
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on CPU (exact and fast there), bfloat16 on GPU."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Derived sizes of the KV pool (kept apart from the frozen config)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_token_slots(self) -> int:
+        """Tokens the whole pool can hold."""
+        return self.num_blocks * self.block_size
+
+
+def plan_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVCacheLayout:
+    """Number of blocks that fit the memory budget (bytes on CPU, a fraction of free memory on GPU)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = (
+        2 * model_config.num_layers * config.block_size * model_config.num_kv_heads * model_config.head_dim * elem
+    )
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - total * (1.0 - config.gpu_memory_utilization))
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_MEMORY
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes per block of "
+            f"{config.block_size} tokens): give it more memory"
+        )
+    return KVCacheLayout(num_blocks=num_blocks, block_size=config.block_size, bytes_per_block=per_block)
+
+
+class ModelRunner:
+    """Loads weights, allocates one KV pool per layer and runs the flattened batch of a step."""
+
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int
+    ) -> None:
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        self.block_size = config.block_size
+        self.model_config = model_config
+        with torch.device(self.device):
+            model = build_model(model_config, max_positions=max_model_len)
+        model.to(dtype=self.dtype)
+        model.load_weights(iter_weights(model_dir, self.dtype))
+        self.model = model.eval()
+        self.layout = plan_kv_cache(config, model_config, self.dtype, self.device)
+        shape = (self.layout.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            self.layout.num_blocks,
+            config.block_size,
+            self.layout.num_blocks * self.layout.bytes_per_block / 2**20,
+        )
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten a step into (input_ids, positions, attention metadata, indices of tokens to sample)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        pre_tables: list[list[int]] = []
+        pre_lens: list[int] = []
+        cu = [0]
+        num_decode = 0
+        for s in scheduled:
+            seq = s.seq
+            start = seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.is_decode:
+                num_decode += 1
+                dec_tables.append(table)
+                dec_lens.append(end)
+            else:
+                pre_tables.append(table)
+                pre_lens.append(end)
+                cu.append(cu[-1] + s.num_new_tokens)
+            if s.samples:
+                sample_idx.append(len(input_ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=num_decode,
+            decode_block_tables=_pad_tables(dec_tables, dev),
+            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
+            prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=_pad_tables(pre_tables, dev),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            torch.tensor(sample_idx, dtype=torch.int64, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; returns float32 logits (num_sampled, vocab) in scheduled order."""
+        input_ids, positions, meta, sample_idx = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[sample_idx])
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device).reshape(
+        len(tables), width
+    )

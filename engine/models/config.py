@@ -1,0 +1,113 @@
+"""ModelConfig: the architecture facts the engine needs, read from an HF config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model folder holds an architecture or option the engine does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: str
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelConfig:
+        """Read `config.json` (and `generation_config.json` for extra EOS ids) from a model folder."""
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise UnsupportedModelError(f"{path} has no config.json: not an HF model folder")
+        raw = json.loads(cfg_path.read_text())
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls.from_hf_dict(raw, gen)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        """Translate an HF config dict; unsupported architectures raise UnsupportedModelError."""
+        archs = raw.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                raw.get("model_type", "")
+            )
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or raw.get('model_type')}: "
+                f"supported are {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        rope = dict(raw.get("rope_parameters") or {})
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
+            scaling["rope_type"] = kind
+            if kind == "default":
+                scaling = None
+        eos: list[int] = []
+        for source in (raw.get("eos_token_id"), (generation or {}).get("eos_token_id")):
+            if isinstance(source, int):
+                eos.append(source)
+            elif isinstance(source, list):
+                eos.extend(int(t) for t in source)
+        use_sliding = raw.get("use_sliding_window", arch == "mistral")
+        sliding = raw.get("sliding_window") if use_sliding else None
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            sliding_window=int(sliding) if sliding else None,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=raw.get("bos_token_id"),
+            dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        )

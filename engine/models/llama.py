@@ -1,0 +1,181 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k norm) over paged KV."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata, PagedAttention
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# HF checkpoint name -> (our fused parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _linear_weight(out_features: int, in_features: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused QKV projection, RoPE and paged KV."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = _linear_weight(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size), requires_grad=False)
+            if cfg.qkv_bias
+            else None
+        )
+        self.o_proj = _linear_weight(cfg.hidden_size, self.q_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return F.linear(out.reshape(n, self.q_size), self.o_proj)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = _linear_weight(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = _linear_weight(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block followed by pre-norm MLP block."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head; forward runs a flattened batch of tokens."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """(num_tokens,) ids and positions -> (num_tokens, hidden) final hidden states."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(positions, h, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(num_selected, hidden) -> (num_selected, vocab) float32 logits."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (partly fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv_offsets = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+        mlp_offsets = [(0, cfg.intermediate_size), (cfg.intermediate_size, 2 * cfg.intermediate_size)]
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            if name == "embed_tokens.weight":
+                name = "embed_tokens"
+            elif name == "lm_head.weight":
+                name = "lm_head"
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _STACKED:
+                fused, shard = _STACKED[parts[-2]]
+                is_bias = parts[-1] == "bias"
+                target = ".".join(parts[:-2] + ([f"{fused}"] if not is_bias else ["qkv_bias"]))
+                if fused == "gate_up_proj":
+                    target = target.replace("self_attn", "mlp")
+                start, end = (qkv_offsets if fused == "qkv_proj" else mlp_offsets)[shard]
+                params[target].data[start:end].copy_(tensor)
+                loaded.add(f"{target}[{shard}]")
+                continue
+            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                name = name.removesuffix(".weight")
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {cfg.architecture}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        expected = set()
+        for pname in params:
+            if pname.endswith("qkv_proj") or pname.endswith("qkv_bias"):
+                expected.update(f"{pname}[{i}]" for i in range(3))
+            elif pname.endswith("gate_up_proj"):
+                expected.update(f"{pname}[{i}]" for i in range(2))
+            else:
+                expected.add(pname)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,141 @@
+"""Sampler: logits -> token ids (+ logprobs), with per-request parameters and generators."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens and, for sequences that asked, their logprobs."""
+
+    token_ids: list[int]
+    # per row: (sampled token logprob, its rank, [(token id, logprob)] top-N) or None
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    """Applies penalties, temperature, top-k / top-p / min-p, then samples row by row.
+
+    Randomness comes from the exponential-race trick (argmax of p / Exp(1) noise), with
+    noise drawn from the sequence's own generator when it has a seed, so a seeded request
+    gives the same tokens whatever else is in the batch.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: (num_seqs, vocab) float32, one row per sequence to sample."""
+        assert logits.shape[0] == len(seqs)
+        logits = logits.float()
+        want_logprobs = [s.params.logprobs is not None for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        if any(s.params.has_penalties for s in seqs):
+            logits = apply_penalties(logits.clone(), seqs)
+        if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+            logits = mask_stop_tokens_before_min(logits.clone(), seqs)
+        greedy = [s.params.is_greedy for s in seqs]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = [int(t) for t in tokens.tolist()]
+        out_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = []
+        for row, seq in enumerate(seqs):
+            if raw_logprobs is None or seq.params.logprobs is None:
+                out_logprobs.append(None)
+                continue
+            lp = raw_logprobs[row]
+            tok = token_list[row]
+            value = lp[tok]
+            rank = int((lp > value).sum()) + 1
+            top: list[tuple[int, float]] = []
+            if seq.params.logprobs > 0:
+                vals, ids = lp.topk(seq.params.logprobs)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            out_logprobs.append((float(value), rank, top))
+        return SamplerOutput(token_list, out_logprobs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)],
+                             device=device)
+        scaled = logits / temps[:, None]
+        scaled = apply_top_k_top_p_min_p(scaled, seqs)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs)
+        shared_rows = [i for i, s in enumerate(seqs) if s.generator is None]
+        if shared_rows:
+            draw = torch.empty((len(shared_rows), probs.shape[1]), device=device)
+            draw.exponential_(generator=self.generator)
+            noise[shared_rows] = draw
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            greedy_mask = torch.tensor(greedy, device=device)
+            sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty (HF-style, prompt and output) and OpenAI presence/frequency (output only)."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
+            seen = seen[seen < vocab]
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            out = seq.output_token_ids
+            if out:
+                counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=vocab)[:vocab]
+                counts = counts.to(logits.device, logits.dtype)
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def mask_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Forbid EOS and stop tokens while a sequence has fewer than min_tokens outputs."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens:
+            ids = [t for t in seq.stop_token_ids if t < vocab]
+            if ids:
+                logits[row, ids] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Mask tokens outside each row's top-k, nucleus (top-p) and min-p sets with -inf."""
+    vocab = logits.shape[1]
+    ks = [s.params.effective_top_k or vocab for s in seqs]
+    ps = [s.params.top_p for s in seqs]
+    min_ps = [s.params.min_p for s in seqs]
+    device = logits.device
+    if any(m > 0.0 for m in min_ps):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = torch.tensor(min_ps, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if all(k >= vocab for k in ks) and all(p >= 1.0 for p in ps):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    mask = ranks >= torch.tensor(ks, device=device)[:, None]
+    if any(p < 1.0 for p in ps):
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+        cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+        mask |= cum_before >= torch.tensor(ps, device=device)[:, None]
+    mask[:, 0] = False  # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,93 @@
+"""SamplingParams: how one request chooses its tokens and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options, with vLLM's names and defaults."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        elif self.stop is None:
+            self._stop_list = []
+        else:
+            self._stop_list = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k is None:  # type: ignore[comparison-overlap]  # tolerate OpenAI-style nulls
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in self._stop_list):
+            raise ValueError("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (the `stop` field accepts a single string too)."""
+        return self._stop_list
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature zero means argmax decoding."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with 0 and -1 both meaning 'disabled' (0)."""
+        return max(self.top_k, 0)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any repetition-style penalty changes the logits."""
+        return (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        )

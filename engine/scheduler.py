@@ -1,0 +1,148 @@
+"""Scheduler: iteration-level continuous batching with chunked prefill and recompute preemption."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence and how many of its tokens this step computes."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token (so a new token is sampled)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token on top of an already computed context."""
+        return self.num_new_tokens == 1 and self.seq.num_computed_tokens > 0
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step runs, decodes first (the model runner relies on that order)."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens in the step's flattened batch."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run this step."""
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, every step, which tokens of which sequences run.
+
+    Each step first continues running sequences (decodes and unfinished prefill chunks) in
+    admission order, preempting the most recently admitted one when blocks run out, then
+    admits waiting sequences (preempted ones are at the front) within the token budget.
+    """
+
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        assert seq.status is SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running sequences first, then admissions."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:  # memory is tight after a preemption: admit nobody this step
+            self._schedule_waiting(out, budget)
+        out.scheduled.sort(key=lambda s: not s.is_decode)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, seq
+            while not bm.can_append_slots(seq, num_new):
+                victim = running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_blocks(seq)
+            num_cached_tokens = len(cached) * bm.block_size
+            num_new = min(seq.num_tokens - num_cached_tokens, budget)
+            if not bm.can_allocate(seq, cached, num_new):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, cached, num_new)
+            bm.record_prefix_query(seq.num_tokens, num_cached_tokens)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached_tokens
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute, not swap: drop the KV (cached blocks stay reusable) and requeue at the front."""
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_after_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish a sequence and free its blocks at once (they are reusable next step)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason, stop_reason)

@@ -1,0 +1,119 @@
+"""Sequence: one stream of tokens being generated, with its status and block table."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its rank in the distribution and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+class Sequence:
+    """One generated stream: prompt, output so far, KV block table and bookkeeping.
+
+    A request with `n > 1` owns n sequences that share the prompt (and, through the
+    prefix cache, its KV blocks).
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        detokenizer: IncrementalDetokenizer | None,
+        generator: torch.Generator | None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, the model's input
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.detokenizer = detokenizer
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}, status={self.status.value}, "
+            f"tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the sequence stopped (for any reason)."""
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def output_text(self) -> str:
+        """Detokenized output so far (stop strings excluded)."""
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token (its KV is computed by the next step)."""
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark finished; the caller frees the blocks."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finished_time = time.monotonic()

@@ -1,0 +1,1 @@
+"""Compute kernels: torch references (CPU path and test oracle); Triton kernels for the GPU."""

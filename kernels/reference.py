@@ -1,0 +1,138 @@
+"""Torch reference implementations of the engine's kernels.
+
+They are the CPU execution path and the oracle every Triton kernel is tested against.
+KV caches are laid out per layer as (num_blocks, block_size, num_kv_heads, head_dim); a slot
+is `block_id * block_size + offset`; block tables are int32 (num_seqs, max_blocks_per_seq)
+padded with any valid block id, context lengths say how many slots of each row are real.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new tokens' K/V into the paged cache; slots < 0 are padding and skipped.
+
+    key, value: (num_tokens, num_kv_heads, head_dim); slot_mapping: (num_tokens,) int.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: (length, num_kv_heads, head_dim)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[:num_blocks].to(torch.int64)]  # (num_blocks, block_size, kv_heads, dim)
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole cached context (GQA-aware).
+
+    query: (num_seqs, num_heads, head_dim); context_lens: (num_seqs,) including the new token,
+    whose K/V must already be stored. Returns (num_seqs, num_heads, head_dim).
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_blocks].to(torch.int64)
+    # (num_seqs, kv_heads, max_len, head_dim)
+    k = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+    v = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * scale  # (num_seqs, kv_heads, group, max_len)
+    pad = torch.arange(max_len, device=query.device)[None, :] >= context_lens[:, None].to(query.device)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # (num_seqs, kv_heads, group, head_dim)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A varlen batch of new tokens attending causally to themselves and their cached prefix.
+
+    query: (num_tokens, num_heads, head_dim) with sequence b's tokens at
+    cu_seqlens_q[b]:cu_seqlens_q[b+1]; context_lens[b] counts its cached prefix plus its new
+    tokens (whose K/V must already be stored). Returns (num_tokens, num_heads, head_dim).
+    """
+    num_heads = query.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b, ctx in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], ctx).transpose(0, 1)  # (kv_heads, ctx, head_dim)
+        v = gather_kv(v_cache, block_tables[b], ctx).transpose(0, 1)
+        q = query[q_start:q_end].transpose(0, 1)  # (num_heads, q_len, head_dim)
+        if q_len == ctx:
+            mask = None
+        else:  # query i sits at absolute position ctx - q_len + i
+            rows = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
+            mask = torch.arange(ctx, device=query.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None and q_len > 1,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[q_start:q_end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, in float32, cast back to the input dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x; returns (rms_norm(residual), residual)."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2 * d) -> silu(x[..., :d]) * x[..., d:]."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
