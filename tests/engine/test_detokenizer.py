@@ -1,0 +1,54 @@
+"""Incremental detokenization: multi-byte characters, stop strings across token boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import load_tokenizer
+
+TEXTS = [
+    "Hello, world! Ça va? Größe: 10 µm — naïve café.",
+    "日本語のテキストと絵文字 🤖🎨✨ mixed with English 👩‍👩‍👧.",
+    "def f(x):\n    return x ** 2  # ünïcödé\n\n\tTabs too",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path) -> Any:
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_equals_full_decode_and_never_shows_partial_characters(tokenizer: Any, text: str) -> None:
+    prompt = tokenizer("Prompt:").input_ids
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t, skip_special_tokens=True), prompt, [])
+    for token in ids:
+        detok.add_token(token)
+        assert "\ufffd" not in detok.text
+    detok.flush()
+    assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_spanning_tokens_truncates_text(tokenizer: Any) -> None:
+    ids = tokenizer("The answer is forty-two, obviously.", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["y-tw", "never"])
+    hit = None
+    for token in ids:
+        hit = detok.add_token(token)
+        if hit:
+            break
+    assert hit == "y-tw"
+    assert detok.text == "The answer is fort"
+
+
+def test_partial_stop_string_is_held_back_for_streaming(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["END"])
+    for token in tokenizer("abc EN", add_special_tokens=False).input_ids:
+        detok.add_token(token)
+    assert detok.text == "abc EN"
+    assert detok.text[: detok.stable_text_len] == "abc "
