@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -64,11 +64,13 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so no chat template")
-        conversations: list[list[dict[str, str]]] = (
-            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        conversations = cast(
+            list[list[dict[str, str]]], [messages] if messages and isinstance(messages[0], dict) else messages
         )
         prompts: list[Prompt] = [
-            list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            list(
+                tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -96,5 +98,5 @@ def _normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if not isinstance(prompts, Seq) or len(prompts) == 0:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
     if all(isinstance(p, int) for p in prompts):
-        return [list(prompts)]  # type: ignore[arg-type]
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+        return [cast(list[int], list(prompts))]
+    return [p if isinstance(p, str) else list(cast(list[int], p)) for p in prompts]

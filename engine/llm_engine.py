@@ -20,7 +20,7 @@ from engine.models.config import ModelConfig
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput, Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Logprob, Sequence
 from engine.tokenizer import has_tokenizer, load_tokenizer
 
@@ -78,7 +78,10 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [self._new_sequence(request_id, i, prompt_ids, params, max_tokens, arrival) for i in range(params.n)]
+        seqs = [
+            self._new_sequence(request_id, i, prompt_ids, params, max_tokens, arrival)
+            for i in range(params.n)
+        ]
         self._requests[request_id] = _Request(request_id, prompt_text, prompt_ids, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -103,24 +106,32 @@ class LLMEngine:
         limit = self.max_model_len
         if prompt_len >= limit:
             raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens"
+                f"This model's maximum context length is {limit} tokens, "
+                f"but the prompt has {prompt_len} tokens"
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion)"
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion)"
             )
         capacity = self.runner.layout.num_token_slots
         if prompt_len + max_tokens > capacity:
             raise KVCacheCapacityError(
-                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache but the whole pool holds "
+                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache "
+                "but the whole pool holds "
                 f"{capacity}: lower max_tokens or give the engine more kv_cache_memory"
             )
         return max_tokens
 
     def _new_sequence(
-        self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
         arrival: float,
     ) -> Sequence:
         generator = None
@@ -133,8 +144,16 @@ class LLMEngine:
                 lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings
             )
         return Sequence(
-            next(self._seq_ids), request_id, index, prompt_ids, params, max_tokens, self.eos_token_ids, detok,
-            generator, arrival,
+            next(self._seq_ids),
+            request_id,
+            index,
+            prompt_ids,
+            params,
+            max_tokens,
+            self.eos_token_ids,
+            detok,
+            generator,
+            arrival,
         )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -190,7 +209,9 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
-    def _record_logprobs(self, seq: Sequence, token: int, logprob: tuple[float, int, list[tuple[int, float]]]) -> None:
+    def _record_logprobs(
+        self, seq: Sequence, token: int, logprob: tuple[float, int, list[tuple[int, float]]]
+    ) -> None:
         value, rank, top = logprob
         entry = {token: Logprob(value, rank, self._decode_one(token))}
         for i, (tid, lp) in enumerate(top):
@@ -224,7 +245,11 @@ class LLMEngine:
         completions = []
         for seq in req.seqs:
             logprobs = list(seq.logprobs) if seq.logprobs is not None else None
-            cumulative = sum(e[t].logprob for e, t in zip(logprobs, seq.output_token_ids, strict=False)) if logprobs else None
+            cumulative = (
+                sum(e[t].logprob for e, t in zip(logprobs, seq.output_token_ids, strict=False))
+                if logprobs
+                else None
+            )
             completions.append(
                 CompletionOutput(
                     index=seq.index,
@@ -241,7 +266,9 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             first_scheduled_time=_min_time(s.first_scheduled_time for s in req.seqs),
             first_token_time=_min_time(s.first_token_time for s in req.seqs),
-            finished_time=max((s.finished_time or 0.0) for s in req.seqs) if all(s.is_finished for s in req.seqs) else None,
+            finished_time=max((s.finished_time or 0.0) for s in req.seqs)
+            if all(s.is_finished for s in req.seqs)
+            else None,
             num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
@@ -268,7 +295,5 @@ def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> i
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"
-        )
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens")
     return config.max_model_len

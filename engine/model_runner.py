@@ -49,11 +49,18 @@ class KVCacheLayout:
         return self.num_blocks * self.block_size
 
 
-def plan_kv_cache(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVCacheLayout:
+def plan_kv_cache(
+    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> KVCacheLayout:
     """Number of blocks that fit the memory budget (bytes on CPU, a fraction of free memory on GPU)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     per_block = (
-        2 * model_config.num_layers * config.block_size * model_config.num_kv_heads * model_config.head_dim * elem
+        2
+        * model_config.num_layers
+        * config.block_size
+        * model_config.num_kv_heads
+        * model_config.head_dim
+        * elem
     )
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
@@ -89,8 +96,10 @@ class ModelRunner:
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device)
         shape = (self.layout.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(model_config.num_layers)
         ]
         logger.info(
@@ -100,7 +109,9 @@ class ModelRunner:
             self.layout.num_blocks * self.layout.bytes_per_block / 2**20,
         )
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten a step into (input_ids, positions, attention metadata, indices of tokens to sample)."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -158,6 +169,6 @@ class ModelRunner:
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device).reshape(
-        len(tables), width
-    )
+    return torch.tensor(
+        [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+    ).reshape(len(tables), width)

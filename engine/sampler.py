@@ -40,10 +40,7 @@ class Sampler:
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = mask_stop_tokens_before_min(logits.clone(), seqs)
         greedy = [s.params.is_greedy for s in seqs]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, seqs, greedy)
+        tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
         token_list = [int(t) for t in tokens.tolist()]
         out_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = []
         for row, seq in enumerate(seqs):
@@ -63,8 +60,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)],
-                             device=device)
+        temps = torch.tensor(
+            [1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)], device=device
+        )
         scaled = logits / temps[:, None]
         scaled = apply_top_k_top_p_min_p(scaled, seqs)
         probs = torch.softmax(scaled, dim=-1)
@@ -95,13 +93,17 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
             seen = seen[seen < vocab]
             vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            logits[row, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             out = seq.output_token_ids
             if out:
                 counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=vocab)[:vocab]
                 counts = counts.to(logits.device, logits.dtype)
-                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                    logits.dtype
+                )
     return logits
 
 

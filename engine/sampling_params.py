@@ -38,8 +38,6 @@ class SamplingParams:
             self._stop_list = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if self.top_k is None:  # type: ignore[comparison-overlap]  # tolerate OpenAI-style nulls
-            self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
@@ -88,6 +86,4 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         """Whether any repetition-style penalty changes the logits."""
-        return (
-            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

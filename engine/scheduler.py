@@ -54,9 +54,7 @@ class Scheduler:
     admits waiting sequences (preempted ones are at the front) within the token budget.
     """
 
-    def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

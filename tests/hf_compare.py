@@ -18,7 +18,9 @@ class HFReference:
     logits: list[torch.Tensor]  # (steps, vocab) per prompt
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32) -> HFReference:
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> HFReference:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()

@@ -42,7 +42,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key from a precomputed cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
         super().__init__()
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -51,6 +53,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
         self.max_positions = max_positions
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -54,7 +54,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
@@ -75,7 +75,7 @@ class MLP(nn.Module):
         self.down_proj = _linear_weight(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+        gate, up = torch.split(F.linear(x, self.gate_up_proj), self.intermediate, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj)
 
 
@@ -93,7 +93,8 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(positions, h, kv_cache, meta)
-        return self.norm(h)
+        out: torch.Tensor = self.norm(h)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits."""
@@ -165,10 +167,13 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {cfg.architecture}")
             if params[name].shape != tensor.shape:
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(params[name].shape)}"
+                )
             params[name].data.copy_(tensor)
             loaded.add(name)
-        expected = set()
+        expected: set[str] = set()
         for pname in params:
             if pname.endswith("qkv_proj") or pname.endswith("qkv_bias"):
                 expected.update(f"{pname}[{i}]" for i in range(3))

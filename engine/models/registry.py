@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from engine.models.config import ModelConfig, UnsupportedModelError
 from engine.models.llama import LlamaForCausalLM
 
@@ -14,7 +13,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": LlamaForCausalLM,
 }
 
-def build_model(cfg: ModelConfig, max_positions: int) -> nn.Module:
+
+def build_model(cfg: ModelConfig, max_positions: int) -> LlamaForCausalLM:
     """An uninitialised model of the config's architecture (weights are loaded afterwards)."""
     cls = _MODELS.get(cfg.architecture)
     if cls is None:

@@ -23,7 +23,9 @@ def tokenizer(default_model_dir: Path) -> Any:
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_incremental_text_equals_full_decode_and_never_shows_partial_characters(tokenizer: Any, text: str) -> None:
+def test_incremental_text_equals_full_decode_and_never_shows_partial_characters(
+    tokenizer: Any, text: str
+) -> None:
     prompt = tokenizer("Prompt:").input_ids
     ids = tokenizer(text, add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t, skip_special_tokens=True), prompt, [])

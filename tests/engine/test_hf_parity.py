@@ -35,10 +35,14 @@ def _cases(bytes_per_block: int, pool_blocks: int) -> dict[str, dict[str, Any]]:
         "one_batch_prefix_cache": dict(enable_prefix_caching=True),
         "chunked_no_prefix_cache": dict(enable_prefix_caching=False, max_num_batched_tokens=32),
         "chunked_prefix_cache_preempting": dict(
-            enable_prefix_caching=True, max_num_batched_tokens=40, kv_cache_memory=pool_blocks * bytes_per_block
+            enable_prefix_caching=True,
+            max_num_batched_tokens=40,
+            kv_cache_memory=pool_blocks * bytes_per_block,
         ),
         "chunked_no_cache_preempting": dict(
-            enable_prefix_caching=False, max_num_batched_tokens=24, kv_cache_memory=pool_blocks * bytes_per_block
+            enable_prefix_caching=False,
+            max_num_batched_tokens=24,
+            kv_cache_memory=pool_blocks * bytes_per_block,
         ),
     }
 
@@ -86,7 +90,11 @@ def test_default_model_matches_hf_greedy(default_model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     questions = ["What is 2+2?", "Write a haiku about the sea.", "List three prime numbers."]
     chats = [
-        list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False))
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
         for q in questions
     ]
     prompts = _prompts(49152, [5, 33, 90, 180, 300], seed=3) + chats

@@ -37,8 +37,9 @@ def test_params_list_of_wrong_length_is_rejected(tiny: LLM) -> None:
 
 
 def test_n_gives_several_completions(tiny: LLM) -> None:
-    out = tiny.generate([[9, 8, 7]], SamplingParams(n=3, temperature=1.0, max_tokens=5, ignore_eos=True),
-                        use_tqdm=False)[0]
+    out = tiny.generate(
+        [[9, 8, 7]], SamplingParams(n=3, temperature=1.0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 5 for c in out.outputs)
 
@@ -110,8 +111,15 @@ def test_unknown_engine_option_is_a_clear_error(tiny_model_factory: Callable[...
 
 
 def test_invalid_sampling_params_are_rejected() -> None:
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(n=0), dict(max_tokens=0), dict(logprobs=50),
-                dict(stop=[""]), dict(repetition_penalty=0)):
+    for bad in (
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(logprobs=50),
+        dict(stop=[""]),
+        dict(repetition_penalty=0),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)  # type: ignore[arg-type]
 

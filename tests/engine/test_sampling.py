@@ -45,8 +45,12 @@ def test_seeded_request_is_independent_of_batch_composition(llm: LLM, chat_promp
 
 def test_top_k_one_and_tiny_top_p_equal_greedy(llm: LLM, chat_prompt: list[int]) -> None:
     greedy = llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
-    k1 = llm.generate([chat_prompt], SamplingParams(temperature=1.5, top_k=1, max_tokens=16), use_tqdm=False)[0]
-    p0 = llm.generate([chat_prompt], SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=16), use_tqdm=False)[0]
+    k1 = llm.generate([chat_prompt], SamplingParams(temperature=1.5, top_k=1, max_tokens=16), use_tqdm=False)[
+        0
+    ]
+    p0 = llm.generate(
+        [chat_prompt], SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=16), use_tqdm=False
+    )[0]
     assert k1.token_ids == greedy.token_ids == p0.token_ids
 
 
@@ -55,8 +59,9 @@ def test_stop_string_across_tokens_is_excluded_from_output(llm: LLM, chat_prompt
     text = free.text
     assert len(text) > 30
     stop = text[20:27]  # 7 characters that most likely straddle a token boundary
-    out = llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop, "zzzz"]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [chat_prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop, "zzzz"]), use_tqdm=False
+    )[0]
     assert out.text == text[: text.index(stop)]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
 
@@ -65,32 +70,39 @@ def test_stop_token_id_ends_generation(llm: LLM, chat_prompt: list[int]) -> None
     free = llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     target = free.token_ids[5]
     first = free.token_ids.index(target)
-    out = llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[target]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [chat_prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[target]), use_tqdm=False
+    )[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == target
 
 
 def test_eos_stops_unless_ignored(llm: LLM) -> None:
     tok = llm.get_tokenizer()
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
-                                          return_dict=False))
+    prompt = list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, return_dict=False
+        )
+    )
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
     assert "<|im_end|>" not in out.text
     n = len(out.token_ids)
-    ignored = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n + 5, ignore_eos=True),
-                           use_tqdm=False)[0]
+    ignored = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n + 5, ignore_eos=True), use_tqdm=False
+    )[0]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == n + 5
-    at_least = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n + 5, min_tokens=n + 2),
-                            use_tqdm=False)[0]
+    at_least = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n + 5, min_tokens=n + 2), use_tqdm=False
+    )[0]
     assert len(at_least.token_ids) >= n + 2
     assert tok.eos_token_id not in at_least.token_ids[: n + 2]
 
 
 def test_logprobs_match_hf_log_softmax(llm: LLM, chat_prompt: list[int], hf_model: torch.nn.Module) -> None:
-    out = llm.generate([chat_prompt], SamplingParams(temperature=0.8, seed=7, max_tokens=12, logprobs=5),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [chat_prompt], SamplingParams(temperature=0.8, seed=7, max_tokens=12, logprobs=5), use_tqdm=False
+    )[0]
     logprobs = out.outputs[0].logprobs
     assert logprobs is not None and len(logprobs) == 12
     ids = torch.tensor([chat_prompt + out.token_ids[:-1]])
@@ -105,22 +117,38 @@ def test_logprobs_match_hf_log_softmax(llm: LLM, chat_prompt: list[int], hf_mode
         assert ranks == [1, 2, 3, 4, 5]
         assert entry[token].rank == int((hf[step] > hf[step, token]).sum()) + 1
         assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
-    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(logprobs, out.token_ids)))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for e, t in zip(logprobs, out.token_ids, strict=True))
+    )
 
 
 def test_repetition_penalty_matches_hf(llm: LLM, chat_prompt: list[int], hf_model: torch.nn.Module) -> None:
-    out = llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [chat_prompt], SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3), use_tqdm=False
+    )[0]
     ids = torch.tensor([chat_prompt])
     with torch.inference_mode():
-        hf = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                               repetition_penalty=1.3, pad_token_id=0)
+        hf = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=20,
+            do_sample=False,
+            repetition_penalty=1.3,
+            pad_token_id=0,
+        )
     assert out.token_ids == hf[0, len(chat_prompt) :].tolist()
 
 
 def test_frequency_and_presence_penalties_reduce_repetition(llm: LLM) -> None:
     prompt = llm.get_tokenizer()("the the the the the the the the").input_ids
-    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
-    penal = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                                  frequency_penalty=2.0, presence_penalty=2.0), use_tqdm=False)[0]
+    plain = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0]
+    penal = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0
+        ),
+        use_tqdm=False,
+    )[0]
     assert len(set(penal.token_ids)) > len(set(plain.token_ids))

@@ -1,0 +1,56 @@
+"""EngineConfig validation, environment overrides and the model cache location."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig, model_cache_dir
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_size=12),
+        dict(max_num_seqs=0),
+        dict(max_num_batched_tokens=0),
+        dict(kv_cache_memory=0),
+        dict(gpu_memory_utilization=1.5),
+        dict(dtype="int8"),
+        dict(attention_backend="cuda-magic"),
+    ],
+)
+def test_invalid_options_are_rejected(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_config_is_frozen() -> None:
+    config = EngineConfig()
+    with pytest.raises(AttributeError):
+        config.block_size = 32  # type: ignore[misc]
+
+
+def test_from_env_reads_prefixed_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_MAX_NUM_SEQS", "8")
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_KV_CACHE_MEMORY", "1048576")
+    config = EngineConfig.from_env(block_size=32)
+    assert (config.max_num_seqs, config.enable_prefix_caching, config.kv_cache_memory, config.block_size) == (
+        8,
+        False,
+        1048576,
+        32,
+    )
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_MAX_NUM_SEQS", "many")
+    with pytest.raises(ValueError, match="must be an integer"):
+        EngineConfig.from_env()
+
+
+def test_model_cache_dir_is_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SWITCHBOARD_MODEL_CACHE", str(tmp_path / "models"))
+    assert model_cache_dir() == tmp_path / "models"
+    monkeypatch.delenv("SWITCHBOARD_MODEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert model_cache_dir() == tmp_path / "switchboard" / "models"
