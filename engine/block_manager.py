@@ -153,10 +153,10 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        if num_full == 0:
+        if num_full <= seq.num_published_blocks:
             return
         self._update_hashes(seq)
-        for i in range(num_full):
+        for i in range(seq.num_published_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
                 continue  # already cached (shared prefix or registered earlier)
@@ -167,6 +167,7 @@ class BlockManager:
             block.parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self._cached[h] = block.block_id
+        seq.num_published_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks reaching zero become free (cached ones evictable)."""
@@ -181,6 +182,7 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-but-unreferenced block."""

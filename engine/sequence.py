@@ -66,6 +66,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
+        self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None

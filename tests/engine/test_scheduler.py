@@ -113,3 +113,18 @@ def test_all_blocks_free_after_finish_and_preemption() -> None:
     assert not sched.has_unfinished()
     assert sched.num_preemptions > 0
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefix_cache_counters_count_queried_and_hit_tokens() -> None:
+    bm = BlockManager(32, BS, True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    first = _seq(0, 10)
+    sched.add(first)
+    _run_step(sched)
+    assert (bm.prefix_queries, bm.prefix_hits) == (10, 0)
+    twin = Sequence(1, "r1", 0, first.prompt_token_ids[:9] + [5, 6], SamplingParams(), 8, frozenset(), None, None)
+    sched.add(twin)
+    _run_step(sched)
+    assert (bm.prefix_queries, bm.prefix_hits) == (21, 8)  # two full blocks of the shared 9 tokens
+    assert twin.num_cached_tokens == 8
+    assert twin.block_table[:2] == first.block_table[:2]
