@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+_ROW_MULTIPLE = 4
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -143,7 +144,14 @@ class ModelRunner:
             if s.samples:
                 sample_idx.append(len(input_ids) - 1)
         dev = self.device
+        num_actual = len(input_ids)
+        # Round the batch up to a multiple of 4 rows: on CPU, GEMMs with such row counts give each
+        # row the same bits whatever the batch, so cached, chunked and batched runs agree exactly.
+        padding = -num_actual % _ROW_MULTIPLE
+        input_ids.extend([0] * padding)
+        positions.extend([0] * padding)
         meta = AttentionMetadata(
+            num_actual_tokens=num_actual,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode_tokens=num_decode,
             decode_block_tables=_pad_tables(dec_tables, dev),
@@ -164,7 +172,11 @@ class ModelRunner:
         """Run one step; returns float32 logits (num_sampled, vocab) in scheduled order."""
         input_ids, positions, meta, sample_idx = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[sample_idx])
+        num_sampled = sample_idx.shape[0]
+        if num_sampled % _ROW_MULTIPLE:  # same row-count rounding as the batch, for the LM head
+            pad = sample_idx.new_zeros(_ROW_MULTIPLE - num_sampled % _ROW_MULTIPLE)
+            sample_idx = torch.cat((sample_idx, pad))
+        return self.model.compute_logits(hidden[sample_idx])[:num_sampled]
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

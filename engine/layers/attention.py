@@ -18,7 +18,8 @@ class AttentionMetadata:
     (or prefill-chunk) tokens of each sequence in turn.
     """
 
-    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    num_actual_tokens: int  # the batch may be padded past this (padding rows attend to nothing)
+    slot_mapping: torch.Tensor  # (num_actual_tokens,) int64
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
     decode_context_lens: torch.Tensor  # (num_decodes,) int32
@@ -48,6 +49,21 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q: (num_tokens, heads, dim); k, v: (num_tokens, kv_heads, dim) -> (num_tokens, heads, dim)."""
         k_cache, v_cache = kv_cache
+        n = meta.num_actual_tokens
+        if n < q.shape[0]:
+            out = self._attend(q[:n], k[:n], v[:n], k_cache, v_cache, meta)
+            return torch.cat((out, out.new_zeros((q.shape[0] - n, *out.shape[1:]))), dim=0)
+        return self._attend(q, k, v, k_cache, v_cache, meta)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, ContextLengthExceededError, InvalidRequestError, KVCacheCapacityError, SamplingParams
+from engine import (
+    LLM,
+    ContextLengthExceededError,
+    InvalidRequestError,
+    KVCacheCapacityError,
+    RequestOutput,
+    SamplingParams,
+)
 from engine.models.config import ModelConfig
 
 
@@ -133,3 +140,18 @@ def test_unsupported_architecture_is_rejected(tmp_path: Path) -> None:
 def test_missing_model_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="never downloads"):
         LLM("meta-llama/Llama-3-8B")
+
+
+def test_prompt_served_from_prefix_cache_gives_bit_identical_logprobs(tiny: LLM) -> None:
+    prompt = [(i * 37) % 500 + 3 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    fresh = tiny.generate([prompt], params, use_tqdm=False)[0]
+    cached = tiny.generate([prompt], params, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0 and cached.num_cached_tokens == 144
+    assert cached.token_ids == fresh.token_ids
+
+    def values(out: RequestOutput) -> list[list[tuple[int, float]]]:
+        assert out.outputs[0].logprobs is not None
+        return [sorted((t, lp.logprob) for t, lp in entry.items()) for entry in out.outputs[0].logprobs]
+
+    assert values(cached) == values(fresh)  # exact equality, not approx

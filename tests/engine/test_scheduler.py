@@ -122,7 +122,9 @@ def test_prefix_cache_counters_count_queried_and_hit_tokens() -> None:
     sched.add(first)
     _run_step(sched)
     assert (bm.prefix_queries, bm.prefix_hits) == (10, 0)
-    twin = Sequence(1, "r1", 0, first.prompt_token_ids[:9] + [5, 6], SamplingParams(), 8, frozenset(), None, None)
+    twin = Sequence(
+        1, "r1", 0, first.prompt_token_ids[:9] + [5, 6], SamplingParams(), 8, frozenset(), None, None
+    )
     sched.add(twin)
     _run_step(sched)
     assert (bm.prefix_queries, bm.prefix_hits) == (21, 8)  # two full blocks of the shared 9 tokens

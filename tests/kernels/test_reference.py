@@ -47,8 +47,14 @@ def _paged(contexts: list[int], block_size: int, kv_heads: int, dim: int, seed: 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (7, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_attention_matches_dense(heads: int, kv_heads: int, block_size: int) -> None:
-    contexts = [1, 5, 17, 40, 63]
+@pytest.mark.parametrize(
+    "contexts",
+    [[1, 5, 17, 40, 63], [70, 3, 33, 1, 90, 16, 8, 41, 64, 2, 77, 5, 19, 50, 9, 31, 100, 4, 12]],
+    ids=["one-group", "length-sorted-groups"],
+)
+def test_decode_attention_matches_dense(
+    heads: int, kv_heads: int, block_size: int, contexts: list[int]
+) -> None:
     k_cache, v_cache, table, ks, vs = _paged(contexts, block_size, kv_heads, 32, seed=heads + block_size)
     q = torch.randn(len(contexts), heads, 32)
     out = reference.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(contexts), 32**-0.5)
