@@ -29,6 +29,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     num_threads: int | None = None
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

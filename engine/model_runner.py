@@ -88,6 +88,7 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
+        self.batch_invariant = config.batch_invariant
         self.model_config = model_config
         with torch.device(self.device):
             model = build_model(model_config, max_positions=max_model_len)
@@ -159,6 +160,7 @@ class ModelRunner:
             prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
             prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
             prefill_block_tables=_pad_tables(pre_tables, dev),
+            batch_invariant=self.batch_invariant,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

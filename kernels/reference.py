@@ -41,6 +41,42 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 _DECODE_GROUP = 8  # sequences attended together: fewer calls, little padding once sorted by length
+# Batch-invariant mode. torch's CPU flash attention splits keys into blocks of 512 (one shorter
+# block when fewer) and its sums depend on the block length; GEMMs round differently below 4 rows.
+# Keys padded (masked) to a multiple of 512 and query rows to a multiple of 4, with the query heads
+# of a KV group folded into rows, make each query's result independent of batch, chunking and
+# padding, so cached, chunked and batched runs agree bit for bit (at a cost in speed).
+_KV_SPLIT = 512
+_ROW_MULTIPLE = 4
+
+
+def _kv_span(length: int, batch_invariant: bool) -> int:
+    return -(-length // _KV_SPLIT) * _KV_SPLIT if batch_invariant else length
+
+
+def _padded_table(block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """First `num_blocks` columns, padded with block 0 (finite values; always masked out)."""
+    width = block_tables.shape[-1]
+    if width >= num_blocks:
+        return block_tables[..., :num_blocks]
+    pad = block_tables.new_zeros((*block_tables.shape[:-1], num_blocks - width))
+    return torch.cat((block_tables, pad), dim=-1)
+
+
+def _folded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Batch-invariant attention. q: (B, kv_heads, rows, dim) with a KV group's heads folded into
+    rows; k, v: (B, kv_heads, span, dim); positions: (B, rows) absolute position of each row.
+    """
+    rows = q.shape[2]
+    padded = -(-rows // _ROW_MULTIPLE) * _ROW_MULTIPLE
+    if padded > rows:  # extra rows repeat the last one; their results are dropped
+        q = torch.cat((q, q[:, :, -1:].expand(-1, -1, padded - rows, -1)), dim=2)
+        positions = torch.cat((positions, positions[:, -1:].expand(-1, padded - rows)), dim=1)
+    mask = torch.arange(k.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+    return out[:, :, :rows]
 
 
 def paged_decode_attention(
@@ -50,6 +86,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (GQA-aware).
 
@@ -58,13 +95,15 @@ def paged_decode_attention(
     """
     num_seqs = query.shape[0]
     if num_seqs <= _DECODE_GROUP:
-        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale)
+        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, batch_invariant)
     # Gathering K/V dominates on CPU: sort by length so each group pads only to its own longest.
     order = torch.argsort(context_lens, stable=True)
     out = torch.empty_like(query)
     for start in range(0, num_seqs, _DECODE_GROUP):
         idx = order[start : start + _DECODE_GROUP]
-        out[idx] = _decode_group(query[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
+        out[idx] = _decode_group(
+            query[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale, batch_invariant
+        )
     return out
 
 
@@ -75,15 +114,21 @@ def _decode_group(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    batch_invariant: bool,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max())
+    max_len = _kv_span(int(context_lens.max()), batch_invariant)
     num_blocks = -(-max_len // block_size)
-    flat = block_tables[:, :num_blocks].reshape(-1).to(torch.int64)
+    flat = _padded_table(block_tables, num_blocks).reshape(-1).to(torch.int64)
     # (num_seqs, kv_heads, max_len, head_dim), padded past each sequence's length
     k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
     v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+    if batch_invariant:
+        group = num_heads // num_kv_heads
+        positions = (context_lens.to(torch.int64) - 1)[:, None].expand(-1, group)
+        q = query.view(num_seqs, num_kv_heads, group, head_dim)
+        return _folded_attention(q, k, v, positions, scale).reshape(num_seqs, num_heads, head_dim)
     valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None].to(query.device)
     out = F.scaled_dot_product_attention(
         query.reshape(num_seqs, num_heads, 1, head_dim),
@@ -104,6 +149,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """A varlen batch of new tokens attending causally to themselves and their cached prefix.
 
@@ -121,8 +167,20 @@ def paged_prefill_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], ctx).transpose(0, 1)  # (kv_heads, ctx, head_dim)
-        v = gather_kv(v_cache, block_tables[b], ctx).transpose(0, 1)
+        span = _kv_span(ctx, batch_invariant)
+        table = _padded_table(block_tables[b], -(-span // k_cache.shape[1]))
+        k = gather_kv(k_cache, table, span).transpose(0, 1)  # (kv_heads, span, head_dim)
+        v = gather_kv(v_cache, table, span).transpose(0, 1)
+        if batch_invariant:
+            group = num_heads // num_kv_heads
+            # (1, kv_heads, q_len * group, head_dim): row i * group + g is token i, head g of the group
+            q = query[q_start:q_end].view(q_len, num_kv_heads, group, -1).transpose(0, 1)
+            q = q.reshape(1, num_kv_heads, q_len * group, -1)
+            positions = torch.arange(ctx - q_len, ctx, device=query.device).repeat_interleave(group)[None]
+            o = _folded_attention(q, k.unsqueeze(0), v.unsqueeze(0), positions, scale)
+            o = o.view(num_kv_heads, q_len, group, -1).transpose(0, 1)
+            out[q_start:q_end] = o.reshape(q_len, num_heads, -1)
+            continue
         q = query[q_start:q_end].transpose(0, 1)  # (num_heads, q_len, head_dim)
         if q_len == ctx:
             mask = None

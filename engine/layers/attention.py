@@ -26,6 +26,7 @@ class AttentionMetadata:
     prefill_cu_seqlens: torch.Tensor  # (num_prefills + 1,) int32, offsets into the prefill tokens
     prefill_context_lens: torch.Tensor  # (num_prefills,) int32
     prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
+    batch_invariant: bool = False  # bit-identical results whatever the batch and chunking (slower)
 
 
 class PagedAttention(nn.Module):
@@ -68,7 +69,13 @@ class PagedAttention(nn.Module):
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             return reference.paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                meta.batch_invariant,
             )
         prefill = reference.paged_prefill_attention(
             q[nd:],
@@ -78,10 +85,17 @@ class PagedAttention(nn.Module):
             meta.prefill_context_lens,
             meta.prefill_block_tables,
             self.scale,
+            meta.batch_invariant,
         )
         if nd == 0:
             return prefill
         decode = reference.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.scale,
+            meta.batch_invariant,
         )
         return torch.cat((decode, prefill), dim=0)

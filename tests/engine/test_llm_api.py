@@ -142,6 +142,11 @@ def test_missing_model_is_a_clear_error() -> None:
         LLM("meta-llama/Llama-3-8B")
 
 
+def _logprob_values(out: RequestOutput) -> list[list[tuple[int, float]]]:
+    assert out.outputs[0].logprobs is not None
+    return [sorted((t, lp.logprob) for t, lp in entry.items()) for entry in out.outputs[0].logprobs]
+
+
 def test_prompt_served_from_prefix_cache_gives_bit_identical_logprobs(tiny: LLM) -> None:
     prompt = [(i * 37) % 500 + 3 for i in range(150)]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
@@ -149,9 +154,33 @@ def test_prompt_served_from_prefix_cache_gives_bit_identical_logprobs(tiny: LLM)
     cached = tiny.generate([prompt], params, use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0 and cached.num_cached_tokens == 144
     assert cached.token_ids == fresh.token_ids
+    assert _logprob_values(cached) == _logprob_values(fresh)  # exact equality, not approx
 
-    def values(out: RequestOutput) -> list[list[tuple[int, float]]]:
-        assert out.outputs[0].logprobs is not None
-        return [sorted((t, lp.logprob) for t, lp in entry.items()) for entry in out.outputs[0].logprobs]
 
-    assert values(cached) == values(fresh)  # exact equality, not approx
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_batch_invariant_mode_makes_batching_and_chunking_bit_identical(
+    tiny_model_factory: Callable[..., Path], batch_invariant: bool
+) -> None:
+    path = str(tiny_model_factory("qwen2"))
+    prompt = [(i * 53) % 500 + 3 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    alone = LLM(path, enable_prefix_caching=False, batch_invariant=batch_invariant)
+    reference = _logprob_values(alone.generate([prompt], params, use_tqdm=False)[0])
+    chunked = LLM(
+        path, enable_prefix_caching=False, max_num_batched_tokens=37, batch_invariant=batch_invariant
+    )
+    others = [[7] * 40, prompt[:33], [9] * 90]
+    in_batch = chunked.generate([others[0], prompt, *others[1:]], params, use_tqdm=False)[1]
+    cached = LLM(path, enable_prefix_caching=True, batch_invariant=batch_invariant)
+    cached.generate([prompt[:100] + [5]], params, use_tqdm=False)
+    shared = cached.generate([others[2], prompt], params, use_tqdm=False)[1]
+    assert shared.num_cached_tokens == 96
+    if batch_invariant:
+        assert _logprob_values(in_batch) == reference
+        assert _logprob_values(shared) == reference
+    else:  # the fast path only promises equal tokens (ties aside), not equal bits
+        assert (
+            in_batch.token_ids
+            == shared.token_ids
+            == [t for t, _ in [max(e, key=lambda x: x[1]) for e in reference]]
+        )
