@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -27,15 +26,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     device: str = "auto"
-    attention_backend: str = "auto"
     num_threads: int | None = None
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -18,7 +18,7 @@ from engine.config import EngineConfig, model_cache_dir
         dict(kv_cache_memory=0),
         dict(gpu_memory_utilization=1.5),
         dict(dtype="int8"),
-        dict(attention_backend="cuda-magic"),
+        dict(device="tpu"),
     ],
 )
 def test_invalid_options_are_rejected(bad: dict[str, object]) -> None:
