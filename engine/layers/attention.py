@@ -67,35 +67,30 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
-        if nd == q.shape[0]:
-            return reference.paged_decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                self.scale,
-                meta.batch_invariant,
+        parts = []
+        if nd > 0:
+            parts.append(
+                reference.paged_decode_attention(
+                    q[:nd],
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                    meta.batch_invariant,
+                )
             )
-        prefill = reference.paged_prefill_attention(
-            q[nd:],
-            k_cache,
-            v_cache,
-            meta.prefill_cu_seqlens,
-            meta.prefill_context_lens,
-            meta.prefill_block_tables,
-            self.scale,
-            meta.batch_invariant,
-        )
-        if nd == 0:
-            return prefill
-        decode = reference.paged_decode_attention(
-            q[:nd],
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            self.scale,
-            meta.batch_invariant,
-        )
-        return torch.cat((decode, prefill), dim=0)
+        if nd < q.shape[0]:
+            parts.append(
+                reference.paged_prefill_attention(
+                    q[nd:],
+                    k_cache,
+                    v_cache,
+                    meta.prefill_cu_seqlens,
+                    meta.prefill_context_lens,
+                    meta.prefill_block_tables,
+                    self.scale,
+                    meta.batch_invariant,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
