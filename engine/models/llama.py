@@ -136,51 +136,53 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (partly fused) parameters; every parameter must be set."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
         cfg = self.cfg
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv_offsets = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-        mlp_offsets = [(0, cfg.intermediate_size), (cfg.intermediate_size, 2 * cfg.intermediate_size)]
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        offsets = {
+            "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+            "qkv_bias": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+            "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+        }
+        loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
+            mapped = _map_weight_name(hf_name, tied=self.lm_head is None)
+            if mapped is None:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            if name == "embed_tokens.weight":
-                name = "embed_tokens"
-            elif name == "lm_head.weight":
-                name = "lm_head"
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in _STACKED:
-                fused, shard = _STACKED[parts[-2]]
-                is_bias = parts[-1] == "bias"
-                target = ".".join(parts[:-2] + ([f"{fused}"] if not is_bias else ["qkv_bias"]))
-                if fused == "gate_up_proj":
-                    target = target.replace("self_attn", "mlp")
-                start, end = (qkv_offsets if fused == "qkv_proj" else mlp_offsets)[shard]
-                params[target].data[start:end].copy_(tensor)
-                loaded.add(f"{target}[{shard}]")
-                continue
-            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-                name = name.removesuffix(".weight")
+            name, shard = mapped
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {cfg.architecture}")
-            if params[name].shape != tensor.shape:
+            target = params[name].data
+            if shard is not None:
+                start, end = offsets[name.rsplit(".", 1)[-1]][shard]
+                target = target[start:end]
+            if target.shape != tensor.shape:
                 raise ValueError(
-                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(params[name].shape)}"
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                 )
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        expected: set[str] = set()
-        for pname in params:
-            if pname.endswith("qkv_proj") or pname.endswith("qkv_bias"):
-                expected.update(f"{pname}[{i}]" for i in range(3))
-            elif pname.endswith("gate_up_proj"):
-                expected.update(f"{pname}[{i}]" for i in range(2))
-            else:
-                expected.add(pname)
+            target.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}[{shard}]")
+        expected = {
+            f"{n}[{i}]" if n.rsplit(".", 1)[-1] in offsets else n
+            for n in params
+            for i in range(len(offsets.get(n.rsplit(".", 1)[-1], [None])))
+        }
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
+
+
+def _map_weight_name(hf_name: str, tied: bool) -> tuple[str, int | None] | None:
+    """HF checkpoint name -> (our parameter name, shard index in a fused parameter); None to skip."""
+    name = hf_name.removeprefix("model.")
+    if "rotary_emb" in name or (name == "lm_head.weight" and tied):
+        return None  # recomputed buffers; or the LM head tied to the embedding
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return name.removesuffix(".weight"), None
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _STACKED:
+        fused, shard = _STACKED[parts[-2]]
+        leaf = "qkv_bias" if parts[-1] == "bias" else fused
+        return ".".join([*parts[:-2], leaf]), shard
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return name.removesuffix(".weight"), None
+    return name, None
