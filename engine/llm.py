@@ -27,7 +27,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: OfflinePrompt | Seq[OfflinePrompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -92,11 +92,28 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def _normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+OfflinePrompt = Prompt | dict[str, Any]  # also vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
+
+
+def _normalize_prompts(prompts: OfflinePrompt | Seq[OfflinePrompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
     if not isinstance(prompts, Seq) or len(prompts) == 0:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
     if all(isinstance(p, int) for p in prompts):
         return [cast(list[int], list(prompts))]
-    return [p if isinstance(p, str) else list(cast(list[int], p)) for p in prompts]
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(prompt: object) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt.get("prompt"), str):
+            return str(prompt["prompt"])
+        raise ValueError("a dict prompt needs a 'prompt' string or 'prompt_token_ids'")
+    if isinstance(prompt, Seq):
+        return list(cast(list[int], prompt))
+    raise ValueError(f"unsupported prompt type {type(prompt).__name__}")

@@ -184,3 +184,11 @@ def test_batch_invariant_mode_makes_batching_and_chunking_bit_identical(
             == shared.token_ids
             == [t for t, _ in [max(e, key=lambda x: x[1]) for e in reference]]
         )
+
+
+def test_vllm_style_dict_prompts_are_accepted(tiny: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = tiny.generate([{"prompt_token_ids": [4, 5, 6]}, [4, 5, 6]], params, use_tqdm=False)
+    assert outs[0].prompt_token_ids == [4, 5, 6] and outs[0].token_ids == outs[1].token_ids
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        tiny.generate([{"text": "x"}], params, use_tqdm=False)
