@@ -279,7 +279,6 @@ class LLMEngine:
             outputs=completions,
             finished=all(s.is_finished for s in req.seqs),
             metrics=metrics,
-            num_cached_tokens=first.num_cached_tokens,
         )
 
 

@@ -14,12 +14,12 @@ from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.scheduler import ScheduledSeq
 from engine.weights import iter_weights
+from kernels.reference import ROW_MULTIPLE
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
-_ROW_MULTIPLE = 4
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -148,7 +148,7 @@ class ModelRunner:
         num_actual = len(input_ids)
         # Round the batch up to a multiple of 4 rows: on CPU, GEMMs with such row counts give each
         # row the same bits whatever the batch, so cached, chunked and batched runs agree exactly.
-        padding = -num_actual % _ROW_MULTIPLE
+        padding = -num_actual % ROW_MULTIPLE
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
         meta = AttentionMetadata(
@@ -175,8 +175,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_idx = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         num_sampled = sample_idx.shape[0]
-        if num_sampled % _ROW_MULTIPLE:  # same row-count rounding as the batch, for the LM head
-            pad = sample_idx.new_zeros(_ROW_MULTIPLE - num_sampled % _ROW_MULTIPLE)
+        if num_sampled % ROW_MULTIPLE:  # same row-count rounding as the batch, for the LM head
+            pad = sample_idx.new_zeros(ROW_MULTIPLE - num_sampled % ROW_MULTIPLE)
             sample_idx = torch.cat((sample_idx, pad))
         return self.model.compute_logits(hidden[sample_idx])[:num_sampled]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sequence import Logprob
 
@@ -62,7 +62,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    num_cached_tokens: int = field(default=0)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (as in vLLM's RequestOutput)."""
+        return self.metrics.num_cached_tokens
 
     @property
     def token_ids(self) -> list[int]:

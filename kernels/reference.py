@@ -47,7 +47,7 @@ _DECODE_GROUP = 8  # sequences attended together: fewer calls, little padding on
 # of a KV group folded into rows, make each query's result independent of batch, chunking and
 # padding, so cached, chunked and batched runs agree bit for bit (at a cost in speed).
 _KV_SPLIT = 512
-_ROW_MULTIPLE = 4
+ROW_MULTIPLE = 4  # GEMM row counts that round every row alike (see _folded_attention)
 
 
 def _kv_span(length: int, batch_invariant: bool) -> int:
@@ -70,7 +70,7 @@ def _folded_attention(
     rows; k, v: (B, kv_heads, span, dim); positions: (B, rows) absolute position of each row.
     """
     rows = q.shape[2]
-    padded = -(-rows // _ROW_MULTIPLE) * _ROW_MULTIPLE
+    padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
     if padded > rows:  # extra rows repeat the last one; their results are dropped
         q = torch.cat((q, q[:, :, -1:].expand(-1, -1, padded - rows, -1)), dim=2)
         positions = torch.cat((positions, positions[:, -1:].expand(-1, padded - rows)), dim=1)
