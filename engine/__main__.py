@@ -1,4 +1,4 @@
-"""`python -m engine prepare-model | demo | generate`: the engine's command line."""
+"""`python -m engine prepare-model | serve | demo | generate`: the engine's command line."""
 
 from __future__ import annotations
 
@@ -15,18 +15,36 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF folder"
     )
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+        "--max-model-len", type=int, default=None, help="context length; unset: the model's"
     )
     parser.add_argument(
-        "--kv-cache-memory", type=int, default=None, help="bytes of KV pool on CPU (default 1 GiB)"
+        "--kv-cache-memory", type=int, default=None, help="bytes of KV pool on CPU; unset: 1 GiB"
     )
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory the engine may use (CUDA only)",
+    )
+    parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda[:N]'")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; unset: torch's choice")
+    parser.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="allow results to depend on batch composition (slightly faster)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling draws from it)")
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -39,6 +57,10 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device=args.device,
+        num_threads=args.num_threads,
+        batch_invariant=not args.no_batch_invariant,
         seed=args.seed,
     )
 
@@ -84,6 +106,52 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8001, help="port to listen on")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients pass as 'model' (default: the model folder's name and the --model value)",
+    )
+    parser.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without step-loop progress after which /health answers 503",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds requests in flight may take to finish before they are aborted",
+    )
+    parser.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
+    )
+    parser.add_argument(
+        "--enable-test-hooks", action="store_true", help="expose POST /debug/stall (tests only)"
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from engine.server import ServerOptions, run_server
+
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        served_model_names=tuple(args.served_model_name or ()),
+        stall_timeout=args.health_stall_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        enable_test_hooks=args.enable_test_hooks,
+        access_log=not args.no_access_log,
+        log_level=args.log_level,
+    )
+    return run_server(_config(args), options)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="python -m engine", description="Switchboard inference engine")
@@ -92,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run a few chat prompts through the offline engine")
     _add_engine_options(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (chat, completions, models, health, metrics)",
+        description="Serve the model over an OpenAI-compatible HTTP API with continuous batching.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_engine_options(serve)
+    _add_server_options(serve)
     gen = sub.add_parser("generate", help="generate for one prompt")
     _add_engine_options(gen)
     gen.add_argument("prompt")
@@ -107,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(prepare_default_model())
         return 0
     try:
+        if args.command == "serve":
+            return _serve(args)
         return _demo(args) if args.command == "demo" else _generate(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

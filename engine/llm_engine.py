@@ -29,6 +29,20 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters and gauges of the engine at one moment; the counters only grow."""
+
+    num_running: int  # requests with a sequence in the running batch
+    num_waiting: int  # requests waiting for admission (preempted ones included)
+    kv_cache_usage: float  # fraction of KV blocks held by sequences
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -70,12 +84,16 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> None:
-        """Validate and queue a request; raises an InvalidRequestError subclass when it cannot run."""
+        """Validate and queue a request; raises an InvalidRequestError subclass when it cannot run.
+
+        `add_special_tokens=False` is for text that already holds them (a rendered chat template).
+        """
         params = params or SamplingParams()
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [
@@ -86,11 +104,11 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
-            ids = list(self.tokenizer(prompt).input_ids)
+            ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
             text: str | None = prompt
         else:
             ids, text = list(prompt), None
@@ -109,14 +127,22 @@ class LLMEngine:
                 f"This model's maximum context length is {limit} tokens, "
                 f"but the prompt has {prompt_len} tokens"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
+        capacity = self.runner.layout.num_token_slots
+        if params.max_tokens is None:  # as much as fits, in the context and in the whole KV pool
+            max_tokens = min(limit, capacity) - prompt_len
+            if max_tokens < 1:
+                raise KVCacheCapacityError(
+                    f"the prompt needs {prompt_len} tokens of KV cache but the whole pool holds "
+                    f"{capacity}: give the engine more kv_cache_memory"
+                )
+            return max_tokens
+        max_tokens = params.max_tokens
         if prompt_len + max_tokens > limit:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} for the completion)"
             )
-        capacity = self.runner.layout.num_token_slots
         if prompt_len + max_tokens > capacity:
             raise KVCacheCapacityError(
                 f"the request needs up to {prompt_len + max_tokens} tokens of KV cache "
@@ -170,10 +196,30 @@ class LLMEngine:
         """Whether any request is still waiting or running."""
         return bool(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids of the requests still waiting or running."""
+        return list(self._requests)
+
     @property
     def num_unfinished_requests(self) -> int:
         """Requests not finished yet."""
         return len(self._requests)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of queue, KV-cache and prefix-cache figures (for metrics and health)."""
+        sched, bm = self.scheduler, self.block_manager
+        running = {s.request_id for s in sched.running}
+        waiting = {s.request_id for s in sched.waiting} - running
+        return EngineStats(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            kv_cache_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+        )
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -253,7 +299,7 @@ class LLMEngine:
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.output_text,
+                    text=seq.output_text if seq.is_finished else seq.stable_output_text,
                     token_ids=seq.output_token_ids,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,

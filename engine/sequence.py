@@ -108,6 +108,13 @@ class Sequence:
         """Detokenized output so far (stop strings excluded)."""
         return self.detokenizer.text if self.detokenizer is not None else ""
 
+    @property
+    def stable_output_text(self) -> str:
+        """The output text no later token can change: a possible start of a stop string is held back."""
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.text[: self.detokenizer.stable_text_len]
+
     def append_token(self, token_id: int) -> None:
         """Record a sampled token (its KV is computed by the next step)."""
         self.token_ids.append(token_id)

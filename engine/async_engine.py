@@ -1,0 +1,414 @@
+"""AsyncLLMEngine: one engine thread running the step loop, fed by asyncio request handlers.
+
+The thread owns the LLMEngine: every add and abort travels to it through a command queue and
+is applied between steps, so a request that arrives while others run joins the next step.
+Outputs travel back through `loop.call_soon_threadsafe` into one RequestStream per request,
+which keeps only the latest cumulative output (a slow reader gets several tokens at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, Prompt
+from engine.metrics import EngineMetrics
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT = 0.25  # seconds the idle loop sleeps between heartbeats
+_ABORT_GRACE = 5.0  # seconds aborted requests get to deliver their final output when draining
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take requests now (loading, draining, stalled or dead)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; requests in flight cannot finish."""
+
+
+class EngineState(enum.Enum):
+    """Life cycle of the engine as /health reports it."""
+
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class Health:
+    """What /health answers."""
+
+    state: str  # loading | ready | draining | stalled | stopped | dead
+    healthy: bool
+    detail: str
+    seconds_since_progress: float
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    add_special_tokens: bool
+    arrival_time: float
+    done: concurrent.futures.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, handed from the engine thread to its handler.
+
+    Only the latest cumulative output is kept, so a slow reader gets several tokens at once.
+    `close()` (also on an early exit) aborts the request if it has not finished.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self.finished = False  # the reader has seen the final output
+        self.closed = False
+
+    def put(self, output: RequestOutput) -> None:
+        """Replace the pending output (event-loop thread only)."""
+        self._latest = output
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with an error (event-loop thread only)."""
+        self._error = error
+        self._event.set()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            await self._event.wait()
+            self._event.clear()
+            if self._error is not None:
+                raise self._error
+            out = self._latest
+            assert out is not None
+            self.finished = out.finished
+            yield out
+
+    def close(self) -> None:
+        """Stop reading: an unfinished request is aborted and its KV blocks freed."""
+        if self.closed:
+            return
+        self.closed = True
+        self._owner._release(self.request_id, abort=not self.finished)
+
+    async def aclose(self) -> None:
+        """`close()`, for `contextlib.aclosing` and friends."""
+        self.close()
+
+
+class AsyncLLMEngine:
+    """Serves many concurrent async callers from one background step loop."""
+
+    def __init__(self, config: EngineConfig, model_name: str, stall_timeout: float = 30.0) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.stall_timeout = stall_timeout
+        self.metrics = EngineMetrics(model_name)
+        self.engine: LLMEngine | None = None
+        self._state = EngineState.LOADING
+        self._error: str | None = None
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._heartbeat = time.monotonic()
+        self._stall_until = 0.0
+        self._stopping = False
+        self._idle = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread: it loads the model, then runs the step loop."""
+        assert self._thread is None, "start() once"
+        self._loop = asyncio.get_running_loop()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the model is loaded (raises EngineDeadError if loading failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._state is EngineState.LOADING:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the engine did not finish loading in time")
+            await asyncio.sleep(0.05)
+        if self._state is EngineState.DEAD:
+            raise EngineDeadError(self._error or "the engine failed")
+
+    async def drain(self, timeout: float) -> int:
+        """Stop admitting, let requests in flight finish for up to `timeout` s, abort the rest.
+
+        Returns how many requests were aborted.
+        """
+        if self._state is EngineState.READY:
+            self._state = EngineState.DRAINING
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return 0
+        except TimeoutError:
+            pending = list(self._streams)
+        logger.warning("drain timeout: aborting %d request(s)", len(pending))
+        for request_id in pending:
+            self._commands.put(_Abort(request_id))
+        with contextlib.suppress(TimeoutError):  # their handlers still send the last bytes
+            await asyncio.wait_for(self._idle.wait(), _ABORT_GRACE)
+        return len(pending)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (requests still in flight are aborted)."""
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._state is not EngineState.DEAD:
+            self._state = EngineState.STOPPED
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Queue a request once it is admitted; the caller must `close()` the returned stream.
+
+        Raises EngineUnavailableError when not accepting, InvalidRequestError (and subclasses)
+        when the engine rejects the request.
+        """
+        self._check_accepting()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._idle.clear()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt, params, add_special_tokens, time.monotonic(), done))
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its cumulative outputs; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, add_special_tokens)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed before the next step)."""
+        self._commands.put(_Abort(request_id))
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        if abort:
+            self._commands.put(_Abort(request_id))
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    def _check_accepting(self) -> None:
+        state = self._state
+        if state is EngineState.READY:
+            return
+        if state is EngineState.LOADING:
+            raise EngineUnavailableError("the model is still loading; retry shortly", "engine_loading")
+        if state is EngineState.DRAINING:
+            raise EngineUnavailableError("the server is shutting down", "engine_draining")
+        if state is EngineState.DEAD:
+            raise EngineUnavailableError(f"the engine failed: {self._error}", "engine_dead")
+        raise EngineUnavailableError("the engine is stopped", "engine_stopped")
+
+    # -------------------------------------------------------------------- health
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted or queued that have not finished."""
+        return len(self._streams)
+
+    def health(self) -> Health:
+        """Loaded, loop alive and making progress: only then healthy."""
+        since = time.monotonic() - self._heartbeat
+        state = self._state
+        if state is EngineState.READY:
+            alive = self._thread is not None and self._thread.is_alive()
+            if not alive:
+                return Health("dead", False, "the engine loop is not running", since)
+            if since > self.stall_timeout:
+                return Health("stalled", False, f"no progress for {since:.1f}s", since)
+            return Health("ready", True, "ok", since)
+        detail = {
+            EngineState.LOADING: "loading the model",
+            EngineState.DRAINING: "shutting down: finishing requests in flight",
+            EngineState.STOPPED: "stopped",
+            EngineState.DEAD: f"the engine failed: {self._error}",
+        }[state]
+        return Health(state.value, False, detail, since)
+
+    def stall_for(self, seconds: float) -> None:
+        """Test hook: make the step loop hang for `seconds` (as a stuck step would)."""
+        self._stall_until = time.monotonic() + seconds
+        self._commands.put(_Abort(""))  # wake an idle loop so it starts stalling now
+
+    # ------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+        except Exception as exc:
+            logger.exception("loading the model failed")
+            self._error = f"loading failed: {exc}"
+            self._state = EngineState.DEAD
+            return
+        self._heartbeat = time.monotonic()
+        self._state = EngineState.READY
+        logger.info("engine ready: %s", self.model_name)
+        try:
+            self._loop_forever(self.engine)
+        except Exception as exc:
+            logger.exception("the engine step loop failed")
+            self._error = f"{type(exc).__name__}: {exc}"
+            self._state = EngineState.DEAD
+            self._fail_all(EngineDeadError(self._error))
+            self._reject_until_stopped(EngineDeadError(self._error))
+
+    def _reject_until_stopped(self, error: EngineDeadError) -> None:
+        """A dead loop still answers the command queue, so that no caller waits forever."""
+        while not self._stopping:
+            cmd = self._commands.get()
+            if isinstance(cmd, _Add):
+                cmd.done.set_exception(error)
+            elif cmd is None:
+                self._stopping = True
+
+    def _loop_forever(self, engine: LLMEngine) -> None:
+        while not self._stopping:
+            self._heartbeat = time.monotonic()
+            self._apply_commands(engine, block=not engine.has_unfinished_requests())
+            if self._stall_until > time.monotonic():
+                time.sleep(self._stall_until - time.monotonic())
+                continue
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                now = time.monotonic()
+                self.metrics.record_outputs(outputs, now)
+                self.metrics.record_stats(engine.stats())
+                if outputs:
+                    self._deliver(outputs)
+        for request_id in engine.unfinished_request_ids():
+            self._abort(engine, request_id)
+
+    def _apply_commands(self, engine: LLMEngine, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(cmd, _Add):
+                self._add(engine, cmd)
+            elif isinstance(cmd, _Abort):
+                if cmd.request_id:
+                    self._abort(engine, cmd.request_id)
+            else:
+                self._stopping = True
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, engine: LLMEngine, cmd: _Add) -> None:
+        try:
+            engine.add_request(
+                cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.add_special_tokens
+            )
+        except ValueError as exc:
+            cmd.done.set_exception(exc)
+            return
+        cmd.done.set_result(None)
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> None:
+        out = engine.abort_request(request_id)
+        if out is None:
+            return
+        self.metrics.record_aborted(out, time.monotonic())
+        self.metrics.record_stats(engine.stats())
+        self._deliver([out])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._deliver_in_loop, outputs)
+
+    def _deliver_in_loop(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:  # no longer in flight, even if its reader never comes back for it
+                del self._streams[out.request_id]
+        if not self._streams:
+            self._idle.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        assert self._loop is not None
+
+        def fail() -> None:
+            for stream in self._streams.values():
+                stream.fail(error)
+            self._streams.clear()
+            self._idle.set()
+
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fail)
+
+
+def describe(health: Health) -> dict[str, Any]:
+    """Health as a JSON body."""
+    return {
+        "status": health.state,
+        "healthy": health.healthy,
+        "detail": health.detail,
+        "seconds_since_progress": round(health.seconds_since_progress, 3),
+    }

@@ -1,0 +1,227 @@
+"""OpenAI request schemas (the subset the engine serves) and OpenAI-format errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: only `include_usage` changes anything."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and text completions (OpenAI's plus vLLM's extensions)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=128)
+    stop: Any = None  # string or list of strings, checked by `stop_strings()`
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list, with a clear error for anything but strings."""
+        stop = self.stop
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise APIError(
+                400, "'stop' must be a string or an array of strings", param="stop", code="invalid_type"
+            )
+        if any(not s for s in stop):
+            raise APIError(400, "'stop' strings must not be empty", param="stop", code="invalid_value")
+        return stop
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Any  # string, array of strings, array of token ids, array of arrays: see `prompts()`
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _unsupported_combinations(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of: only best_of == n is supported")
+        if self.suffix:
+            raise ValueError("suffix: this model does not support inserting text (suffix)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo together with logprobs (prompt logprobs) is not supported")
+        return self
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: role and plain-text content."""
+    out = []
+    for i, msg in enumerate(raw):
+        if not isinstance(msg, dict):
+            raise APIError(
+                400, f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type"
+            )
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise APIError(
+                400,
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
+                param=f"messages[{i}].role",
+                code="invalid_value",
+            )
+        content = _content_text(msg.get("content"), f"messages[{i}].content")
+        if content is None and role != "assistant":
+            raise APIError(
+                400,
+                f"messages[{i}].content is required",
+                param=f"messages[{i}].content",
+                code="invalid_value",
+            )
+        out.append({"role": "system" if role == "developer" else role, "content": content or ""})
+    return out
+
+
+def _content_text(content: object, param: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(
+            400, f"{param} must be a string or an array of content parts", param=param, code="invalid_type"
+        )
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(
+                400,
+                f"{param}[{j}]: only text content parts are supported, got {kind!r}",
+                param=f"{param}[{j}]",
+                code="invalid_value",
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def completion_prompts(prompt: object) -> list[str | list[int]]:
+    """`prompt` as a list of prompts: each a string or a list of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise APIError(
+        400,
+        "'prompt' must be a non-empty string, array of strings, array of token ids, or array of "
+        "non-empty arrays of token ids",
+        param="prompt",
+        code="invalid_type" if not isinstance(prompt, (str, list)) else "invalid_value",
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as an OpenAI 400, naming the parameter."""
+    err = exc.errors(include_url=False)[0]
+    kind = err["type"]
+    loc = [str(p) for p in err["loc"]]
+    msg = str(err["msg"])
+    if kind == "json_invalid":
+        return APIError(400, f"We could not parse the JSON body of your request: {msg}", code="invalid_json")
+    if kind == "model_type" and not loc:
+        return APIError(400, "The request body must be a JSON object", code="invalid_type")
+    if kind == "value_error":  # a model validator: "param: message"
+        text = msg.removeprefix("Value error, ")
+        name, _, detail = text.partition(": ")
+        return APIError(400, detail or text, param=name or None, code="invalid_value")
+    param = ".".join(loc) if loc else None
+    if kind == "missing":
+        return APIError(
+            400, f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter"
+        )
+    if kind == "extra_forbidden":
+        return APIError(400, f"Unrecognized parameter: '{param}'", param=param, code="unknown_parameter")
+    code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+    what = "type" if code == "invalid_type" else "value"
+    return APIError(400, f"Invalid {what} for '{param}': {msg}", param=param, code=code)

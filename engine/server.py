@@ -1,0 +1,264 @@
+"""The engine's OpenAI-compatible HTTP server: routes, error mapping, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineUnavailableError, describe
+from engine.config import EngineConfig
+from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
+from engine.metrics import CONTENT_TYPE
+from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from engine.serving import OpenAIServing, dumps
+
+logger = logging.getLogger(__name__)
+
+_Req = TypeVar("_Req", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the HTTP side behaves (the engine's own options are in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8001
+    served_model_names: tuple[str, ...] = ()
+    stall_timeout: float = 30.0  # /health turns 503 when the step loop makes no progress this long
+    shutdown_timeout: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
+    enable_test_hooks: bool = False
+    access_log: bool = True
+    log_level: str = "info"
+
+
+def served_names(config: EngineConfig, options: ServerOptions) -> list[str]:
+    """Names clients may pass as `model`: explicit ones, else the folder's name and the --model value."""
+    if options.served_model_names:
+        return list(options.served_model_names)
+    if config.model == DEFAULT_MODEL_ALIAS:
+        return [DEFAULT_MODEL_NAME, DEFAULT_MODEL_ALIAS]
+    folder = Path(config.model).expanduser().name or config.model
+    return [folder] if folder == config.model else [folder, config.model]
+
+
+def create_app(engine: AsyncLLMEngine, names: list[str], enable_test_hooks: bool = False) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread (the model loads in the background)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="Switchboard engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.serving = OpenAIServing(engine, names)
+    _install_error_handlers(app)
+    _add_routes(app, engine, app.state.serving)
+    if enable_test_hooks:
+        _add_test_hooks(app, engine)
+    return app
+
+
+def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions (the model's chat template), streamed or whole."""
+        req = await _parse(request, ChatCompletionRequest)
+        return _respond(await _until_disconnect(request, serving.chat(req)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI (legacy) text completions, streamed or whole."""
+        req = await _parse(request, CompletionRequest)
+        return _respond(await _until_disconnect(request, serving.completions(req)))
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        """The served model names."""
+        return _json(serving.models())
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        """One served model."""
+        serving.resolve_model(model)
+        return _json(next(m for m in serving.models()["data"] if m["id"] == model))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when loaded and the step loop is making progress; 503 otherwise."""
+        state = engine.health()
+        return _json(describe(state), 200 if state.healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_test_hooks(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    @app.post("/debug/stall")
+    async def stall(request: Request) -> Response:
+        """Test hook: hang the step loop for `seconds`."""
+        body = await _json_body(request)
+        seconds = body.get("seconds") if isinstance(body, dict) else None
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= 600:
+            raise APIError(400, "'seconds' must be a number in [0, 600]", param="seconds")
+        engine.stall_for(float(seconds))
+        return _json({"stalled_for": seconds})
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        raise APIError(
+            400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+        ) from exc
+
+
+async def _parse(request: Request, model: type[_Req]) -> _Req:
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(dumps(body), status_code=status, media_type="application/json")
+
+
+def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
+    if isinstance(result, dict):
+        return _json(result)
+    return StreamingResponse(
+        result,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+T = TypeVar("T")
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before the response was ready."""
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (which aborts its engine request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientDisconnectedError()
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return _json(exc.body(), exc.status)
+
+    async def unavailable(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, EngineUnavailableError)
+        return _json(APIError(503, str(exc), "service_unavailable", code=exc.code).body(), 503)
+
+    async def dead(_: Request, exc: Exception) -> Response:
+        return _json(
+            APIError(500, f"the engine failed: {exc}", "server_error", code="engine_dead").body(), 500
+        )
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        body = APIError(exc.status_code, str(exc.detail), "invalid_request_error", code=code).body()
+        return _json(body, exc.status_code)
+
+    async def disconnected(_: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(EngineUnavailableError, unavailable)
+    app.add_exception_handler(EngineDeadError, dead)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientDisconnectedError, disconnected)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT first drains: 503 for new work, requests in flight finish, exit 0.
+
+    A second signal exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets: Any = None) -> None:
+        """Remember the event loop so signal handlers can schedule the drain on it."""
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: drain. Second: exit now. (Not re-raised, so the exit code stays 0.)"""
+        if self._draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._draining
+            return
+        self._draining = True
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        aborted = await self._engine.drain(self._drain_timeout)
+        logger.info("drained (%d request(s) aborted); shutting down", aborted)
+        self.should_exit = True
+
+
+def run_server(config: EngineConfig, options: ServerOptions) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    names = served_names(config, options)
+    engine = AsyncLLMEngine(config, names[0], stall_timeout=options.stall_timeout)
+    app = create_app(engine, names, options.enable_test_hooks)
+    uv_config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        access_log=options.access_log,
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(uv_config, engine, options.shutdown_timeout)
+    server.run()
+    return 0 if server.started else 1

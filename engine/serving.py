@@ -1,0 +1,485 @@
+"""OpenAI chat and text completions on top of AsyncLLMEngine: requests in, JSON and SSE out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.async_engine import AsyncLLMEngine, RequestStream
+from engine.errors import InvalidRequestError
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+    chat_messages,
+    completion_prompts,
+)
+from engine.sampling_params import SamplingParams
+from engine.sequence import Logprob
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, UTF-8, non-ASCII kept as is."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class _Call:
+    """What every response of one API call repeats."""
+
+    id: str
+    created: int
+    model: str
+    object: str
+
+
+class OpenAIServing:
+    """Translates OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_names: list[str]) -> None:
+        assert served_names
+        self.engine = engine
+        self.served_names = served_names
+        self.created = int(time.time())
+
+    # ----------------------------------------------------------------- common
+    def resolve_model(self, name: str | None) -> str:
+        """The served name to echo back; 404 for a model this server does not serve."""
+        if name is None or name == "":
+            return self.served_names[0]
+        if name in self.served_names:
+            return name
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves: {', '.join(self.served_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def models(self) -> dict[str, Any]:
+        """Body of GET /v1/models."""
+        max_len = self.engine.engine.max_model_len if self.engine.engine is not None else None
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "switchboard",
+                "root": self.engine.config.model,
+                "max_model_len": max_len,
+            }
+            for name in self.served_names
+        ]
+        return {"object": "list", "data": data}
+
+    @staticmethod
+    def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the request's fields (OpenAI defaults where a field is absent)."""
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_p = 1.0 if req.top_p is None else req.top_p
+        if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+            temperature, top_p = 0.0, 1.0
+        try:
+            return SamplingParams(
+                n=req.n or 1,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=req.seed,
+                stop=req.stop_strings(),
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=bool(req.ignore_eos),
+                logprobs=logprobs,
+                min_tokens=req.min_tokens or 0,
+                skip_special_tokens=req.skip_special_tokens is not False,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+
+    def _tokenizer(self) -> Any:
+        engine = self.engine.engine
+        tokenizer = engine.tokenizer if engine is not None else None
+        if tokenizer is None:
+            raise APIError(
+                400, "this model has no tokenizer: send token ids to /v1/completions", param="model"
+            )
+        return tokenizer
+
+    async def _start(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool
+    ) -> RequestStream:
+        """Admit the request (admission errors become 400s); the caller closes the stream."""
+        try:
+            return await self.engine.add_request(request_id, prompt, params, add_special_tokens)
+        except InvalidRequestError as exc:
+            text = str(exc)
+            param = "max_tokens" if "max_tokens" in text or "requested" in text else "prompt"
+            raise APIError(400, text, param=param, code=exc.code) from exc
+
+    # ------------------------------------------------------------------- chat
+    def render_chat(self, req: ChatCompletionRequest) -> str:
+        """The conversation through the model's own chat template."""
+        messages = chat_messages(req.messages)
+        tokenizer = self._tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template's own checks (e.g. role order) raise jinja errors
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+        return str(text)
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        """A chat completion: the whole response, or an SSE byte stream when `stream` is set."""
+        model = self.resolve_model(req.model)
+        prompt = self.render_chat(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, top)
+        call = _Call(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion")
+        stream = await self._start(call.id, prompt, params, add_special_tokens=False)
+        if req.stream:
+            return self._chat_stream(call, stream, params, top, req.include_usage)
+        try:
+            final = await _last(stream)
+        finally:
+            stream.close()
+        _raise_if_aborted(final)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": _chat_logprobs(c, 0, top) if top is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        return {**_head(call), "choices": choices, "usage": _usage([final])}
+
+    async def _chat_stream(
+        self,
+        call: _Call,
+        stream: RequestStream,
+        params: SamplingParams,
+        top: int | None,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for event in self._chat_events(call, stream, params, top, include_usage):
+                yield event
+        finally:
+            stream.close()
+
+    async def _chat_events(
+        self,
+        call: _Call,
+        outputs: RequestStream,
+        params: SamplingParams,
+        top: int | None,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        head = {**_head(call), "object": "chat.completion.chunk"}
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(
+            index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
+        ) -> bytes:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse({**head, "choices": [choice], **extra})
+
+        for i in range(params.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        sent = _Progress(params.n)
+        last: RequestOutput | None = None
+        async for out in outputs:
+            last = out
+            for c in out.outputs:
+                if sent.finished[c.index]:
+                    continue
+                if c.finish_reason == "abort":
+                    yield _aborted_event()
+                    return
+                text, first_token = sent.advance(c)
+                logprobs = _chat_logprobs(c, first_token, top) if top is not None else None
+                if text or (logprobs and logprobs["content"]):
+                    yield chunk(c.index, {"content": text}, logprobs)
+                if c.finish_reason is not None:
+                    sent.finished[c.index] = True
+                    yield chunk(c.index, {}, finish=c.finish_reason)
+        if include_usage and last is not None:
+            yield sse({**head, "choices": [], "usage": _usage([last])})
+        yield SSE_DONE
+
+    # ------------------------------------------------------------ completions
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        """A text completion for one or several prompts (choices indexed prompt-major)."""
+        model = self.resolve_model(req.model)
+        prompts = completion_prompts(req.prompt)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        call = _Call(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, "text_completion")
+        streams: list[RequestStream] = []
+        try:
+            for k, prompt in enumerate(prompts):
+                request_id = call.id if len(prompts) == 1 else f"{call.id}-{k}"
+                streams.append(await self._start(request_id, prompt, params, add_special_tokens=True))
+            echo = [self._echo_text(p) for p in prompts] if req.echo else None
+        except BaseException:
+            _close_all(streams)
+            raise
+        if req.stream:
+            return self._completion_stream(call, streams, params, echo, req.include_usage)
+        try:
+            finals = list(await asyncio.gather(*(_last(s) for s in streams)))
+        finally:
+            _close_all(streams)
+        choices = []
+        for k, final in enumerate(finals):
+            _raise_if_aborted(final)
+            for c in final.outputs:
+                prefix = echo[k] if echo is not None else ""
+                choices.append(
+                    {
+                        "index": k * params.n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": _completion_logprobs(c, 0, 0, params.logprobs)
+                        if params.logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {**_head(call), "choices": choices, "usage": _usage(finals)}
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return str(self._tokenizer().decode(prompt))
+
+    async def _completion_stream(
+        self,
+        call: _Call,
+        streams: list[RequestStream],
+        params: SamplingParams,
+        echo: list[str] | None,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for event in self._completion_events(call, streams, params, echo, include_usage):
+                yield event
+        finally:
+            _close_all(streams)
+
+    async def _completion_events(
+        self,
+        call: _Call,
+        streams: list[RequestStream],
+        params: SamplingParams,
+        echo: list[str] | None,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        head = _head(call)
+        extra = {"usage": None} if include_usage else {}
+        n = params.n
+        sent = [_Progress(n) for _ in streams]
+        offsets = [[len(echo[k]) if echo else 0] * n for k in range(len(streams))]
+        finals: dict[int, RequestOutput] = {}
+        if echo is not None:
+            for k, text in enumerate(echo):
+                for i in range(n):
+                    yield sse({**head, "choices": [_text_choice(k * n + i, text, None, None)], **extra})
+        async for k, out in _merge(streams):
+            finals[k] = out
+            for c in out.outputs:
+                if sent[k].finished[c.index]:
+                    continue
+                if c.finish_reason == "abort":
+                    yield _aborted_event()
+                    return
+                text, first_token = sent[k].advance(c)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = _completion_logprobs(c, first_token, offsets[k][c.index], params.logprobs)
+                    offsets[k][c.index] += len(text)
+                finish = c.finish_reason
+                if text or finish is not None or (logprobs and logprobs["tokens"]):
+                    choice = _text_choice(k * n + c.index, text, logprobs, finish)
+                    yield sse({**head, "choices": [choice], **extra})
+                if finish is not None:
+                    sent[k].finished[c.index] = True
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": _usage([finals[k] for k in sorted(finals)])})
+        yield SSE_DONE
+
+
+class _Progress:
+    """What a stream has already sent, per completion index."""
+
+    def __init__(self, n: int) -> None:
+        self.text = [0] * n
+        self.tokens = [0] * n
+        self.finished = [False] * n
+
+    def advance(self, c: CompletionOutput) -> tuple[str, int]:
+        """The new text since last time, and the index of the first token not sent yet."""
+        i = c.index
+        text = c.text[self.text[i] :]
+        first_token = self.tokens[i]
+        self.text[i] = len(c.text)
+        self.tokens[i] = len(c.token_ids)
+        return text, first_token
+
+
+def _close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def _last(outputs: RequestStream) -> RequestOutput:
+    last = None
+    async for out in outputs:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(k: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await q.put((k, out))
+        except Exception as exc:
+            await q.put((k, exc))
+        finally:
+            await q.put(None)
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await q.get()
+            if item is None:
+                remaining -= 1
+                continue
+            k, value = item
+            if isinstance(value, BaseException):
+                raise value
+            yield k, value
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _head(call: _Call) -> dict[str, Any]:
+    return {"id": call.id, "object": call.object, "created": call.created, "model": call.model}
+
+
+def _text_choice(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _raise_if_aborted(final: RequestOutput) -> None:
+    if any(c.finish_reason == "abort" for c in final.outputs):
+        raise APIError(
+            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
+        )
+
+
+def _aborted_event() -> bytes:
+    return sse(
+        APIError(
+            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
+        ).body()
+    )
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted((item for item in entry.items() if item[1].rank <= k), key=lambda item: item[1].rank)
+    return ranked[:k]
+
+
+def _chat_logprobs(c: CompletionOutput, start: int, k: int | None) -> dict[str, Any]:
+    """OpenAI chat logprobs for tokens [start:] of a completion."""
+    content = []
+    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        content.append(
+            {
+                "token": text,
+                "logprob": _lp(chosen.logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": _lp(lp.logprob),
+                        "bytes": list((lp.decoded_token or "").encode()),
+                    }
+                    for _, lp in _top(entry, k or 0)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(c: CompletionOutput, start: int, offset: int, k: int | None) -> dict[str, Any]:
+    """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) for tokens [start:]."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(_lp(chosen.logprob))
+        tops.append({lp.decoded_token or "": _lp(lp.logprob) for _, lp in _top(entry, k or 0)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
