@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from engine.llm_engine import EngineStats
 from engine.outputs import RequestOutput
@@ -34,6 +41,7 @@ class EngineMetrics:
     """Owns a registry; the engine thread records steps, the server renders `/metrics`."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # no `*_created` series (as vLLM): they only double the output
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry

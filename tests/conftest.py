@@ -131,3 +131,20 @@ def default_model_dir() -> Path:
     from engine.default_model import prepare_default_model
 
     return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template (text in, text out, fast)."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny-chat")
+    saved = TINY_CONFIGS["llama"]
+    TINY_CONFIGS["tiny-chat"] = dict(saved, vocab_size=49152, max_position_embeddings=512)
+    try:
+        build_tiny_model("tiny-chat", out, seed=3)
+    finally:
+        del TINY_CONFIGS["tiny-chat"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / name, out / name)
+    return out

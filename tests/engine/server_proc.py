@@ -1,0 +1,96 @@
+"""Start `python -m engine serve` in a subprocess on a free port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A live engine server; `stop()` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, model: str | Path, *args: str, ready_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready(ready_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        """Everything the server printed so far."""
+        return Path(self.log.name).read_text(errors="replace")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        """Send a signal to the server."""
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait, return the exit code (kills it if it does not exit in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {series: value}, labels dropped (one model per server)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10.0).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            if "finished_reason=" in labels:
+                name += "[" + labels.split('finished_reason="')[1].split('"')[0] + "]"
+            if 'le="' in labels:
+                continue
+            values[name] = float(value)
+        return values

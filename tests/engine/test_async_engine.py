@@ -1,0 +1,138 @@
+"""AsyncLLMEngine in-process: life cycle, health states, draining and a dying step loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineUnavailableError
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceededError
+from engine.sampling_params import SamplingParams
+
+
+def _engine(model: Path, **kwargs: float) -> AsyncLLMEngine:
+    return AsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=16 << 20), "tiny", **kwargs)
+
+
+@pytest.fixture
+def tiny(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama")
+
+
+def test_health_is_loading_until_the_model_is_ready(tiny: Path) -> None:
+    async def run() -> None:
+        engine = _engine(tiny)
+        engine.start()
+        try:
+            assert engine.health().state == "loading" and not engine.health().healthy
+            with pytest.raises(EngineUnavailableError) as info:
+                await engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+            assert info.value.code == "engine_loading"
+            await engine.wait_ready(60)
+            assert engine.health().healthy
+        finally:
+            engine.shutdown()
+        assert engine.health().state == "stopped"
+
+    asyncio.run(run())
+
+
+def test_a_model_that_fails_to_load_leaves_the_engine_dead(tmp_path: Path) -> None:
+    async def run() -> None:
+        engine = _engine(tmp_path / "missing")
+        engine.start()
+        with pytest.raises(EngineDeadError):
+            await engine.wait_ready(60)
+        health = engine.health()
+        assert health.state == "dead" and not health.healthy and "loading failed" in health.detail
+        engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_admission_errors_reach_the_caller_and_leave_nothing_behind(tiny: Path) -> None:
+    async def run() -> None:
+        engine = _engine(tiny)
+        engine.start()
+        await engine.wait_ready(60)
+        try:
+            with pytest.raises(ContextLengthExceededError):
+                await engine.add_request("long", [5] * 2000, SamplingParams(max_tokens=2))
+            assert engine.num_in_flight == 0
+            outs = [o async for o in engine.generate("ok", [5, 6, 7], SamplingParams(max_tokens=3))]
+            assert outs[-1].finished and len(outs[-1].token_ids) == 3
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_failing_step_kills_the_loop_fails_requests_and_refuses_new_ones(tiny: Path) -> None:
+    async def run() -> None:
+        engine = _engine(tiny)
+        engine.start()
+        await engine.wait_ready(60)
+        assert engine.engine is not None
+
+        def broken_step() -> list[object]:
+            raise RuntimeError("device lost")
+
+        engine.engine.step = broken_step  # type: ignore[method-assign,assignment]
+        try:
+            with pytest.raises(EngineDeadError, match="device lost"):
+                async for _ in engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=5)):
+                    pass
+            health = engine.health()
+            assert health.state == "dead" and not health.healthy
+            with pytest.raises(EngineUnavailableError) as info:
+                await engine.add_request("s", [1, 2], SamplingParams())
+            assert info.value.code == "engine_dead"
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_drain_lets_requests_finish_and_refuses_new_ones(tiny: Path) -> None:
+    async def run() -> None:
+        engine = _engine(tiny)
+        engine.start()
+        await engine.wait_ready(60)
+        try:
+            stream = await engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+            drain = asyncio.create_task(engine.drain(30))
+            await asyncio.sleep(0)
+            assert engine.health().state == "draining"
+            with pytest.raises(EngineUnavailableError) as info:
+                await engine.add_request("late", [1], SamplingParams())
+            assert info.value.code == "engine_draining"
+            outs = [o async for o in stream]
+            stream.close()
+            assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 40
+            assert await drain == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_drain_timeout_aborts_what_is_left(tiny: Path) -> None:
+    async def run() -> None:
+        engine = _engine(tiny)
+        engine.start()
+        await engine.wait_ready(60)
+        try:
+            engine.stall_for(1.0)  # keep the request from finishing before the timeout
+            stream = await engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=900, ignore_eos=True))
+            assert await engine.drain(0.2) == 1
+            outs = [o async for o in stream]
+            assert outs[-1].finish_reason == "abort"
+            assert engine.engine is not None and engine.engine.stats().kv_cache_usage == 0.0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
