@@ -24,9 +24,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context length; unset: the model's"
-    )
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length; unset: the model's")
     parser.add_argument(
         "--kv-cache-memory", type=int, default=None, help="bytes of KV pool on CPU; unset: 1 GiB"
     )
@@ -38,7 +36,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="fraction of GPU memory the engine may use (CUDA only)",
     )
     parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda[:N]'")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; unset: torch's choice")
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads; unset: torch's choice"
+    )
     parser.add_argument(
         "--no-batch-invariant",
         action="store_true",
