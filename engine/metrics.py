@@ -41,7 +41,8 @@ class EngineMetrics:
     """Owns a registry; the engine thread records steps, the server renders `/metrics`."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        disable_created_metrics()  # no `*_created` series (as vLLM): they only double the output
+        # no `*_created` series (vLLM drops them too): they only double the output
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
