@@ -14,7 +14,7 @@ from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.scheduler import ScheduledSeq
 from engine.weights import iter_weights
-from kernels.reference import ROW_MULTIPLE
+from kernels.reference import ROW_MULTIPLE, plan_decode
 
 logger = logging.getLogger(__name__)
 
@@ -151,16 +151,28 @@ class ModelRunner:
         padding = -num_actual % ROW_MULTIPLE
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
+        dec_block_tables = _pad_tables(dec_tables, dev)
+        dec_context_lens = torch.tensor(dec_lens, dtype=torch.int32, device=dev)
+        plan = None
+        if num_decode:
+            plan = plan_decode(
+                dec_block_tables,
+                dec_context_lens,
+                self.kv_caches[0][0],
+                self.model_config.num_heads,
+                self.batch_invariant,
+            )
         meta = AttentionMetadata(
             num_actual_tokens=num_actual,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode_tokens=num_decode,
-            decode_block_tables=_pad_tables(dec_tables, dev),
-            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
+            decode_block_tables=dec_block_tables,
+            decode_context_lens=dec_context_lens,
             prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
             prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
             prefill_block_tables=_pad_tables(pre_tables, dev),
             batch_invariant=self.batch_invariant,
+            decode_plan=plan,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

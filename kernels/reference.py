@@ -8,6 +8,8 @@ padded with any valid block id, context lengths say how many slots of each row a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +81,76 @@ def _folded_attention(
     return out[:, :, :rows]
 
 
+@dataclass
+class DecodeGroup:
+    """Sequences attended together, and what every layer reuses for them."""
+
+    index: torch.Tensor | None  # rows of the decode batch (None: all of them, in order)
+    flat_blocks: torch.Tensor  # (n * blocks_per_seq,) int64: each row's blocks, padded with block 0
+    span: int  # keys per sequence (padded)
+    mask: torch.Tensor  # additive (0 / -inf), broadcast against the (n, heads, rows, span) scores
+    k_buf: torch.Tensor  # (n * blocks_per_seq, block_size, kv_heads, dim): gather target, reused
+    v_buf: torch.Tensor
+
+
+@dataclass
+class DecodePlan:
+    """One step's decode attention layout: computed once, used by every layer."""
+
+    groups: list[DecodeGroup]
+    batch_invariant: bool
+
+
+def plan_decode(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    num_heads: int,
+    batch_invariant: bool = False,
+) -> DecodePlan:
+    """Group the decode sequences and precompute their block indices, masks and gather buffers."""
+    num_seqs = context_lens.shape[0]
+    if num_seqs <= _DECODE_GROUP:
+        group = _plan_group(None, block_tables, context_lens, k_cache, num_heads, batch_invariant)
+        return DecodePlan([group], batch_invariant)
+    # Gathering K/V dominates on CPU: sort by length so each group pads only to its own longest.
+    order = torch.argsort(context_lens, stable=True)
+    groups = [
+        _plan_group(idx, block_tables[idx], context_lens[idx], k_cache, num_heads, batch_invariant)
+        for idx in (order[i : i + _DECODE_GROUP] for i in range(0, num_seqs, _DECODE_GROUP))
+    ]
+    return DecodePlan(groups, batch_invariant)
+
+
+def _plan_group(
+    index: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    num_heads: int,
+    batch_invariant: bool,
+) -> DecodeGroup:
+    n = context_lens.shape[0]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    span = _kv_span(int(context_lens.max()), batch_invariant)
+    num_blocks = -(-span // block_size)
+    flat = _padded_table(block_tables, num_blocks).reshape(-1).to(torch.int64)
+    keys = torch.arange(span, device=k_cache.device)
+    last = context_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # the query's own position
+    if batch_invariant:  # (n, 1, rows, span), rows: the KV group's heads rounded up to ROW_MULTIPLE
+        rows = -(-(num_heads // num_kv_heads) // ROW_MULTIPLE) * ROW_MULTIPLE
+        positions = last[:, None].expand(-1, rows)
+        allowed = (keys[None, None, :] <= positions[:, :, None])[:, None]
+    else:
+        allowed = (keys[None, :] <= last[:, None])[:, None, None, :]
+    # additive float mask, made once here instead of converted from bool by SDPA in every layer
+    mask = torch.zeros(allowed.shape, dtype=k_cache.dtype, device=k_cache.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    shape = (n * num_blocks, block_size, num_kv_heads, head_dim)
+    k_buf = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    return DecodeGroup(index, flat, span, mask, k_buf, torch.empty_like(k_buf))
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -87,23 +159,22 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     batch_invariant: bool = False,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (GQA-aware).
 
     query: (num_seqs, num_heads, head_dim); context_lens: (num_seqs,) including the new token,
-    whose K/V must already be stored. Returns (num_seqs, num_heads, head_dim).
+    whose K/V must already be stored. Returns (num_seqs, num_heads, head_dim). `plan` (from
+    `plan_decode` with the same tables and lengths) saves redoing the layout in every layer.
     """
-    num_seqs = query.shape[0]
-    if num_seqs <= _DECODE_GROUP:
-        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, batch_invariant)
-    # Gathering K/V dominates on CPU: sort by length so each group pads only to its own longest.
-    order = torch.argsort(context_lens, stable=True)
+    if plan is None:
+        plan = plan_decode(block_tables, context_lens, k_cache, query.shape[1], batch_invariant)
+    if len(plan.groups) == 1 and plan.groups[0].index is None:
+        return _decode_group(query, k_cache, v_cache, plan.groups[0], scale, plan.batch_invariant)
     out = torch.empty_like(query)
-    for start in range(0, num_seqs, _DECODE_GROUP):
-        idx = order[start : start + _DECODE_GROUP]
-        out[idx] = _decode_group(
-            query[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale, batch_invariant
-        )
+    for g in plan.groups:
+        assert g.index is not None
+        out[g.index] = _decode_group(query[g.index], k_cache, v_cache, g, scale, plan.batch_invariant)
     return out
 
 
@@ -111,30 +182,30 @@ def _decode_group(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    g: DecodeGroup,
     scale: float,
     batch_invariant: bool,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = _kv_span(int(context_lens.max()), batch_invariant)
-    num_blocks = -(-max_len // block_size)
-    flat = _padded_table(block_tables, num_blocks).reshape(-1).to(torch.int64)
-    # (num_seqs, kv_heads, max_len, head_dim), padded past each sequence's length
-    k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+    num_kv_heads = k_cache.shape[2]
+    # (num_seqs, kv_heads, span, head_dim), padded past each sequence's length
+    torch.index_select(k_cache, 0, g.flat_blocks, out=g.k_buf)
+    torch.index_select(v_cache, 0, g.flat_blocks, out=g.v_buf)
+    k = g.k_buf.view(num_seqs, -1, num_kv_heads, head_dim)[:, : g.span].transpose(1, 2)
+    v = g.v_buf.view(num_seqs, -1, num_kv_heads, head_dim)[:, : g.span].transpose(1, 2)
     if batch_invariant:
         group = num_heads // num_kv_heads
-        positions = (context_lens.to(torch.int64) - 1)[:, None].expand(-1, group)
         q = query.view(num_seqs, num_kv_heads, group, head_dim)
-        return _folded_attention(q, k, v, positions, scale).reshape(num_seqs, num_heads, head_dim)
-    valid = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None].to(query.device)
+        rows = g.mask.shape[2]
+        if rows > group:  # extra rows repeat the last one; their results are dropped
+            q = torch.cat((q, q[:, :, -1:].expand(-1, -1, rows - group, -1)), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        return out[:, :, :group].reshape(num_seqs, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         query.reshape(num_seqs, num_heads, 1, head_dim),
         k,
         v,
-        attn_mask=valid[:, None, None, :],
+        attn_mask=g.mask,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )

@@ -27,6 +27,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # (num_prefills,) int32
     prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
     batch_invariant: bool = False  # bit-identical results whatever the batch and chunking (slower)
+    decode_plan: reference.DecodePlan | None = None  # decode layout shared by all layers
 
 
 class PagedAttention(nn.Module):
@@ -78,6 +79,7 @@ class PagedAttention(nn.Module):
                     meta.decode_context_lens,
                     self.scale,
                     meta.batch_invariant,
+                    meta.decode_plan,
                 )
             )
         if nd < q.shape[0]:
