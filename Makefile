@@ -9,7 +9,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test lint typecheck model bench clean
+.PHONY: install run demo test lint typecheck model bench clean
 
 install: $(STAMP)
 
@@ -25,6 +25,9 @@ model: install
 	$(PY) -m engine prepare-model
 
 run: model
+	$(PY) -m engine serve --model default --port 8001
+
+demo: model
 	$(PY) -m engine demo
 
 test: model
@@ -41,6 +44,7 @@ typecheck: install
 
 bench: model
 	$(PY) bench/engine_throughput.py
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -127,6 +128,11 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds requests in flight may take to finish before they are aborted",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (unset: $SWITCHBOARD_ENGINE_API_KEY, else open)",
+    )
     parser.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
@@ -146,6 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
         stall_timeout=args.health_stall_timeout,
         shutdown_timeout=args.shutdown_timeout,
         enable_test_hooks=args.enable_test_hooks,
+        api_key=args.api_key or os.environ.get("SWITCHBOARD_ENGINE_API_KEY") or None,
         access_log=not args.no_access_log,
         log_level=args.log_level,
     )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,6 +42,7 @@ class ServerOptions:
     stall_timeout: float = 30.0  # /health turns 503 when the step loop makes no progress this long
     shutdown_timeout: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     enable_test_hooks: bool = False
+    api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
     access_log: bool = True
     log_level: str = "info"
 
@@ -55,7 +57,9 @@ def served_names(config: EngineConfig, options: ServerOptions) -> list[str]:
     return [folder] if folder == config.model else [folder, config.model]
 
 
-def create_app(engine: AsyncLLMEngine, names: list[str], enable_test_hooks: bool = False) -> FastAPI:
+def create_app(
+    engine: AsyncLLMEngine, names: list[str], enable_test_hooks: bool = False, api_key: str | None = None
+) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread (the model loads in the background)."""
 
     @asynccontextmanager
@@ -70,31 +74,52 @@ def create_app(engine: AsyncLLMEngine, names: list[str], enable_test_hooks: bool
     app.state.engine = engine
     app.state.serving = OpenAIServing(engine, names)
     _install_error_handlers(app)
-    _add_routes(app, engine, app.state.serving)
+    _add_routes(app, engine, app.state.serving, _key_check(api_key))
     if enable_test_hooks:
         _add_test_hooks(app, engine)
     return app
 
 
-def _add_routes(app: FastAPI, engine: AsyncLLMEngine, serving: OpenAIServing) -> None:
-    @app.post("/v1/chat/completions")
+def _key_check(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A dependency: with a key configured, /v1 routes need `Authorization: Bearer <key>`."""
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+
+    return check
+
+
+def _add_routes(
+    app: FastAPI,
+    engine: AsyncLLMEngine,
+    serving: OpenAIServing,
+    key_check: Callable[[Request], Awaitable[None]],
+) -> None:
+    authorized = [Depends(key_check)]
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions (the model's chat template), streamed or whole."""
         req = await _parse(request, ChatCompletionRequest)
         return _respond(await _until_disconnect(request, serving.chat(req)))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed or whole."""
         req = await _parse(request, CompletionRequest)
         return _respond(await _until_disconnect(request, serving.completions(req)))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=authorized)
     async def list_models() -> Response:
         """The served model names."""
         return _json(serving.models())
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", dependencies=authorized)
     async def get_model(model: str) -> Response:
         """One served model."""
         serving.resolve_model(model)
@@ -250,7 +275,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     names = served_names(config, options)
     engine = AsyncLLMEngine(config, names[0], stall_timeout=options.stall_timeout)
-    app = create_app(engine, names, options.enable_test_hooks)
+    app = create_app(engine, names, options.enable_test_hooks, options.api_key)
     uv_config = uvicorn.Config(
         app,
         host=options.host,

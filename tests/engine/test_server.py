@@ -482,3 +482,17 @@ def test_serve_help_documents_every_option() -> None:
         "--health-stall-timeout", "--shutdown-timeout",
     ):  # fmt: skip
         assert option in out, option
+
+
+def test_client_that_gives_up_on_a_whole_response_aborts_its_request(
+    server: ServerProcess, model: str
+) -> None:
+    before = server.metrics()["engine:request_success_total[abort]"]
+    body = {"model": model, "prompt": "wait for me", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while server.metrics()["engine:request_success_total[abort]"] == before:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.02)
+    assert server.metrics()["engine:num_requests_running"] == 0.0

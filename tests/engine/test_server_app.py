@@ -1,0 +1,69 @@
+"""The engine's FastAPI app in-process: API-key checks and the loading state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.server import create_app
+
+
+@pytest.fixture
+def keyed_client(tiny_model_factory: Callable[..., Path]) -> Iterator[TestClient]:
+    model = tiny_model_factory("llama")
+    engine = AsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=16 << 20), "tiny")
+    app = create_app(engine, ["tiny"], api_key="s3cret")
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield client
+
+
+def test_api_key_guards_v1_routes_but_not_health_or_metrics(keyed_client: TestClient) -> None:
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = keyed_client.post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert keyed_client.get("/v1/models").status_code == 401
+    ok = keyed_client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert keyed_client.get("/health").status_code == 200
+    assert keyed_client.get("/metrics").status_code == 200
+
+
+def test_health_and_requests_are_503_while_the_model_loads(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import engine.async_engine as async_engine
+
+    release = threading.Event()
+    real = async_engine.LLMEngine
+
+    def slow_engine(config: EngineConfig) -> object:
+        assert release.wait(60)
+        return real(config)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", slow_engine)
+    model = tiny_model_factory("llama")
+    engine = AsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=16 << 20), "tiny")
+    with TestClient(create_app(engine, ["tiny"])) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_loading"
+        release.set()
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
