@@ -253,7 +253,8 @@ def main() -> None:
     reqs = make_workload(args)
     print(
         f"workload: {len(reqs)} prompts, input {args.input_len}, output {args.output_len} "
-        f"(±{args.range_ratio:.0%}), concurrency {args.max_concurrency or 'unlimited'}, rate {args.request_rate}"
+        f"(±{args.range_ratio:.0%}), concurrency {args.max_concurrency or 'unlimited'}, "
+        f"rate {args.request_rate}"
     )
     if args.base_url:
         ours = bench_server("ours (running server)", None, args.base_url, None, reqs, args)

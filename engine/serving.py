@@ -136,7 +136,10 @@ class OpenAIServing:
             return await self.engine.add_request(request_id, prompt, params, add_special_tokens)
         except InvalidRequestError as exc:
             text = str(exc)
-            param = "max_tokens" if "max_tokens" in text or "requested" in text else "prompt"
+            if "max_tokens" in text or "requested" in text:
+                param = "max_tokens"
+            else:
+                param = "prompt" if add_special_tokens else "messages"
             raise APIError(400, text, param=param, code=exc.code) from exc
 
     # ------------------------------------------------------------------- chat
