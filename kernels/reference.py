@@ -44,16 +44,24 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 _DECODE_GROUP = 8  # sequences attended together: fewer calls, little padding once sorted by length
 # Batch-invariant mode. torch's CPU flash attention splits keys into blocks of 512 (one shorter
-# block when fewer) and its sums depend on the block length; GEMMs round differently below 4 rows.
-# Keys padded (masked) to a multiple of 512 and query rows to a multiple of 4, with the query heads
-# of a KV group folded into rows, make each query's result independent of batch, chunking and
-# padding, so cached, chunked and batched runs agree bit for bit (at a cost in speed).
-_KV_SPLIT = 512
+# block at the end) and its sums depend on the block lengths; a fully masked block adds exactly
+# nothing; GEMMs round differently below 4 rows. So a query's result depends only on its key span
+# (the padded key count) as long as query rows come in multiples of 4, with the heads of a KV group
+# folded into rows. Each query at position p gets the span `_bucket(p + 1)`, p + 1 rounded up to a
+# multiple of 64: a function of the query's own position, the same whatever the batch, the
+# chunking or the cache, so those runs agree bit for bit. Decode groups hold sequences of one span;
+# a prefill chunk is attended in runs of rows that share one (at most one run per 64 positions).
+_SPAN_STEP = 64
 ROW_MULTIPLE = 4  # GEMM row counts that round every row alike (see _folded_attention)
 
 
+def _bucket(length: int) -> int:
+    """The key span of a query whose context holds `length` tokens (batch-invariant mode)."""
+    return -(-length // _SPAN_STEP) * _SPAN_STEP
+
+
 def _kv_span(length: int, batch_invariant: bool) -> int:
-    return -(-length // _KV_SPLIT) * _KV_SPLIT if batch_invariant else length
+    return _bucket(length) if batch_invariant else length
 
 
 def _padded_table(block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -110,15 +118,26 @@ def plan_decode(
 ) -> DecodePlan:
     """Group the decode sequences and precompute their block indices, masks and gather buffers."""
     num_seqs = context_lens.shape[0]
-    if num_seqs <= _DECODE_GROUP:
+    lens = context_lens.tolist()
+    spans = [_kv_span(n, batch_invariant) for n in lens]
+    if num_seqs <= _DECODE_GROUP and (not batch_invariant or len(set(spans)) == 1):
         group = _plan_group(None, block_tables, context_lens, k_cache, num_heads, batch_invariant)
         return DecodePlan([group], batch_invariant)
-    # Gathering K/V dominates on CPU: sort by length so each group pads only to its own longest.
-    order = torch.argsort(context_lens, stable=True)
-    groups = [
-        _plan_group(idx, block_tables[idx], context_lens[idx], k_cache, num_heads, batch_invariant)
-        for idx in (order[i : i + _DECODE_GROUP] for i in range(0, num_seqs, _DECODE_GROUP))
-    ]
+    # Gathering K/V dominates on CPU: sort by length so each group pads only to its own longest
+    # (batch-invariant: every member of a group has the same span).
+    order = sorted(range(num_seqs), key=lambda i: lens[i])
+    runs: list[list[int]] = []
+    for i in order:
+        if runs and len(runs[-1]) < _DECODE_GROUP and (not batch_invariant or spans[runs[-1][0]] == spans[i]):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    groups = []
+    for run in runs:
+        idx = torch.tensor(run, dtype=torch.int64, device=context_lens.device)
+        groups.append(
+            _plan_group(idx, block_tables[idx], context_lens[idx], k_cache, num_heads, batch_invariant)
+        )
     return DecodePlan(groups, batch_invariant)
 
 
@@ -243,14 +262,7 @@ def paged_prefill_attention(
         k = gather_kv(k_cache, table, span).transpose(0, 1)  # (kv_heads, span, head_dim)
         v = gather_kv(v_cache, table, span).transpose(0, 1)
         if batch_invariant:
-            group = num_heads // num_kv_heads
-            # (1, kv_heads, q_len * group, head_dim): row i * group + g is token i, head g of the group
-            q = query[q_start:q_end].view(q_len, num_kv_heads, group, -1).transpose(0, 1)
-            q = q.reshape(1, num_kv_heads, q_len * group, -1)
-            positions = torch.arange(ctx - q_len, ctx, device=query.device).repeat_interleave(group)[None]
-            o = _folded_attention(q, k.unsqueeze(0), v.unsqueeze(0), positions, scale)
-            o = o.view(num_kv_heads, q_len, group, -1).transpose(0, 1)
-            out[q_start:q_end] = o.reshape(q_len, num_heads, -1)
+            out[q_start:q_end] = _invariant_prefill(query[q_start:q_end], k, v, ctx - q_len, scale)
             continue
         q = query[q_start:q_end].transpose(0, 1)  # (num_heads, q_len, head_dim)
         if q_len == ctx:
@@ -268,6 +280,31 @@ def paged_prefill_attention(
             enable_gqa=num_heads != num_kv_heads,
         )
         out[q_start:q_end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _invariant_prefill(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float
+) -> torch.Tensor:
+    """One sequence's new tokens, attended in runs of rows that share a key span (`_bucket`).
+
+    query: (q_len, heads, dim) at positions first_pos...; k, v: (kv_heads, span >= every run's, dim).
+    """
+    q_len, num_heads, head_dim = query.shape
+    num_kv_heads = k.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    i, pos = 0, first_pos
+    while i < q_len:
+        span = _bucket(pos + 1)
+        n = min(q_len - i, span - pos)  # rows up to the end of this span share it
+        # (1, kv_heads, n * group, head_dim): row j * group + g is token j, head g of the group
+        q = query[i : i + n].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
+        q = q.reshape(1, num_kv_heads, n * group, head_dim)
+        positions = torch.arange(pos, pos + n, device=query.device).repeat_interleave(group)[None]
+        o = _folded_attention(q, k[None, :, :span], v[None, :, :span], positions, scale)
+        out[i : i + n] = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads, -1)
+        i, pos = i + n, pos + n
     return out
 
 

@@ -157,12 +157,12 @@ def test_prompt_served_from_prefix_cache_gives_bit_identical_logprobs(tiny: LLM)
     assert _logprob_values(cached) == _logprob_values(fresh)  # exact equality, not approx
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False])
+@pytest.mark.parametrize(("batch_invariant", "prompt_len"), [(True, 150), (True, 530), (False, 150)])
 def test_batch_invariant_mode_makes_batching_and_chunking_bit_identical(
-    tiny_model_factory: Callable[..., Path], batch_invariant: bool
+    tiny_model_factory: Callable[..., Path], batch_invariant: bool, prompt_len: int
 ) -> None:
     path = str(tiny_model_factory("qwen2"))
-    prompt = [(i * 53) % 500 + 3 for i in range(150)]
+    prompt = [(i * 53) % 500 + 3 for i in range(prompt_len)]  # spans of 16..256, or past 512
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     alone = LLM(path, enable_prefix_caching=False, batch_invariant=batch_invariant)
     reference = _logprob_values(alone.generate([prompt], params, use_tqdm=False)[0])
