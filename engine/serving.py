@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.async_engine import AsyncLLMEngine, RequestStream
@@ -59,6 +60,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_names = served_names
         self.created = int(time.time())
+        self._defaults: dict[str, float] | None = None
 
     # ----------------------------------------------------------------- common
     def resolve_model(self, name: str | None) -> str:
@@ -90,34 +92,20 @@ class OpenAIServing:
         ]
         return {"object": "list", "data": data}
 
-    @staticmethod
-    def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams from the request's fields (OpenAI defaults where a field is absent)."""
-        temperature = 1.0 if req.temperature is None else req.temperature
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
-            temperature, top_p = 0.0, 1.0
-        try:
-            return SamplingParams(
-                n=req.n or 1,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                seed=req.seed,
-                stop=req.stop_strings(),
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=bool(req.ignore_eos),
-                logprobs=logprobs,
-                min_tokens=req.min_tokens or 0,
-                skip_special_tokens=req.skip_special_tokens is not False,
-            )
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from exc
+    def generation_defaults(self) -> dict[str, float]:
+        """The model's own sampling defaults (generation_config.json), read once after loading."""
+        if self._defaults is None:
+            engine = self.engine.engine
+            if engine is None:
+                return {}
+            self._defaults = load_generation_defaults(engine.model_dir)
+        return self._defaults
+
+    def sampling_params(
+        self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """SamplingParams from the request's fields; absent ones take the model's defaults, then OpenAI's."""
+        return build_sampling_params(req, max_tokens, logprobs, self.generation_defaults())
 
     def _tokenizer(self) -> Any:
         engine = self.engine.engine
@@ -336,6 +324,60 @@ class OpenAIServing:
         if include_usage:
             yield sse({**head, "choices": [], "usage": _usage([finals[k] for k in sorted(finals)])})
         yield SSE_DONE
+
+
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(model_dir: Path) -> dict[str, float]:
+    """Sampling defaults a model folder ships in generation_config.json (as vLLM applies them)."""
+    path = model_dir / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        k: float(raw[k])
+        for k in _DEFAULTABLE
+        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)
+    }
+
+
+def build_sampling_params(
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, float]
+) -> SamplingParams:
+    """Request fields first, then the model's defaults, then OpenAI's."""
+
+    def pick(value: float | None, name: str, fallback: float) -> float:
+        return value if value is not None else defaults.get(name, fallback)
+
+    temperature = pick(req.temperature, "temperature", 1.0)
+    top_p = pick(req.top_p, "top_p", 1.0)
+    if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+        temperature, top_p = 0.0, 1.0
+    try:
+        return SamplingParams(
+            n=req.n or 1,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=int(pick(req.top_k, "top_k", 0)),
+            min_p=pick(req.min_p, "min_p", 0.0),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+            seed=req.seed,
+            stop=req.stop_strings(),
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+            min_tokens=req.min_tokens or 0,
+            skip_special_tokens=req.skip_special_tokens is not False,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
 
 
 class _Progress:

@@ -1,0 +1,54 @@
+"""Request fields -> SamplingParams, and the model's generation_config defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from engine.serving import build_sampling_params, load_generation_defaults
+
+
+def _chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
+
+
+def test_model_defaults_fill_only_absent_fields(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.3, "top_p": 0.8, "top_k": 20, "do_sample": True, "eos_token_id": 2})
+    )
+    defaults = load_generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.3, "top_p": 0.8, "top_k": 20.0}
+    implicit = build_sampling_params(_chat(), None, None, defaults)
+    assert (implicit.temperature, implicit.top_p, implicit.top_k) == (0.3, 0.8, 20)
+    explicit = build_sampling_params(_chat(temperature=1.0, top_p=1.0, top_k=-1), None, None, defaults)
+    assert (explicit.temperature, explicit.top_p, explicit.effective_top_k) == (1.0, 1.0, 0)
+
+
+def test_openai_defaults_without_a_generation_config(tmp_path: Path) -> None:
+    assert load_generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text("not json")
+    assert load_generation_defaults(tmp_path) == {}
+    p = build_sampling_params(_chat(), 7, None, {})
+    assert (p.temperature, p.top_p, p.n, p.max_tokens, p.stop_strings) == (1.0, 1.0, 1, 7, [])
+
+
+def test_top_p_zero_means_greedy() -> None:
+    p = build_sampling_params(_chat(top_p=0.0), None, None, {})
+    assert p.is_greedy and p.top_p == 1.0
+
+
+def test_stop_accepts_a_string_or_a_list_and_rejects_anything_else() -> None:
+    assert build_sampling_params(_chat(stop="END"), None, None, {}).stop_strings == ["END"]
+    assert build_sampling_params(_chat(stop=["a", "b"]), None, None, {}).stop_strings == ["a", "b"]
+    for bad in (5, ["a", 3], [""]):
+        with pytest.raises(APIError) as info:
+            build_sampling_params(_chat(stop=bad), None, None, {})
+        assert info.value.status == 400 and info.value.param == "stop"
+
+
+def test_completion_logprobs_become_the_engine_top_k() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "logprobs": 3})
+    assert build_sampling_params(req, 4, req.logprobs, {}).logprobs == 3
