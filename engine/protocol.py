@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.sampling_params import SamplingParams
 
 
 class APIError(Exception):
@@ -225,3 +229,57 @@ def validation_error(exc: ValidationError) -> APIError:
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
     what = "type" if code == "invalid_type" else "value"
     return APIError(400, f"Invalid {what} for '{param}': {msg}", param=param, code=code)
+
+
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(model_dir: Path) -> dict[str, float]:
+    """Sampling defaults a model folder ships in generation_config.json (as vLLM applies them)."""
+    path = model_dir / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        k: float(raw[k])
+        for k in _DEFAULTABLE
+        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)
+    }
+
+
+def build_sampling_params(
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, float]
+) -> SamplingParams:
+    """Request fields first, then the model's defaults, then OpenAI's."""
+
+    def pick(value: float | None, name: str, fallback: float) -> float:
+        return value if value is not None else defaults.get(name, fallback)
+
+    temperature = pick(req.temperature, "temperature", 1.0)
+    top_p = pick(req.top_p, "top_p", 1.0)
+    if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+        temperature, top_p = 0.0, 1.0
+    try:
+        return SamplingParams(
+            n=req.n or 1,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=int(pick(req.top_k, "top_k", 0)),
+            min_p=pick(req.min_p, "min_p", 0.0),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+            seed=req.seed,
+            stop=req.stop_strings(),
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+            min_tokens=req.min_tokens or 0,
+            skip_special_tokens=req.skip_special_tokens is not False,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc

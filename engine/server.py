@@ -24,8 +24,9 @@ from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineUnavailab
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
 from engine.metrics import CONTENT_TYPE
+from engine.openai_format import dumps
 from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
-from engine.serving import OpenAIServing, dumps
+from engine.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -3,53 +3,37 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from engine.async_engine import AsyncLLMEngine, RequestStream
 from engine.errors import InvalidRequestError
+from engine.openai_format import (
+    SSE_DONE,
+    Call,
+    aborted_event,
+    chat_logprobs,
+    completion_logprobs,
+    raise_if_aborted,
+    response_head,
+    sse,
+    text_choice,
+    usage,
+)
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     _SamplingFields,
+    build_sampling_params,
     chat_messages,
     completion_prompts,
+    load_generation_defaults,
 )
 from engine.sampling_params import SamplingParams
-from engine.sequence import Logprob
-
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact JSON, UTF-8, non-ASCII kept as is."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def sse(obj: Any) -> bytes:
-    """One server-sent event carrying a JSON object."""
-    return b"data: " + dumps(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass
-class _Call:
-    """What every response of one API call repeats."""
-
-    id: str
-    created: int
-    model: str
-    object: str
 
 
 class OpenAIServing:
@@ -150,7 +134,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, top)
-        call = _Call(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion")
+        call = Call(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion")
         stream = await self._start(call.id, prompt, params, add_special_tokens=False)
         if req.stream:
             return self._chat_stream(call, stream, params, top, req.include_usage)
@@ -158,22 +142,22 @@ class OpenAIServing:
             final = await _last(stream)
         finally:
             stream.close()
-        _raise_if_aborted(final)
+        raise_if_aborted(final)
         choices = [
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c, 0, top) if top is not None else None,
+                "logprobs": chat_logprobs(c, 0, top) if top is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
             for c in final.outputs
         ]
-        return {**_head(call), "choices": choices, "usage": _usage([final])}
+        return {**response_head(call), "choices": choices, "usage": usage([final])}
 
     async def _chat_stream(
         self,
-        call: _Call,
+        call: Call,
         stream: RequestStream,
         params: SamplingParams,
         top: int | None,
@@ -187,13 +171,13 @@ class OpenAIServing:
 
     async def _chat_events(
         self,
-        call: _Call,
+        call: Call,
         outputs: RequestStream,
         params: SamplingParams,
         top: int | None,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        head = {**_head(call), "object": "chat.completion.chunk"}
+        head = {**response_head(call), "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
 
         def chunk(
@@ -212,17 +196,17 @@ class OpenAIServing:
                 if sent.finished[c.index]:
                     continue
                 if c.finish_reason == "abort":
-                    yield _aborted_event()
+                    yield aborted_event()
                     return
                 text, first_token = sent.advance(c)
-                logprobs = _chat_logprobs(c, first_token, top) if top is not None else None
+                logprobs = chat_logprobs(c, first_token, top) if top is not None else None
                 if text or (logprobs and logprobs["content"]):
                     yield chunk(c.index, {"content": text}, logprobs)
                 if c.finish_reason is not None:
                     sent.finished[c.index] = True
                     yield chunk(c.index, {}, finish=c.finish_reason)
         if include_usage and last is not None:
-            yield sse({**head, "choices": [], "usage": _usage([last])})
+            yield sse({**head, "choices": [], "usage": usage([last])})
         yield SSE_DONE
 
     # ------------------------------------------------------------ completions
@@ -231,7 +215,7 @@ class OpenAIServing:
         model = self.resolve_model(req.model)
         prompts = completion_prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
-        call = _Call(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, "text_completion")
+        call = Call(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, "text_completion")
         streams: list[RequestStream] = []
         try:
             for k, prompt in enumerate(prompts):
@@ -249,21 +233,21 @@ class OpenAIServing:
             _close_all(streams)
         choices = []
         for k, final in enumerate(finals):
-            _raise_if_aborted(final)
+            raise_if_aborted(final)
             for c in final.outputs:
                 prefix = echo[k] if echo is not None else ""
                 choices.append(
                     {
                         "index": k * params.n + c.index,
                         "text": prefix + c.text,
-                        "logprobs": _completion_logprobs(c, 0, 0, params.logprobs)
+                        "logprobs": completion_logprobs(c, 0, 0, params.logprobs)
                         if params.logprobs is not None
                         else None,
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
                 )
-        return {**_head(call), "choices": choices, "usage": _usage(finals)}
+        return {**response_head(call), "choices": choices, "usage": usage(finals)}
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -272,7 +256,7 @@ class OpenAIServing:
 
     async def _completion_stream(
         self,
-        call: _Call,
+        call: Call,
         streams: list[RequestStream],
         params: SamplingParams,
         echo: list[str] | None,
@@ -286,13 +270,13 @@ class OpenAIServing:
 
     async def _completion_events(
         self,
-        call: _Call,
+        call: Call,
         streams: list[RequestStream],
         params: SamplingParams,
         echo: list[str] | None,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        head = _head(call)
+        head = response_head(call)
         extra = {"usage": None} if include_usage else {}
         n = params.n
         sent = [_Progress(n) for _ in streams]
@@ -301,83 +285,29 @@ class OpenAIServing:
         if echo is not None:
             for k, text in enumerate(echo):
                 for i in range(n):
-                    yield sse({**head, "choices": [_text_choice(k * n + i, text, None, None)], **extra})
+                    yield sse({**head, "choices": [text_choice(k * n + i, text, None, None)], **extra})
         async for k, out in _merge(streams):
             finals[k] = out
             for c in out.outputs:
                 if sent[k].finished[c.index]:
                     continue
                 if c.finish_reason == "abort":
-                    yield _aborted_event()
+                    yield aborted_event()
                     return
                 text, first_token = sent[k].advance(c)
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = _completion_logprobs(c, first_token, offsets[k][c.index], params.logprobs)
+                    logprobs = completion_logprobs(c, first_token, offsets[k][c.index], params.logprobs)
                     offsets[k][c.index] += len(text)
                 finish = c.finish_reason
                 if text or finish is not None or (logprobs and logprobs["tokens"]):
-                    choice = _text_choice(k * n + c.index, text, logprobs, finish)
+                    choice = text_choice(k * n + c.index, text, logprobs, finish)
                     yield sse({**head, "choices": [choice], **extra})
                 if finish is not None:
                     sent[k].finished[c.index] = True
         if include_usage:
-            yield sse({**head, "choices": [], "usage": _usage([finals[k] for k in sorted(finals)])})
+            yield sse({**head, "choices": [], "usage": usage([finals[k] for k in sorted(finals)])})
         yield SSE_DONE
-
-
-_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def load_generation_defaults(model_dir: Path) -> dict[str, float]:
-    """Sampling defaults a model folder ships in generation_config.json (as vLLM applies them)."""
-    path = model_dir / "generation_config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {
-        k: float(raw[k])
-        for k in _DEFAULTABLE
-        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)
-    }
-
-
-def build_sampling_params(
-    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, float]
-) -> SamplingParams:
-    """Request fields first, then the model's defaults, then OpenAI's."""
-
-    def pick(value: float | None, name: str, fallback: float) -> float:
-        return value if value is not None else defaults.get(name, fallback)
-
-    temperature = pick(req.temperature, "temperature", 1.0)
-    top_p = pick(req.top_p, "top_p", 1.0)
-    if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
-        temperature, top_p = 0.0, 1.0
-    try:
-        return SamplingParams(
-            n=req.n or 1,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=int(pick(req.top_k, "top_k", 0)),
-            min_p=pick(req.min_p, "min_p", 0.0),
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
-            seed=req.seed,
-            stop=req.stop_strings(),
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=logprobs,
-            min_tokens=req.min_tokens or 0,
-            skip_special_tokens=req.skip_special_tokens is not False,
-        )
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
 
 
 class _Progress:
@@ -443,88 +373,3 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for t in tasks:
             t.cancel()
-
-
-def _head(call: _Call) -> dict[str, Any]:
-    return {"id": call.id, "object": call.object, "created": call.created, "model": call.model}
-
-
-def _text_choice(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _usage(finals: list[RequestOutput]) -> dict[str, Any]:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in finals)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _raise_if_aborted(final: RequestOutput) -> None:
-    if any(c.finish_reason == "abort" for c in final.outputs):
-        raise APIError(
-            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
-        )
-
-
-def _aborted_event() -> bytes:
-    return sse(
-        APIError(
-            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
-        ).body()
-    )
-
-
-def _lp(value: float) -> float:
-    return value if math.isfinite(value) else _MIN_LOGPROB
-
-
-def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    ranked = sorted((item for item in entry.items() if item[1].rank <= k), key=lambda item: item[1].rank)
-    return ranked[:k]
-
-
-def _chat_logprobs(c: CompletionOutput, start: int, k: int | None) -> dict[str, Any]:
-    """OpenAI chat logprobs for tokens [start:] of a completion."""
-    content = []
-    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
-        chosen = entry[token]
-        text = chosen.decoded_token or ""
-        content.append(
-            {
-                "token": text,
-                "logprob": _lp(chosen.logprob),
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "token": lp.decoded_token or "",
-                        "logprob": _lp(lp.logprob),
-                        "bytes": list((lp.decoded_token or "").encode()),
-                    }
-                    for _, lp in _top(entry, k or 0)
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def _completion_logprobs(c: CompletionOutput, start: int, offset: int, k: int | None) -> dict[str, Any]:
-    """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) for tokens [start:]."""
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    tops: list[dict[str, float]] = []
-    offsets: list[int] = []
-    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
-        chosen = entry[token]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(_lp(chosen.logprob))
-        tops.append({lp.decoded_token or "": _lp(lp.logprob) for _, lp in _top(entry, k or 0)})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

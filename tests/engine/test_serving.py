@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from engine.serving import build_sampling_params, load_generation_defaults
+from engine.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    build_sampling_params,
+    load_generation_defaults,
+)
 
 
 def _chat(**fields: object) -> ChatCompletionRequest:

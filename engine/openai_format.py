@@ -1,0 +1,122 @@
+"""OpenAI response shapes: JSON and SSE encoding, usage, logprobs, errors for aborted requests."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import APIError
+from engine.sequence import Logprob
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, UTF-8, non-ASCII kept as is."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Call:
+    """What every response of one API call repeats."""
+
+    id: str
+    created: int
+    model: str
+    object: str
+
+
+def response_head(call: Call) -> dict[str, Any]:
+    return {"id": call.id, "object": call.object, "created": call.created, "model": call.model}
+
+
+def text_choice(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def raise_if_aborted(final: RequestOutput) -> None:
+    if any(c.finish_reason == "abort" for c in final.outputs):
+        raise APIError(
+            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
+        )
+
+
+def aborted_event() -> bytes:
+    return sse(
+        APIError(
+            503, "the request was aborted: the server is shutting down", "server_error", code="aborted"
+        ).body()
+    )
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted((item for item in entry.items() if item[1].rank <= k), key=lambda item: item[1].rank)
+    return ranked[:k]
+
+
+def chat_logprobs(c: CompletionOutput, start: int, k: int | None) -> dict[str, Any]:
+    """OpenAI chat logprobs for tokens [start:] of a completion."""
+    content = []
+    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        content.append(
+            {
+                "token": text,
+                "logprob": _lp(chosen.logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": _lp(lp.logprob),
+                        "bytes": list((lp.decoded_token or "").encode()),
+                    }
+                    for _, lp in _top(entry, k or 0)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(c: CompletionOutput, start: int, offset: int, k: int | None) -> dict[str, Any]:
+    """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) for tokens [start:]."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(_lp(chosen.logprob))
+        tops.append({lp.decoded_token or "": _lp(lp.logprob) for _, lp in _top(entry, k or 0)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
