@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.engine.server_proc import free_port  # noqa: E402
+from tests.engine.server_proc import ManagedServer  # noqa: E402
 
 
 @dataclass
@@ -167,61 +166,26 @@ def summarize(name: str, results: list[Result], elapsed: float) -> dict[str, flo
     return s
 
 
-class Launched:
-    """A server subprocess, stopped on exit."""
-
-    def __init__(self, cmd: list[str], url: str, ready_timeout: float = 300.0) -> None:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"{cmd} exited: {err[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.proc.kill()
-        raise RuntimeError(f"{cmd} not ready after {ready_timeout}s")
-
-    def __enter__(self) -> Launched:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def bench_server(
     name: str,
-    cmd: list[str] | None,
-    url: str,
-    model: str | None,
+    command: Callable[[int], list[str]] | None,
+    url: str | None,
     reqs: list[Request],
     args: argparse.Namespace,
 ) -> dict[str, float]:
-    async def go() -> tuple[list[Result], float]:
-        await run_load(
-            url,
-            model,
-            reqs[: min(2, len(reqs))],
-            argparse.Namespace(**{**vars(args), "request_rate": float("inf")}),
-        )  # warm-up
-        return await run_load(url, model, reqs, args)
+    """Start the server (`command(port)`) unless `url` points at a running one, then load it."""
 
-    if cmd is None:
-        results, elapsed = asyncio.run(go())
+    async def go(base_url: str) -> tuple[list[Result], float]:
+        warm_up = argparse.Namespace(**{**vars(args), "request_rate": float("inf")})
+        await run_load(base_url, None, reqs[: min(2, len(reqs))], warm_up)
+        return await run_load(base_url, None, reqs, args)
+
+    if command is None:
+        assert url is not None
+        results, elapsed = asyncio.run(go(url))
     else:
-        with Launched(cmd, url):
-            results, elapsed = asyncio.run(go())
+        with ManagedServer(command, ready_timeout=300) as server:
+            results, elapsed = asyncio.run(go(server.base_url))
     return summarize(name, results, elapsed)
 
 
@@ -257,36 +221,23 @@ def main() -> None:
         f"rate {args.request_rate}"
     )
     if args.base_url:
-        ours = bench_server("ours (running server)", None, args.base_url, None, reqs, args)
+        ours = bench_server("ours (running server)", None, args.base_url, reqs, args)
     else:
-        port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "engine",
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            str(port),
-            "--no-access-log",
-            *args.engine_args.split(),
-        ]
-        ours = bench_server("switchboard engine", cmd, f"http://127.0.0.1:{port}", None, reqs, args)
+        engine_args = args.engine_args.split()
+
+        def ours_command(port: int) -> list[str]:
+            return [sys.executable, "-m", "engine", "serve", "--model", args.model, "--port", str(port),
+                    "--no-access-log", *engine_args]  # fmt: skip
+
+        ours = bench_server("switchboard engine", ours_command, None, reqs, args)
     if args.skip_baseline:
         return
-    port = free_port()
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "naive_hf_server.py"),
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-    ]
-    base = bench_server(
-        "naive HF generate server (one at a time)", cmd, f"http://127.0.0.1:{port}", None, reqs, args
-    )
+
+    def baseline_command(port: int) -> list[str]:
+        return [sys.executable, str(ROOT / "bench" / "naive_hf_server.py"), "--model", str(model_dir),
+                "--port", str(port)]  # fmt: skip
+
+    base = bench_server("naive HF generate server (one at a time)", baseline_command, None, reqs, args)
     print("\n=== ours / baseline ===")
     print(f"  output tokens/s: {ours['output_tok_per_s'] / base['output_tok_per_s']:.2f}x higher")
     print(f"  request throughput: {ours['req_per_s'] / base['req_per_s']:.2f}x higher")

@@ -137,7 +137,7 @@ class OpenAIServing:
         call = Call(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion")
         stream = await self._start(call.id, prompt, params, add_special_tokens=False)
         if req.stream:
-            return self._chat_stream(call, stream, params, top, req.include_usage)
+            return _closing(self._chat_events(call, stream, params, top, req.include_usage), [stream])
         try:
             final = await _last(stream)
         finally:
@@ -154,20 +154,6 @@ class OpenAIServing:
             for c in final.outputs
         ]
         return {**response_head(call), "choices": choices, "usage": usage([final])}
-
-    async def _chat_stream(
-        self,
-        call: Call,
-        stream: RequestStream,
-        params: SamplingParams,
-        top: int | None,
-        include_usage: bool,
-    ) -> AsyncIterator[bytes]:
-        try:
-            async for event in self._chat_events(call, stream, params, top, include_usage):
-                yield event
-        finally:
-            stream.close()
 
     async def _chat_events(
         self,
@@ -226,7 +212,7 @@ class OpenAIServing:
             _close_all(streams)
             raise
         if req.stream:
-            return self._completion_stream(call, streams, params, echo, req.include_usage)
+            return _closing(self._completion_events(call, streams, params, echo, req.include_usage), streams)
         try:
             finals = list(await asyncio.gather(*(_last(s) for s in streams)))
         finally:
@@ -253,20 +239,6 @@ class OpenAIServing:
         if isinstance(prompt, str):
             return prompt
         return str(self._tokenizer().decode(prompt))
-
-    async def _completion_stream(
-        self,
-        call: Call,
-        streams: list[RequestStream],
-        params: SamplingParams,
-        echo: list[str] | None,
-        include_usage: bool,
-    ) -> AsyncIterator[bytes]:
-        try:
-            async for event in self._completion_events(call, streams, params, echo, include_usage):
-                yield event
-        finally:
-            _close_all(streams)
 
     async def _completion_events(
         self,
@@ -326,6 +298,16 @@ class _Progress:
         self.text[i] = len(c.text)
         self.tokens[i] = len(c.token_ids)
         return text, first_token
+
+
+async def _closing(events: AsyncIterator[bytes], streams: list[RequestStream]) -> AsyncIterator[bytes]:
+    """Pass SSE events through; however the response ends, its requests are closed (aborted if unfinished)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        _close_all(streams)
 
 
 def _close_all(streams: list[RequestStream]) -> None:

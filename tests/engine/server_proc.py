@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,26 +22,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
-    """A live engine server; `stop()` sends SIGTERM and returns the exit code."""
+class ManagedServer:
+    """A server subprocess on a free port, ready once GET /health answers 200.
 
-    def __init__(self, model: str | Path, *args: str, ready_timeout: float = 180.0) -> None:
+    `command(port)` builds its command line; `stop()` sends SIGTERM and returns the exit code.
+    """
+
+    def __init__(self, command: Callable[[int], list[str]], ready_timeout: float = 180.0) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        cmd = [
-            sys.executable,
-            "-m",
-            "engine",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            *args,
-        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(command(self.port), stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(ready_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -78,6 +71,32 @@ class ServerProcess:
         finally:
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> ManagedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServerProcess(ManagedServer):
+    """`python -m engine serve` with the given model and options."""
+
+    def __init__(self, model: str | Path, *args: str, ready_timeout: float = 180.0) -> None:
+        def command(port: int) -> list[str]:
+            return [
+                sys.executable,
+                "-m",
+                "engine",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                *args,
+            ]
+
+        super().__init__(command, ready_timeout)
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {series: value}, labels dropped (one model per server)."""
