@@ -1,0 +1,1 @@
+"""HTTP routes: they only translate between schemas and services."""

@@ -1,0 +1,69 @@
+"""OpenAI-format errors for every gateway response."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.auth import AuthError, KeyNotFoundError
+
+
+class GatewayError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> Response:
+    """The JSON error response."""
+    body: dict[str, Any] = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception the routes raise to OpenAI's error format."""
+
+    async def gateway_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    async def auth_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, AuthError)
+        kind = "authentication_error" if exc.status == 401 else "permission_error"
+        return error_response(exc.status, exc.message, kind, code=exc.code)
+
+    async def not_found(_: Request, exc: Exception) -> Response:
+        return error_response(404, f"no key with id {exc}", "invalid_request_error", code="key_not_found")
+
+    async def validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
+        return error_response(400, message, "invalid_request_error", param, "invalid_value")
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    app.add_exception_handler(GatewayError, gateway_error)
+    app.add_exception_handler(AuthError, auth_error)
+    app.add_exception_handler(KeyNotFoundError, not_found)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)

@@ -1,0 +1,72 @@
+"""ORM tables: virtual keys and the request log."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Index, Integer, Numeric, String, Text, func
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every gateway table."""
+
+
+def _uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class ApiKey(Base):
+    """A virtual key: only its keyed hash and a short display prefix are stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=_uuid)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)  # HMAC-SHA256, hex
+    key_prefix: Mapped[str] = mapped_column(String(16))  # e.g. "sk-AbC1", for display only
+    name: Mapped[str] = mapped_column(String(200))
+    team: Mapped[str | None] = mapped_column(String(200), index=True)
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)  # None: every model
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), onupdate=func.now()
+    )
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rotated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class RequestLog(Base):
+    """One row per request through the gateway."""
+
+    __tablename__ = "request_logs"
+    __table_args__ = (
+        Index("ix_request_logs_key_created", "key_id", "created_at"),
+        Index("ix_request_logs_team_created", "team", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    team: Mapped[str | None] = mapped_column(String(200))
+    requested_model: Mapped[str | None] = mapped_column(String(200))
+    backend: Mapped[str | None] = mapped_column(String(200))
+    deployment: Mapped[str | None] = mapped_column(String(500))
+    route_reason: Mapped[str | None] = mapped_column(String(500))
+    status: Mapped[int] = mapped_column(Integer)
+    error_type: Mapped[str | None] = mapped_column(String(100))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    latency_ms: Mapped[float | None] = mapped_column(Numeric(12, 3))
+    ttft_ms: Mapped[float | None] = mapped_column(Numeric(12, 3))
+    overhead_ms: Mapped[float | None] = mapped_column(Numeric(12, 3))
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
+    cost_usd: Mapped[Decimal | None] = mapped_column(Numeric(20, 10))
+    request_body: Mapped[str | None] = mapped_column(Text)  # only when the policy opts in
+    response_body: Mapped[str | None] = mapped_column(Text)

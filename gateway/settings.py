@@ -1,0 +1,45 @@
+"""GatewaySettings: the gateway's configuration, read from the environment (GATEWAY_*) only here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    """$XDG_DATA_HOME/switchboard, else ~/.local/share/switchboard."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "switchboard"
+
+
+class GatewaySettings(BaseSettings):
+    """Every gateway option; `GATEWAY_<NAME>` environment variables set them."""
+
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore", frozen=True)
+
+    master_key: SecretStr | None = None  # admin API credential; required unless dev_mode
+    key_secret: SecretStr | None = None  # HMAC secret for virtual-key hashes; required unless dev_mode
+    dev_mode: bool = False  # generated secrets, automatic migrations: never in production
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str | None = None  # default: SQLite file in data_dir
+    redis_url: str | None = None
+    policy_path: Path = Path("policies/default.yaml")
+    key_cache_ttl: float = Field(default=5.0, ge=0.0, le=60.0)  # seconds a looked-up key may be reused
+
+    @model_validator(mode="after")
+    def _secrets_outside_dev_mode(self) -> GatewaySettings:
+        if self.dev_mode:
+            return self
+        missing = [n for n in ("master_key", "key_secret") if getattr(self, n) is None]
+        if missing:
+            names = ", ".join(f"GATEWAY_{n.upper()}" for n in missing)
+            raise ValueError(f"{names} must be set (or GATEWAY_DEV_MODE=1 for local development)")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The configured URL, else a SQLite file in the data directory."""
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'gateway.db'}"

@@ -1,0 +1,52 @@
+"""Alembic environment: the gateway's database URL, its ORM metadata, async drivers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from alembic import context
+from sqlalchemy.engine import Connection
+
+from gateway.db import create_engine
+from gateway.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    url = config.attributes.get("url") or config.get_main_option("sqlalchemy.url")
+    if url:
+        return str(url)
+    from gateway.settings import GatewaySettings
+
+    return GatewaySettings().resolved_database_url
+
+
+def _run(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",  # SQLite alters tables by copying
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def _run_async() -> None:
+    engine = create_engine(_url())
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_run)
+            await conn.commit()
+    finally:
+        await engine.dispose()
+
+
+if context.is_offline_mode():
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    asyncio.run(_run_async())
