@@ -31,13 +31,13 @@ demo: model
 	$(PY) -m engine demo
 
 test: model
-	$(PY) -m ruff check engine kernels gateway tests bench
+	$(PY) -m ruff check engine kernels gateway tests bench migrations
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: install
-	$(PY) -m ruff check engine kernels gateway tests bench
-	$(PY) -m ruff format --check engine kernels gateway tests bench
+	$(PY) -m ruff check engine kernels gateway tests bench migrations
+	$(PY) -m ruff format --check engine kernels gateway tests bench migrations
 
 typecheck: install
 	$(PY) -m mypy

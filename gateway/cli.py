@@ -1,13 +1,18 @@
-"""`python -m gateway db upgrade|downgrade|current | keys create`: the gateway's command line."""
+"""`python -m gateway serve | db upgrade|downgrade|current | keys create`: the gateway's command line."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
+import uvicorn
 from pydantic import ValidationError
 
 from gateway.auth import KeyHasher, KeyStore
@@ -20,6 +25,7 @@ from gateway.migrate import (
     head_revision,
     upgrade,
 )
+from gateway.policy import PolicyError, load_policy
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
 
@@ -51,10 +57,43 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
         await engine.dispose()
 
 
+class _CleanExitServer(uvicorn.Server):
+    """uvicorn that finishes its graceful shutdown on SIGTERM/SIGINT and exits 0 (no re-raise)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: shut down gracefully (the request log is flushed); second: at once."""
+        self.force_exit = self.should_exit
+        self.should_exit = True
+
+
+def _serve(args: argparse.Namespace) -> int:
+    os.environ["GATEWAY_POLICY_PATH"] = str(args.policy)  # worker processes read their settings anew
+    settings = GatewaySettings()
+    load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
+    options: dict[str, Any] = dict(
+        factory=True, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+    )
+    if args.workers > 1:  # uvicorn's supervisor forwards signals to the workers
+        uvicorn.run("gateway.main:app_from_env", workers=args.workers, **options)
+        return 0
+    config = uvicorn.Config("gateway.main:app_from_env", **options)
+    server = _CleanExitServer(config)
+    server.run()
+    return 0 if server.started else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m gateway", description="Switchboard AI gateway")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible endpoint, admin API)")
+    serve.add_argument(
+        "--policy", type=Path, default=Path("policies/default.yaml"), help="routing policy YAML"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--workers", type=int, default=1, help="worker processes")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     db = sub.add_parser("db", help="database schema migrations (Alembic)")
     db_sub = db.add_subparsers(dest="db_command", required=True)
     up = db_sub.add_parser("upgrade", help="migrate up (to the newest revision by default)")
@@ -74,12 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("--metadata", default="{}", help="a JSON object")
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return _serve(args)
         settings = GatewaySettings()
         if args.command == "db":
             return _db(args, settings)
         print(json.dumps(asyncio.run(_create_key(args, settings)), indent=2))
         return 0
-    except (ValidationError, SchemaMismatchError, ValueError) as exc:
+    except (ValidationError, SchemaMismatchError, PolicyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -6,14 +6,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Response
+from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.api import admin_keys
+from gateway.api import admin_keys, openai_routes
 from gateway.auth import KeyHasher, KeyStore
+from gateway.backends.engine import EnginePool
 from gateway.db import create_engine, session_factory
 from gateway.errors import install_error_handlers
 from gateway.migrate import ensure_schema
+from gateway.policy import load_policy
+from gateway.proxy import Proxy
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
+from gateway.usage_log import RequestLogWriter
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -27,21 +32,40 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         secrets = resolve_secrets(settings)
         app.state.settings = settings
         app.state.secrets = secrets
-        app.state.keys = KeyStore(
-            session_factory(engine), KeyHasher(secrets.key_secret), settings.key_cache_ttl
-        )
+        sessions = session_factory(engine)
+        app.state.keys = KeyStore(sessions, KeyHasher(secrets.key_secret), settings.key_cache_ttl)
+        policy = load_policy(settings.policy_path)
+        pools = {name: EnginePool(name, spec) for name, spec in policy.backends.items()}
+        log = RequestLogWriter(sessions, registry)
+        log.start()
+        app.state.proxy = Proxy(policy, pools, log)
         try:
             yield
         finally:
+            await log.stop()
+            for pool in pools.values():
+                await pool.close()
             await engine.dispose()
 
     app = FastAPI(title="Switchboard gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(admin_keys.router)
+    app.include_router(openai_routes.router)
+    registry = CollectorRegistry()
 
     @app.get("/health")
     async def health() -> Response:
         """The gateway process is up."""
         return Response(b'{"status":"ok"}', media_type="application/json")
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format (the observability issue adds request metrics)."""
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     return app
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn factory for worker processes: settings from the environment."""
+    return create_app(GatewaySettings())

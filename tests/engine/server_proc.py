@@ -28,12 +28,19 @@ class ManagedServer:
     `command(port)` builds its command line; `stop()` sends SIGTERM and returns the exit code.
     """
 
-    def __init__(self, command: Callable[[int], list[str]], ready_timeout: float = 180.0) -> None:
+    def __init__(
+        self,
+        command: Callable[[int], list[str]],
+        ready_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(command(self.port), stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(
+            command(self.port), stdout=self.log, stderr=subprocess.STDOUT, env=full_env
+        )
         self._wait_ready(ready_timeout)
 
     def _wait_ready(self, timeout: float) -> None:

@@ -1,0 +1,1 @@
+"""Upstreams: the self-hosted engine pool (httpx, the hot path)."""

@@ -1,0 +1,243 @@
+"""One OpenAI request through the gateway: checks, the upstream call, headers and the log row."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import Response
+from fastapi.responses import StreamingResponse
+
+from gateway.auth import AuthError, KeyInfo
+from gateway.backends.engine import EnginePool, UpstreamUnavailableError
+from gateway.errors import GatewayError, error_response
+from gateway.policy import Policy
+from gateway.usage_log import RequestLogWriter
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any context these models take
+
+
+@dataclass
+class _Call:
+    """What one request accumulates for its headers and its log row."""
+
+    id: str
+    key: KeyInfo
+    started: float  # perf_counter
+    created_at: datetime
+    model: str | None = None
+    backend: str | None = None
+    deployment: str | None = None
+    upstream_seconds: float = 0.0
+    ttft: float | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    request_body: bytes | None = None
+    response_body: bytes | None = None
+
+    def overhead_ms(self) -> float:
+        return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
+
+
+class Proxy:
+    """Routes chat and text completions to the policy's backends and logs every request."""
+
+    def __init__(self, policy: Policy, pools: dict[str, EnginePool], log: RequestLogWriter) -> None:
+        self.policy = policy
+        self.pools = pools
+        self.log = log
+
+    def models_for(self, key: KeyInfo) -> list[str]:
+        """The model names this key may use."""
+        return [name for name in self.policy.models if key.allows(name)]
+
+    async def handle(self, path: str, raw: bytes, key: KeyInfo) -> Response:
+        """Forward one request; every outcome, errors included, gets a log row."""
+        call = _Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC))
+        try:
+            body, wants_usage = self._prepare(call, raw)
+            pool = self.pools[self.policy.models[call.model or ""].backend]
+            call.backend = pool.name
+            if body.get("stream"):
+                return await self._stream(call, pool, path, body, wants_usage)
+            return await self._whole(call, pool, path, body)
+        except (GatewayError, AuthError) as exc:
+            self._log(call, exc.status, getattr(exc, "code", None))
+            raise
+        except UpstreamUnavailableError as exc:
+            status = 504 if exc.timeout else 502
+            self._log(call, status, "upstream_timeout" if exc.timeout else "upstream_unavailable")
+            return self._with_headers(
+                call, error_response(status, str(exc), "api_error", code="upstream_unavailable")
+            )
+
+    def _prepare(self, call: _Call, raw: bytes) -> tuple[dict[str, Any], bool]:
+        if len(raw) > MAX_BODY_BYTES:
+            raise GatewayError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError(
+                400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(body, dict):
+            raise GatewayError(400, "The request body must be a JSON object", code="invalid_type")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise GatewayError(
+                400, "you must provide a model parameter", param="model", code="missing_required_parameter"
+            )
+        call.model = model
+        if model not in self.policy.models:
+            raise GatewayError(
+                404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+            )
+        if not call.key.allows(model):
+            raise AuthError(403, f"this key may not use the model '{model}'", "model_not_allowed")
+        if self.policy.log_bodies:
+            call.request_body = raw
+        body["model"] = self.policy.upstream_model(model)
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        if body.get("stream") is True and not wants_usage:  # the log needs usage: ask, hide it later
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        return body, wants_usage
+
+    async def _whole(self, call: _Call, pool: EnginePool, path: str, body: dict[str, Any]) -> Response:
+        sent = time.perf_counter()
+        reply = await pool.send(path, orjson.dumps(body))
+        call.upstream_seconds = time.perf_counter() - sent
+        call.deployment = reply.url
+        if reply.status == 200:
+            try:
+                call.usage = orjson.loads(reply.body).get("usage") or {}
+            except (orjson.JSONDecodeError, AttributeError):
+                call.usage = {}
+            if self.policy.log_bodies:
+                call.response_body = reply.body
+        response = Response(reply.body, status_code=reply.status, media_type="application/json")
+        self._log(call, reply.status, None if reply.status == 200 else _error_code(reply.body))
+        return self._with_headers(call, response)
+
+    async def _stream(
+        self, call: _Call, pool: EnginePool, path: str, body: dict[str, Any], wants_usage: bool
+    ) -> Response:
+        sent = time.perf_counter()
+        context = pool.stream(path, orjson.dumps(body))
+        resp, url = await context.__aenter__()
+        call.deployment = url
+        if resp.status_code != 200:
+            data = await resp.aread()
+            await context.__aexit__(None, None, None)
+            call.upstream_seconds = time.perf_counter() - sent
+            self._log(call, resp.status_code, _error_code(data))
+            return self._with_headers(
+                call, Response(data, status_code=resp.status_code, media_type="application/json")
+            )
+        call.upstream_seconds = time.perf_counter() - sent  # time to response headers
+
+        async def events() -> AsyncIterator[bytes]:
+            status, error = 200, None
+            lines = resp.aiter_lines().__aiter__()
+            try:
+                while True:
+                    waited = time.perf_counter()
+                    try:
+                        line = await lines.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        call.upstream_seconds += time.perf_counter() - waited
+                    event = self._relay(call, line, wants_usage)
+                    if event is not None:
+                        paused = time.perf_counter()
+                        yield event
+                        call.upstream_seconds += time.perf_counter() - paused  # the client reading
+            except httpx.HTTPError as exc:  # the upstream broke off mid-stream: tell the client
+                status, error = 502, "upstream_stream_error"
+                yield b"data: " + orjson.dumps(
+                    {"error": {"message": f"the upstream stream failed: {exc}", "type": "api_error",
+                               "param": None, "code": error}}
+                ) + b"\n\n"  # fmt: skip
+            except BaseException:
+                status, error = 499, "client_disconnected"
+                raise
+            finally:
+                await context.__aexit__(None, None, None)
+                self._log(call, status, error)
+
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        return self._with_headers(
+            call, StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        )
+
+    def _relay(self, call: _Call, line: str, wants_usage: bool) -> bytes | None:
+        """One upstream SSE line as the client should see it (usage taken for the log)."""
+        if not line:
+            return None
+        if call.ttft is None:
+            call.ttft = time.perf_counter() - call.started
+        if line.startswith("data: {") and '"usage":{' in line:
+            chunk = orjson.loads(line[6:])
+            call.usage = chunk.get("usage") or {}
+            if not wants_usage:
+                if not chunk.get("choices"):
+                    return None  # the usage-only chunk the client did not ask for
+                chunk.pop("usage", None)
+                return b"data: " + orjson.dumps(chunk) + b"\n\n"
+        elif not wants_usage and line.startswith("data: {") and '"usage":null' in line:
+            line = line.replace(',"usage":null', "")
+        return line.encode() + b"\n\n"
+
+    def _with_headers(self, call: _Call, response: Response) -> Response:
+        response.headers["x-request-id"] = call.id
+        if call.backend:
+            response.headers["x-gateway-backend"] = call.backend
+        response.headers["x-gateway-overhead-ms"] = f"{call.overhead_ms():.3f}"
+        return response
+
+    def _log(self, call: _Call, status: int, error: str | None) -> None:
+        usage = call.usage or {}
+        details = usage.get("prompt_tokens_details") or {}
+        latency = time.perf_counter() - call.started
+        self.log.record(
+            {
+                "id": call.id,
+                "created_at": call.created_at,
+                "finished_at": datetime.now(UTC),
+                "key_id": call.key.id,
+                "team": call.key.team,
+                "requested_model": call.model,
+                "backend": call.backend,
+                "deployment": call.deployment,
+                "route_reason": "direct" if call.backend else None,
+                "status": status,
+                "error_type": error,
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "completion_tokens": usage.get("completion_tokens"),
+                "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
+                "latency_ms": round(latency * 1e3, 3),
+                "ttft_ms": round(call.ttft * 1e3, 3) if call.ttft is not None else None,
+                "overhead_ms": round(call.overhead_ms(), 3),
+                "attempts": 1,
+                "cost_usd": None,
+                "request_body": call.request_body.decode(errors="replace") if call.request_body else None,
+                "response_body": call.response_body.decode(errors="replace") if call.response_body else None,
+            }
+        )
+
+
+def _error_code(body: bytes) -> str:
+    try:
+        error = orjson.loads(body).get("error") or {}
+        return str(error.get("code") or error.get("type") or "upstream_error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "upstream_error"

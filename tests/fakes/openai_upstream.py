@@ -1,0 +1,152 @@
+"""A fake OpenAI-compatible upstream on loopback: real HTTP and SSE, controllable latency and failures.
+
+Replies are deterministic: the completion is "echo:" plus the words of the last message (or the
+prompt), one word per token; usage counts whitespace-separated words. `POST /control` sets
+`latency_ms` (before the response) and `fail_status` (answer every request with that status);
+`GET /stats` reports requests served and the usage reported so far.
+
+Run: python tests/fakes/openai_upstream.py --port 9001
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+
+
+def create_app() -> FastAPI:
+    """The fake's app; its state lives on app.state (one fake per process)."""
+    app = FastAPI()
+    app.state.control = {"latency_ms": 0.0, "fail_status": None}
+    app.state.stats = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b'{"status":"ready"}', media_type="application/json")
+
+    @app.post("/control")
+    async def control(request: Request) -> dict[str, Any]:
+        app.state.control.update(orjson.loads(await request.body()))
+        return dict(app.state.control)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return dict(app.state.stats)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _complete(app, await request.body(), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _complete(app, await request.body(), chat=False)
+
+    return app
+
+
+async def _complete(app: FastAPI, raw: bytes, chat: bool) -> Response:
+    control = app.state.control
+    if control["latency_ms"]:
+        await asyncio.sleep(control["latency_ms"] / 1000)
+    if control["fail_status"]:
+        status = int(control["fail_status"])
+        body = {
+            "error": {"message": f"fake failure {status}", "type": "api_error", "param": None, "code": None}
+        }
+        return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+    body = orjson.loads(raw)
+    if chat:
+        text = str(body["messages"][-1].get("content") or "")
+        prompt_tokens = sum(len(str(m.get("content") or "").split()) for m in body["messages"])
+    else:
+        text = str(body["prompt"])
+        prompt_tokens = len(text.split())
+    words = ["echo:", *text.split()][: int(body.get("max_tokens") or 10_000)]
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(words),
+        "total_tokens": prompt_tokens + len(words),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    stats = app.state.stats
+    stats["requests"] += 1
+    stats["prompt_tokens"] += prompt_tokens
+    stats["completion_tokens"] += len(words)
+    rid, created, model = f"fake-{stats['requests']}", int(time.time()), body.get("model")
+    if body.get("stream"):
+        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(
+            _events(rid, created, model, words, usage, include, chat), media_type="text/event-stream"
+        )
+    content = " ".join(words)
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": "stop",
+        }
+        obj = "chat.completion"
+    else:
+        choice, obj = (
+            {"index": 0, "text": content, "finish_reason": "stop", "logprobs": None},
+            "text_completion",
+        )
+    reply = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+    return Response(orjson.dumps(reply), media_type="application/json")
+
+
+async def _events(
+    rid: str, created: int, model: Any, words: list[str], usage: dict[str, Any], include: bool, chat: bool
+) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include else {}
+
+    def event(choice: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                        "choices": [choice], **extra}) + b"\n\n"  # fmt: skip
+
+    if chat:
+        yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    for i, word in enumerate(words):
+        piece = word if i == 0 else " " + word
+        yield event({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat
+                    else {"index": 0, "text": piece, "finish_reason": None})  # fmt: skip
+    yield event({"index": 0, "delta": {}, "finish_reason": "stop"} if chat
+                else {"index": 0, "text": "", "finish_reason": "stop"})  # fmt: skip
+    if include:
+        yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                        "choices": [], "usage": usage}) + b"\n\n"  # fmt: skip
+    yield b"data: [DONE]\n\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    uvicorn.run(create_app(), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The gateway in a subprocess, in front of a fake OpenAI upstream, through the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.engine.server_proc import ManagedServer
+
+MASTER = "sk-master-proxy"
+
+
+class Stack:
+    """A fake upstream, a gateway in front of it, and keys."""
+
+    def __init__(self, root: Path) -> None:
+        self.upstream = ManagedServer(
+            lambda port: [sys.executable, "tests/fakes/openai_upstream.py", "--port", str(port)], 60
+        )
+        policy = root / "policy.yaml"
+        policy.write_text(
+            f"""
+backends:
+  fake: {{type: engine, urls: ["{self.upstream.base_url}"], timeouts: {{connect: 1, total: 10}}}}
+  down: {{type: engine, urls: ["http://127.0.0.1:9"], timeouts: {{connect: 1, total: 2}}}}
+models:
+  fast: {{backend: fake, model: fake-model}}
+  smart: {{backend: fake}}
+  broken: {{backend: down}}
+"""
+        )
+        self.db = root / "gateway.db"
+        self.env = {
+            "GATEWAY_MASTER_KEY": MASTER,
+            "GATEWAY_KEY_SECRET": "proxy-secret",
+            "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{self.db}",
+            "GATEWAY_KEY_CACHE_TTL": "0.2",
+        }
+        full = dict(os.environ, **self.env)
+        subprocess.run(
+            [sys.executable, "-m", "gateway", "db", "upgrade"], env=full, check=True, capture_output=True
+        )
+        self.gateway = ManagedServer(
+            lambda port: [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--policy",
+                str(policy),
+                "--port",
+                str(port),
+            ],
+            60,
+            self.env,
+        )
+        self.key = self.create_key(name="all")
+
+    def create_key(self, **body: Any) -> str:
+        r = httpx.post(
+            f"{self.gateway.base_url}/admin/keys", json=body, headers={"Authorization": f"Bearer {MASTER}"}
+        )
+        r.raise_for_status()
+        return str(r.json()["key"])
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.gateway.base_url}/v1", api_key=key or self.key, max_retries=0)
+
+    def log_rows(self) -> list[sqlite3.Row]:
+        conn = sqlite3.connect(self.db)
+        conn.row_factory = sqlite3.Row
+        try:
+            return conn.execute("SELECT * FROM request_logs").fetchall()
+        finally:
+            conn.close()
+
+    def close(self) -> int:
+        code = self.gateway.stop()
+        self.upstream.stop()
+        return code
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("gw"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_chat_goes_through_with_usage_and_gateway_headers(stack: Stack) -> None:
+    raw = stack.client().chat.completions.with_raw_response.create(
+        model="fast", messages=[{"role": "user", "content": "hello there"}]
+    )
+    resp = raw.parse()
+    assert resp.choices[0].message.content == "echo: hello there"
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+    assert raw.headers["x-request-id"].startswith("req-")
+    assert raw.headers["x-gateway-backend"] == "fake"
+    assert 0.0 <= float(raw.headers["x-gateway-overhead-ms"]) < 50.0
+
+
+def test_streams_pass_through_chunk_by_chunk(stack: Stack) -> None:
+    client = stack.client()
+    chunks = list(
+        client.chat.completions.create(
+            model="fast", messages=[{"role": "user", "content": "a b c"}], stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "echo: a b c"
+    assert all(c.usage is None for c in chunks)  # usage was not asked for: not shown
+    with_usage = list(
+        client.completions.create(
+            model="smart", prompt="x y", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 3
+
+
+def test_models_lists_only_what_the_key_may_use(stack: Stack) -> None:
+    limited = stack.create_key(name="limited", allowed_models=["fast"])
+    assert [m.id for m in stack.client(limited).models.list().data] == ["fast"]
+    assert {m.id for m in stack.client().models.list().data} == {"fast", "smart", "broken"}
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        stack.client(limited).chat.completions.create(
+            model="smart", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.code == "model_not_allowed"
+
+
+def test_auth_matrix(stack: Stack) -> None:
+    url = f"{stack.gateway.base_url}/v1/chat/completions"
+    body = {"model": "fast", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer sk-nope"}).status_code == 401
+    revoked = stack.create_key(name="revoked")
+    key_id = httpx.get(
+        f"{stack.gateway.base_url}/admin/keys", headers={"Authorization": f"Bearer {MASTER}"}
+    ).json()
+    target = next(k["id"] for k in key_id["data"] if k["name"] == "revoked")
+    httpx.post(
+        f"{stack.gateway.base_url}/admin/keys/{target}/revoke", headers={"Authorization": f"Bearer {MASTER}"}
+    )
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {revoked}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "key_revoked"
+    expired = stack.create_key(name="old", expires_at="2020-01-01T00:00:00Z")
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {expired}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "key_expired"
+    assert (
+        httpx.get(
+            f"{stack.gateway.base_url}/admin/keys", headers={"Authorization": f"Bearer {stack.key}"}
+        ).status_code
+        == 403
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1]", 400, "invalid_type"),
+        (b'{"messages": []}', 400, "missing_required_parameter"),
+        (b'{"model": "nope", "messages": []}', 404, "model_not_found"),
+        (b'{"model": "fast", "pad": "' + b"x" * (9 << 20) + b'"}', 413, "body_too_large"),
+    ],
+)
+def test_bad_requests_are_clear_4xx(stack: Stack, content: bytes, status: int, code: str) -> None:
+    r = httpx.post(
+        f"{stack.gateway.base_url}/v1/chat/completions",
+        content=content,
+        headers={"Authorization": f"Bearer {stack.key}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_unreachable_upstream_is_502_in_openai_format(stack: Stack) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        stack.client().chat.completions.create(model="broken", messages=[{"role": "user", "content": "x"}])
+    assert info.value.status_code == 502
+    assert info.value.code == "upstream_unavailable"
+
+
+def test_upstream_errors_pass_through_with_their_status(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": 429})
+    try:
+        with pytest.raises(openai.RateLimitError):
+            stack.client().chat.completions.create(model="fast", messages=[{"role": "user", "content": "x"}])
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
+
+
+def test_burst_of_500_requests_logs_500_rows_with_the_upstream_token_totals(tmp_path: Path) -> None:
+    stack = Stack(tmp_path)
+    try:
+
+        async def burst() -> None:
+            client = openai.AsyncOpenAI(
+                base_url=f"{stack.gateway.base_url}/v1", api_key=stack.key, max_retries=0, timeout=120,
+                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=64)),
+            )  # fmt: skip
+
+            async def one(i: int) -> None:
+                words = " ".join(["w"] * (i % 7 + 1))
+                if i % 2:
+                    await client.chat.completions.create(
+                        model="fast", messages=[{"role": "user", "content": words}]
+                    )
+                else:
+                    stream = await client.completions.create(model="smart", prompt=words, stream=True)
+                    async for _ in stream:
+                        pass
+
+            await asyncio.gather(*(one(i) for i in range(500)))
+            await client.close()
+
+        asyncio.run(burst())
+        stats = httpx.get(f"{stack.upstream.base_url}/stats").json()
+    finally:
+        assert stack.close() == 0  # SIGTERM: the log writer flushes before exit
+    rows = stack.log_rows()
+    assert len(rows) == 500 == stats["requests"]
+    assert all(r["status"] == 200 for r in rows)
+    assert sum(r["prompt_tokens"] for r in rows) == stats["prompt_tokens"]
+    assert sum(r["completion_tokens"] for r in rows) == stats["completion_tokens"]
+    assert all(r["overhead_ms"] is not None and r["key_id"] for r in rows)
+    assert stack.key not in json.dumps([dict(r) for r in rows], default=str)
