@@ -25,7 +25,7 @@ model: install
 	$(PY) -m engine prepare-model
 
 run: model
-	$(PY) -m engine serve --model default --port 8001
+	$(PY) -m gateway dev --model default --port 8000 --engine-port 8001
 
 demo: model
 	$(PY) -m engine demo

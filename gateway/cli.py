@@ -1,4 +1,4 @@
-"""`python -m gateway serve | db upgrade|downgrade|current | keys create`: the gateway's command line."""
+"""`python -m gateway serve | dev | db upgrade|downgrade|current | keys create`: the command line."""
 
 from __future__ import annotations
 
@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="worker processes")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    dev = sub.add_parser("dev", help="run the engine and the gateway together in dev mode (make run)")
+    dev.add_argument("--model", default="default", help="engine model: 'default' or a local HF folder")
+    dev.add_argument("--port", type=int, default=8000, help="gateway port")
+    dev.add_argument("--engine-port", type=int, default=8001)
     db = sub.add_parser("db", help="database schema migrations (Alembic)")
     db_sub = db.add_subparsers(dest="db_command", required=True)
     up = db_sub.add_parser("upgrade", help="migrate up (to the newest revision by default)")
@@ -115,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "dev":
+            from gateway.devstack import run_dev_stack
+
+            return run_dev_stack(args.model, args.port, args.engine_port)
         settings = GatewaySettings()
         if args.command == "db":
             return _db(args, settings)

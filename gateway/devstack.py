@@ -1,0 +1,153 @@
+"""`python -m gateway dev`: the engine and the gateway together on localhost, for `make run`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from gateway.auth import AuthError, KeyHasher, KeyStore
+from gateway.db import create_engine, session_factory
+from gateway.migrate import ensure_schema
+from gateway.secrets_store import resolve_secrets
+from gateway.settings import GatewaySettings
+
+_DEV_KEY_FILE = "dev-key.json"
+
+
+def _wait_healthy(name: str, proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {name} exited with status {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the {name} was not healthy after {timeout:.0f}s")
+
+
+async def _dev_key(settings: GatewaySettings) -> str:
+    """The dev key kept in the data directory, created (or re-created) when it no longer works."""
+    url = settings.resolved_database_url
+    await ensure_schema(url, auto_upgrade=True)
+    engine = create_engine(url)
+    path = settings.data_dir / _DEV_KEY_FILE
+    try:
+        store = KeyStore(session_factory(engine), KeyHasher(resolve_secrets(settings).key_secret), 0.0)
+        if path.is_file():
+            key = str(json.loads(path.read_text()).get("key", ""))
+            try:
+                await store.authenticate(key)
+                return key
+            except AuthError:
+                pass
+        _, key = await store.create("dev", metadata={"created_by": "python -m gateway dev"})
+        path.write_text(json.dumps({"key": key}))
+        path.chmod(0o600)
+        return key
+    finally:
+        await engine.dispose()
+
+
+def _policy_for(engine_url: str, model_names: list[str], data_dir: Path) -> Path:
+    """policies/default.yaml with its engine URLs pointed at this run's engine."""
+    policy = yaml.safe_load(Path("policies/default.yaml").read_text())
+    for backend in policy["backends"].values():
+        if backend.get("type") == "engine":
+            backend["urls"] = [engine_url]
+    for name, route in policy["models"].items():  # the default policy names the default model
+        if (route.get("model") or name) not in model_names:
+            route["model"] = model_names[0]
+    for name in model_names:
+        policy["models"].setdefault(name, {"backend": next(iter(policy["backends"]))})
+    path = data_dir / "dev-policy.yaml"
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    return path
+
+
+def _banner(gateway_url: str, master_key: str, key: str, models: list[str]) -> str:
+    model = models[0]
+    return f"""
+Switchboard is running.
+  gateway  {gateway_url}   (OpenAI-compatible: /v1/chat/completions, /v1/completions, /v1/models)
+  models   {", ".join(models)}
+  key      {key}
+  master   {master_key}   (admin API: {gateway_url}/admin/keys)
+  hosted   none yet: hosted backends are not available in this version
+
+curl {gateway_url}/v1/chat/completions -H "Authorization: Bearer {key}" \\
+  -H "Content-Type: application/json" \\
+  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{gateway_url}/v1", api_key="{key}")
+reply = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
+print(reply.choices[0].message.content)
+PY
+
+Ctrl-C stops both.
+"""
+
+
+def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.1") -> int:
+    """Start the engine, then the gateway in dev mode; stop both on Ctrl-C or SIGTERM."""
+    os.environ["GATEWAY_DEV_MODE"] = "1"
+    settings = GatewaySettings()
+    engine_url, gateway_url = f"http://{host}:{engine_port}", f"http://{host}:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        engine_cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--host", host,
+                      "--port", str(engine_port), "--no-access-log"]  # fmt: skip
+        procs.append(subprocess.Popen(engine_cmd))
+        print(f"starting the engine ({model}) on {engine_url} ...", flush=True)
+        _wait_healthy("engine", procs[0], engine_url, timeout=900)
+        served = [m["id"] for m in httpx.get(f"{engine_url}/v1/models", timeout=10).json()["data"]]
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        policy = _policy_for(engine_url, served, settings.data_dir)
+        key = asyncio.run(_dev_key(settings))
+        gateway_cmd = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", host,
+                       "--port", str(port)]  # fmt: skip
+        procs.append(subprocess.Popen(gateway_cmd))
+        _wait_healthy("gateway", procs[1], gateway_url, timeout=120)
+        models = [m for m in yaml.safe_load(policy.read_text())["models"]]
+        print(_banner(gateway_url, resolve_secrets(settings).master_key, key, models), flush=True)
+        while not stop and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        return 0 if stop else 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+
+        def kill_all(_signum: int, _frame: object) -> None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+        signal.signal(signal.SIGINT, kill_all)  # a second Ctrl-C while they stop: kill, do not wait
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
