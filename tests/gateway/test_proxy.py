@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from sqlalchemy import text
 
+from gateway.db import create_engine
 from tests.engine.server_proc import ManagedServer
 
 MASTER = "sk-master-proxy"
@@ -24,7 +25,7 @@ MASTER = "sk-master-proxy"
 class Stack:
     """A fake upstream, a gateway in front of it, and keys."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, database_url: str | None = None) -> None:
         self.upstream = ManagedServer(
             lambda port: [sys.executable, "tests/fakes/openai_upstream.py", "--port", str(port)], 60
         )
@@ -40,11 +41,11 @@ models:
   broken: {{backend: down}}
 """
         )
-        self.db = root / "gateway.db"
+        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         self.env = {
             "GATEWAY_MASTER_KEY": MASTER,
             "GATEWAY_KEY_SECRET": "proxy-secret",
-            "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{self.db}",
+            "GATEWAY_DATABASE_URL": self.database_url,
             "GATEWAY_KEY_CACHE_TTL": "0.2",
         }
         full = dict(os.environ, **self.env)
@@ -77,13 +78,16 @@ models:
     def client(self, key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.gateway.base_url}/v1", api_key=key or self.key, max_retries=0)
 
-    def log_rows(self) -> list[sqlite3.Row]:
-        conn = sqlite3.connect(self.db)
-        conn.row_factory = sqlite3.Row
-        try:
-            return conn.execute("SELECT * FROM request_logs").fetchall()
-        finally:
-            conn.close()
+    def log_rows(self) -> list[dict[str, Any]]:
+        async def read() -> list[dict[str, Any]]:
+            engine = create_engine(self.database_url)
+            try:
+                async with engine.connect() as conn:
+                    return [dict(r._mapping) for r in await conn.execute(text("SELECT * FROM request_logs"))]
+            finally:
+                await engine.dispose()
+
+        return asyncio.run(read())
 
     def close(self) -> int:
         code = self.gateway.stop()
@@ -204,8 +208,10 @@ def test_upstream_errors_pass_through_with_their_status(stack: Stack) -> None:
         httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
 
 
-def test_burst_of_500_requests_logs_500_rows_with_the_upstream_token_totals(tmp_path: Path) -> None:
-    stack = Stack(tmp_path)
+def test_burst_of_500_requests_logs_500_rows_with_the_upstream_token_totals(
+    tmp_path: Path, database_url: str
+) -> None:
+    stack = Stack(tmp_path, database_url)
     try:
 
         async def burst() -> None:
