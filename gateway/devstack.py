@@ -66,17 +66,32 @@ def _policy_for(engine_url: str, model_names: list[str], data_dir: Path) -> Path
     for backend in policy["backends"].values():
         if backend.get("type") == "engine":
             backend["urls"] = [engine_url]
+    engines = [name for name, b in policy["backends"].items() if b.get("type") == "engine"]
     for name, route in policy["models"].items():  # the default policy names the default model
-        if (route.get("model") or name) not in model_names:
+        if route["backend"] in engines and (route.get("model") or name) not in model_names:
             route["model"] = model_names[0]
     for name in model_names:
-        policy["models"].setdefault(name, {"backend": next(iter(policy["backends"]))})
+        policy["models"].setdefault(name, {"backend": engines[0]})
     path = data_dir / "dev-policy.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     return path
 
 
-def _banner(gateway_url: str, master_key: str, key: str, models: list[str]) -> str:
+def _hosted_lines(policy: Path) -> str:
+    """Each hosted model with whether its key is set (from the policy, without importing litellm)."""
+    data = yaml.safe_load(policy.read_text())
+    lines = []
+    for name, route in data["models"].items():
+        backend = data["backends"][route["backend"]]
+        if backend.get("type") != "hosted":
+            continue
+        env = backend.get("api_key_env")
+        state = "available" if not env or os.environ.get(env) else f"UNAVAILABLE: set {env}"
+        lines.append(f"{name} ({backend['model']}): {state}")
+    return "\n           ".join(lines) or "none in the policy"
+
+
+def _banner(gateway_url: str, master_key: str, key: str, models: list[str], hosted: str) -> str:
     model = models[0]
     return f"""
 Switchboard is running.
@@ -84,7 +99,7 @@ Switchboard is running.
   models   {", ".join(models)}
   key      {key}
   master   {master_key}   (admin API: {gateway_url}/admin/keys)
-  hosted   none yet: hosted backends are not available in this version
+  hosted   {hosted}
 
 curl {gateway_url}/v1/chat/completions -H "Authorization: Bearer {key}" \\
   -H "Content-Type: application/json" \\
@@ -129,7 +144,8 @@ def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.
         procs.append(subprocess.Popen(gateway_cmd))
         _wait_healthy("gateway", procs[1], gateway_url, timeout=120)
         models = [m for m in yaml.safe_load(policy.read_text())["models"]]
-        print(_banner(gateway_url, resolve_secrets(settings).master_key, key, models), flush=True)
+        master = resolve_secrets(settings).master_key
+        print(_banner(gateway_url, master, key, models, _hosted_lines(policy)), flush=True)
         while not stop and all(p.poll() is None for p in procs):
             time.sleep(0.2)
         return 0 if stop else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,15 +11,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.api import admin_keys, openai_routes
 from gateway.auth import KeyHasher, KeyStore
+from gateway.backends.base import Upstream
 from gateway.backends.engine import EnginePool
 from gateway.db import create_engine, session_factory
 from gateway.errors import install_error_handlers
 from gateway.migrate import ensure_schema
-from gateway.policy import load_policy
+from gateway.policy import EngineBackend, Policy, load_policy
 from gateway.proxy import Proxy
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
 from gateway.usage_log import RequestLogWriter
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -35,7 +39,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         sessions = session_factory(engine)
         app.state.keys = KeyStore(sessions, KeyHasher(secrets.key_secret), settings.key_cache_ttl)
         policy = load_policy(settings.policy_path)
-        pools = {name: EnginePool(name, spec) for name, spec in policy.backends.items()}
+        pools = build_backends(policy)
         log = RequestLogWriter(sessions, registry)
         log.start()
         app.state.proxy = Proxy(policy, pools, log)
@@ -64,6 +68,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def build_backends(policy: Policy) -> dict[str, Upstream]:
+    """One client per backend; litellm is imported only when the policy has hosted models."""
+    backends: dict[str, Upstream] = {}
+    for name, spec in policy.backends.items():
+        if isinstance(spec, EngineBackend):
+            backends[name] = EnginePool(name, spec)
+            continue
+        from gateway.backends.hosted import HostedModel
+
+        hosted = HostedModel(name, spec)
+        if hosted.unavailable_reason:
+            logger.warning("hosted backend %r is unavailable: %s", name, hosted.unavailable_reason)
+        backends[name] = hosted
+    return backends
 
 
 def app_from_env() -> FastAPI:

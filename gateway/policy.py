@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,6 +40,20 @@ class EngineBackend(_Strict):
         return self
 
 
+class HostedBackend(_Strict):
+    """A hosted model called through litellm (OpenAI, Anthropic, Azure, Gemini, OpenAI-compatible)."""
+
+    type: Literal["hosted"]
+    model: str = Field(min_length=1)  # litellm's name, e.g. "openai/gpt-4o-mini", "anthropic/claude-..."
+    api_key_env: str | None = None  # env var holding the provider key; unset there: model unavailable
+    base_url: str | None = None  # for Azure or any OpenAI-compatible server
+    api_version: str | None = None  # Azure
+    timeouts: Timeouts = Timeouts()
+
+
+Backend = Annotated[EngineBackend | HostedBackend, Field(discriminator="type")]
+
+
 class ModelRoute(_Strict):
     """A model name clients may ask for, and where it is served."""
 
@@ -50,7 +64,7 @@ class ModelRoute(_Strict):
 class Policy(_Strict):
     """Backends, the models exposed to clients, and logging options."""
 
-    backends: dict[str, EngineBackend] = Field(min_length=1)
+    backends: dict[str, Backend] = Field(min_length=1)
     models: dict[str, ModelRoute] = Field(min_length=1)
     log_bodies: bool = False  # store prompt and completion bodies in the request log
 
@@ -63,8 +77,12 @@ class Policy(_Strict):
         return self
 
     def upstream_model(self, name: str) -> str:
-        """The name the backend knows the model by."""
-        return self.models[name].model or name
+        """The name the backend knows the model by (a hosted backend's own model by default)."""
+        route = self.models[name]
+        if route.model:
+            return route.model
+        backend = self.backends[route.backend]
+        return backend.model if isinstance(backend, HostedBackend) else name
 
 
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
@@ -94,7 +112,10 @@ def load_policy(path: Path) -> Policy:
 
 def _describe(err: object) -> str:
     assert isinstance(err, dict)
-    loc = ".".join(str(p) for p in err["loc"])
+    parts = [str(p) for p in err["loc"]]
+    if len(parts) >= 3 and parts[0] == "backends" and parts[2] in ("engine", "hosted"):
+        del parts[2]  # the union's tag: `backends.local.urls`, not `backends.local.engine.urls`
+    loc = ".".join(parts)
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"

@@ -16,7 +16,12 @@ from fastapi import Response
 from fastapi.responses import StreamingResponse
 
 from gateway.auth import AuthError, KeyInfo
-from gateway.backends.engine import EnginePool, UpstreamUnavailableError
+from gateway.backends.base import (
+    ModelUnavailableError,
+    Upstream,
+    UpstreamStreamError,
+    UpstreamUnavailableError,
+)
 from gateway.errors import GatewayError, error_response
 from gateway.policy import Policy
 from gateway.usage_log import RequestLogWriter
@@ -50,14 +55,18 @@ class _Call:
 class Proxy:
     """Routes chat and text completions to the policy's backends and logs every request."""
 
-    def __init__(self, policy: Policy, pools: dict[str, EnginePool], log: RequestLogWriter) -> None:
+    def __init__(self, policy: Policy, pools: dict[str, Upstream], log: RequestLogWriter) -> None:
         self.policy = policy
         self.pools = pools
         self.log = log
 
-    def models_for(self, key: KeyInfo) -> list[str]:
-        """The model names this key may use."""
-        return [name for name in self.policy.models if key.allows(name)]
+    def models_for(self, key: KeyInfo) -> list[tuple[str, str | None]]:
+        """The model names this key may use, each with why it is unavailable (None: available)."""
+        return [
+            (name, self.pools[route.backend].unavailable_reason)
+            for name, route in self.policy.models.items()
+            if key.allows(name)
+        ]
 
     async def handle(self, path: str, raw: bytes, key: KeyInfo) -> Response:
         """Forward one request; every outcome, errors included, gets a log row."""
@@ -66,12 +75,21 @@ class Proxy:
             body, wants_usage = self._prepare(call, raw)
             pool = self.pools[self.policy.models[call.model or ""].backend]
             call.backend = pool.name
+            reason = pool.unavailable_reason
+            if reason is not None:
+                raise ModelUnavailableError(reason)
             if body.get("stream"):
                 return await self._stream(call, pool, path, body, wants_usage)
             return await self._whole(call, pool, path, body)
         except (GatewayError, AuthError) as exc:
             self._log(call, exc.status, getattr(exc, "code", None))
             raise
+        except ModelUnavailableError as exc:
+            self._log(call, 503, "model_unavailable")
+            message = f"the model '{call.model}' is unavailable: {exc}"
+            return self._with_headers(
+                call, error_response(503, message, "api_error", "model", "model_unavailable")
+            )
         except UpstreamUnavailableError as exc:
             status = 504 if exc.timeout else 502
             self._log(call, status, "upstream_timeout" if exc.timeout else "upstream_unavailable")
@@ -111,7 +129,7 @@ class Proxy:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         return body, wants_usage
 
-    async def _whole(self, call: _Call, pool: EnginePool, path: str, body: dict[str, Any]) -> Response:
+    async def _whole(self, call: _Call, pool: Upstream, path: str, body: dict[str, Any]) -> Response:
         sent = time.perf_counter()
         reply = await pool.send(path, orjson.dumps(body))
         call.upstream_seconds = time.perf_counter() - sent
@@ -128,25 +146,25 @@ class Proxy:
         return self._with_headers(call, response)
 
     async def _stream(
-        self, call: _Call, pool: EnginePool, path: str, body: dict[str, Any], wants_usage: bool
+        self, call: _Call, pool: Upstream, path: str, body: dict[str, Any], wants_usage: bool
     ) -> Response:
         sent = time.perf_counter()
         context = pool.stream(path, orjson.dumps(body))
-        resp, url = await context.__aenter__()
-        call.deployment = url
-        if resp.status_code != 200:
-            data = await resp.aread()
+        upstream = await context.__aenter__()
+        call.deployment = upstream.url
+        if upstream.status != 200:
             await context.__aexit__(None, None, None)
             call.upstream_seconds = time.perf_counter() - sent
-            self._log(call, resp.status_code, _error_code(data))
-            return self._with_headers(
-                call, Response(data, status_code=resp.status_code, media_type="application/json")
+            self._log(call, upstream.status, _error_code(upstream.error_body))
+            response = Response(
+                upstream.error_body, status_code=upstream.status, media_type="application/json"
             )
+            return self._with_headers(call, response)
         call.upstream_seconds = time.perf_counter() - sent  # time to response headers
 
         async def events() -> AsyncIterator[bytes]:
             status, error = 200, None
-            lines = resp.aiter_lines().__aiter__()
+            lines = upstream.lines.__aiter__()
             try:
                 while True:
                     waited = time.perf_counter()
@@ -161,7 +179,7 @@ class Proxy:
                         paused = time.perf_counter()
                         yield event
                         call.upstream_seconds += time.perf_counter() - paused  # the client reading
-            except httpx.HTTPError as exc:  # the upstream broke off mid-stream: tell the client
+            except (httpx.HTTPError, UpstreamStreamError) as exc:  # broke off mid-stream: tell the client
                 status, error = 502, "upstream_stream_error"
                 yield b"data: " + orjson.dumps(
                     {"error": {"message": f"the upstream stream failed: {exc}", "type": "api_error",

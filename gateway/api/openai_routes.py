@@ -59,8 +59,11 @@ async def completions(request: Request, key: AuthedKey, service: ProxyDep) -> Re
 
 @router.get("/v1/models")
 async def list_models(key: AuthedKey, service: ProxyDep) -> dict[str, Any]:
-    """Only the models the calling key may use."""
-    data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "switchboard"} for m in service.models_for(key)
-    ]
+    """Only the models the calling key may use; unavailable ones say why."""
+    data = []
+    for name, reason in service.models_for(key):
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "switchboard"}
+        if reason is not None:
+            entry.update(available=False, unavailable_reason=reason)
+        data.append(entry)
     return {"object": "list", "data": data}

@@ -6,28 +6,11 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import httpx
 
+from gateway.backends.base import UpstreamReply, UpstreamStream, UpstreamUnavailableError
 from gateway.policy import EngineBackend
-
-
-class UpstreamUnavailableError(Exception):
-    """The upstream could not be reached or did not answer in time."""
-
-    def __init__(self, message: str, timeout: bool) -> None:
-        super().__init__(message)
-        self.timeout = timeout
-
-
-@dataclass
-class UpstreamReply:
-    """A whole (non-streamed) upstream response."""
-
-    status: int
-    body: bytes
-    url: str
 
 
 class EnginePool:
@@ -44,6 +27,11 @@ class EnginePool:
         self._headers = {"content-type": "application/json"}
         if key:
             self._headers["authorization"] = f"Bearer {key}"
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Engine pools are always callable (health checks come with the routing issue)."""
+        return None
 
     def _pick(self) -> str:
         return self.urls[next(self._turn) % len(self.urls)]
@@ -62,7 +50,7 @@ class EnginePool:
         return UpstreamReply(resp.status_code, resp.content, url)
 
     @asynccontextmanager
-    async def stream(self, path: str, body: bytes) -> AsyncIterator[tuple[httpx.Response, str]]:
+    async def stream(self, path: str, body: bytes) -> AsyncIterator[UpstreamStream]:
         """POST with a streamed response; leaving the block closes the upstream connection."""
         url = self._pick()
         request = self._client.build_request("POST", url + path, content=body, headers=self._headers)
@@ -75,7 +63,8 @@ class EnginePool:
                 f"{self.name} ({url}) is unreachable: {exc}", timeout=False
             ) from exc
         try:
-            yield resp, url
+            error = await resp.aread() if resp.status_code != 200 else b""
+            yield UpstreamStream(resp.status_code, resp.aiter_lines(), error, url)
         finally:
             await resp.aclose()
 

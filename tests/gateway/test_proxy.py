@@ -35,7 +35,12 @@ class Stack:
 backends:
   fake: {{type: engine, urls: ["{self.upstream.base_url}"], timeouts: {{connect: 1, total: 10}}}}
   down: {{type: engine, urls: ["http://127.0.0.1:9"], timeouts: {{connect: 1, total: 2}}}}
+  frontier: {{type: hosted, model: openai/fake-model, api_key_env: FAKE_PROVIDER_KEY,
+             base_url: "{self.upstream.base_url}/v1"}}
+  nokey: {{type: hosted, model: openai/gpt-4o-mini, api_key_env: SWITCHBOARD_TEST_UNSET_KEY}}
 models:
+  hosted: {{backend: frontier}}
+  hosted-nokey: {{backend: nokey}}
   fast: {{backend: fake, model: fake-model}}
   smart: {{backend: fake}}
   broken: {{backend: down}}
@@ -47,6 +52,7 @@ models:
             "GATEWAY_KEY_SECRET": "proxy-secret",
             "GATEWAY_DATABASE_URL": self.database_url,
             "GATEWAY_KEY_CACHE_TTL": "0.2",
+            "FAKE_PROVIDER_KEY": "sk-fake-provider",
         }
         full = dict(os.environ, **self.env)
         subprocess.run(
@@ -137,7 +143,13 @@ def test_streams_pass_through_chunk_by_chunk(stack: Stack) -> None:
 def test_models_lists_only_what_the_key_may_use(stack: Stack) -> None:
     limited = stack.create_key(name="limited", allowed_models=["fast"])
     assert [m.id for m in stack.client(limited).models.list().data] == ["fast"]
-    assert {m.id for m in stack.client().models.list().data} == {"fast", "smart", "broken"}
+    assert {m.id for m in stack.client().models.list().data} == {
+        "fast",
+        "smart",
+        "broken",
+        "hosted",
+        "hosted-nokey",
+    }
     with pytest.raises(openai.PermissionDeniedError) as info:
         stack.client(limited).chat.completions.create(
             model="smart", messages=[{"role": "user", "content": "x"}]
@@ -245,3 +257,47 @@ def test_burst_of_500_requests_logs_500_rows_with_the_upstream_token_totals(
     assert sum(r["completion_tokens"] for r in rows) == stats["completion_tokens"]
     assert all(r["overhead_ms"] is not None and r["key_id"] for r in rows)
     assert stack.key not in json.dumps([dict(r) for r in rows], default=str)
+
+
+def test_hosted_model_through_litellm_whole_and_streamed(stack: Stack) -> None:
+    client = stack.client()
+    raw = client.chat.completions.with_raw_response.create(
+        model="hosted", messages=[{"role": "user", "content": "over the wire"}]
+    )
+    resp = raw.parse()
+    assert resp.choices[0].message.content == "echo: over the wire"
+    assert resp.usage is not None and resp.usage.completion_tokens == 4
+    assert raw.headers["x-gateway-backend"] == "frontier"
+    chunks = list(
+        client.chat.completions.create(
+            model="hosted", messages=[{"role": "user", "content": "a b"}], stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "echo: a b"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+def test_hosted_model_without_its_key_is_listed_unavailable_and_refused(stack: Stack) -> None:
+    listed = httpx.get(
+        f"{stack.gateway.base_url}/v1/models", headers={"Authorization": f"Bearer {stack.key}"}
+    ).json()
+    entry = next(m for m in listed["data"] if m["id"] == "hosted-nokey")
+    assert entry["available"] is False and "SWITCHBOARD_TEST_UNSET_KEY" in entry["unavailable_reason"]
+    with pytest.raises(openai.APIStatusError) as info:
+        stack.client().chat.completions.create(
+            model="hosted-nokey", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.status_code == 503 and info.value.code == "model_unavailable"
+    assert "SWITCHBOARD_TEST_UNSET_KEY" in info.value.message
+
+
+def test_hosted_provider_errors_keep_their_status(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": 400})
+    try:
+        with pytest.raises(openai.BadRequestError):
+            stack.client().chat.completions.create(
+                model="hosted", messages=[{"role": "user", "content": "x"}]
+            )
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
