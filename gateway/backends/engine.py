@@ -39,14 +39,8 @@ class EnginePool:
     async def send(self, path: str, body: bytes) -> UpstreamReply:
         """POST and read the whole response."""
         url = self._pick()
-        try:
-            resp = await self._client.post(url + path, content=body, headers=self._headers)
-        except httpx.TimeoutException as exc:
-            raise UpstreamUnavailableError(f"{self.name} ({url}) timed out", timeout=True) from exc
-        except httpx.TransportError as exc:
-            raise UpstreamUnavailableError(
-                f"{self.name} ({url}) is unreachable: {exc}", timeout=False
-            ) from exc
+        request = self._client.build_request("POST", url + path, content=body, headers=self._headers)
+        resp = await self._send(request, url, stream=False)
         return UpstreamReply(resp.status_code, resp.content, url)
 
     @asynccontextmanager
@@ -54,19 +48,22 @@ class EnginePool:
         """POST with a streamed response; leaving the block closes the upstream connection."""
         url = self._pick()
         request = self._client.build_request("POST", url + path, content=body, headers=self._headers)
-        try:
-            resp = await self._client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            raise UpstreamUnavailableError(f"{self.name} ({url}) timed out", timeout=True) from exc
-        except httpx.TransportError as exc:
-            raise UpstreamUnavailableError(
-                f"{self.name} ({url}) is unreachable: {exc}", timeout=False
-            ) from exc
+        resp = await self._send(request, url, stream=True)
         try:
             error = await resp.aread() if resp.status_code != 200 else b""
             yield UpstreamStream(resp.status_code, resp.aiter_lines(), error, url)
         finally:
             await resp.aclose()
+
+    async def _send(self, request: httpx.Request, url: str, stream: bool) -> httpx.Response:
+        """Send, turning connection failures and timeouts into UpstreamUnavailableError."""
+        try:
+            return await self._client.send(request, stream=stream)
+        except httpx.TimeoutException as exc:
+            raise UpstreamUnavailableError(f"{self.name} ({url}) timed out", timeout=True) from exc
+        except httpx.TransportError as exc:
+            message = f"{self.name} ({url}) is unreachable: {exc}"
+            raise UpstreamUnavailableError(message, timeout=False) from exc
 
     async def close(self) -> None:
         """Close the pooled connections."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 
-from tests.engine.server_proc import ManagedServer, ServerProcess
+from tests.engine.server_proc import ServerProcess
+from tests.gateway.processes import create_key_cli, start_gateway
 
 
 def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp_path: Path) -> None:
@@ -25,31 +23,8 @@ def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp
             "GATEWAY_KEY_SECRET": "s",
             "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'g.db'}",
         }
-        full = dict(os.environ, **env)
-        subprocess.run(
-            [sys.executable, "-m", "gateway", "db", "upgrade"], env=full, check=True, capture_output=True
-        )
-        key = subprocess.run(
-            [sys.executable, "-m", "gateway", "keys", "create", "--name", "e2e"],
-            env=full, check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-        import json
-
-        plaintext = json.loads(key)["key"]
-        gateway = ManagedServer(
-            lambda port: [
-                sys.executable,
-                "-m",
-                "gateway",
-                "serve",
-                "--policy",
-                str(policy),
-                "--port",
-                str(port),
-            ],
-            60,
-            env,
-        )
+        gateway = start_gateway(policy, env)
+        plaintext = create_key_cli(env, "e2e")
         direct = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="x", max_retries=0)
         through = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=plaintext, max_retries=0)
         messages = [{"role": "user", "content": "Hello through the gateway"}]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ from sqlalchemy import text
 
 from gateway.db import create_engine
 from tests.engine.server_proc import ManagedServer
+from tests.gateway.processes import start_gateway
 
 MASTER = "sk-master-proxy"
 
@@ -54,24 +53,7 @@ models:
             "GATEWAY_KEY_CACHE_TTL": "0.2",
             "FAKE_PROVIDER_KEY": "sk-fake-provider",
         }
-        full = dict(os.environ, **self.env)
-        subprocess.run(
-            [sys.executable, "-m", "gateway", "db", "upgrade"], env=full, check=True, capture_output=True
-        )
-        self.gateway = ManagedServer(
-            lambda port: [
-                sys.executable,
-                "-m",
-                "gateway",
-                "serve",
-                "--policy",
-                str(policy),
-                "--port",
-                str(port),
-            ],
-            60,
-            self.env,
-        )
+        self.gateway = start_gateway(policy, self.env)
         self.key = self.create_key(name="all")
 
     def create_key(self, **body: Any) -> str:
