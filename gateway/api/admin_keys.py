@@ -26,7 +26,7 @@ async def require_master_key(request: Request) -> None:
         raise AuthError(403, "The admin API needs the master key", "not_master_key")
 
 
-def key_store(request: Request) -> KeyStore:
+async def key_store(request: Request) -> KeyStore:
     """Dependency: the app's KeyStore."""
     store: KeyStore = request.app.state.keys
     return store

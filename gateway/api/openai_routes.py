@@ -21,7 +21,7 @@ async def authenticated_key(request: Request) -> KeyInfo:
     return await keys.authenticate(presented or None)
 
 
-def proxy(request: Request) -> Proxy:
+async def proxy(request: Request) -> Proxy:
     """Dependency: the app's Proxy."""
     service: Proxy = request.app.state.proxy
     return service
