@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 from fastapi import Response
 from fastapi.responses import StreamingResponse
@@ -179,7 +179,7 @@ class Proxy:
                         paused = time.perf_counter()
                         yield event
                         call.upstream_seconds += time.perf_counter() - paused  # the client reading
-            except (httpx.HTTPError, UpstreamStreamError) as exc:  # broke off mid-stream: tell the client
+            except (aiohttp.ClientError, UpstreamStreamError) as exc:  # broke off mid-stream: tell the client
                 status, error = 502, "upstream_stream_error"
                 yield b"data: " + orjson.dumps(
                     {"error": {"message": f"the upstream stream failed: {exc}", "type": "api_error",
