@@ -48,28 +48,16 @@ class EnginePool:
     async def send(self, path: str, body: bytes) -> UpstreamReply:
         """POST and read the whole response."""
         url = self._pick()
-        try:
-            async with self._client().post(url + path, data=body, headers=self._headers) as resp:
-                return UpstreamReply(resp.status, await resp.read(), url)
-        except TimeoutError as exc:
-            raise UpstreamUnavailableError(f"{self.name} ({url}) timed out", timeout=True) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailableError(
-                f"{self.name} ({url}) is unreachable: {exc}", timeout=False
-            ) from exc
+        post = self._client().post(url + path, data=body, headers=self._headers)
+        async with self._translated(url), post as resp:
+            return UpstreamReply(resp.status, await resp.read(), url)
 
     @asynccontextmanager
     async def stream(self, path: str, body: bytes) -> AsyncIterator[UpstreamStream]:
-        """POST with a streamed response; leaving the block closes the upstream connection."""
+        """POST with a streamed response; leaving the block early closes the upstream connection."""
         url = self._pick()
-        try:
+        async with self._translated(url):
             resp = await self._client().post(url + path, data=body, headers=self._headers)
-        except TimeoutError as exc:
-            raise UpstreamUnavailableError(f"{self.name} ({url}) timed out", timeout=True) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailableError(
-                f"{self.name} ({url}) is unreachable: {exc}", timeout=False
-            ) from exc
 
         async def lines() -> AsyncIterator[str]:
             async for raw in resp.content:
@@ -79,7 +67,21 @@ class EnginePool:
             error = await resp.read() if resp.status != 200 else b""
             yield UpstreamStream(resp.status, lines(), error, url)
         finally:
-            resp.release()
+            if resp.content.at_eof():
+                resp.release()  # fully read: the connection goes back to the pool
+            else:
+                resp.close()  # abandoned mid-stream: drop it, so the engine sees the disconnect and aborts
+
+    @asynccontextmanager
+    async def _translated(self, url: str) -> AsyncIterator[None]:
+        """Connection failures and timeouts become UpstreamUnavailableError (502/504)."""
+        try:
+            yield
+        except TimeoutError as exc:
+            raise UpstreamUnavailableError(f"{self.name} ({url}) timed out", timeout=True) from exc
+        except aiohttp.ClientError as exc:
+            message = f"{self.name} ({url}) is unreachable: {exc}"
+            raise UpstreamUnavailableError(message, timeout=False) from exc
 
     async def close(self) -> None:
         """Close the pooled connections."""

@@ -25,8 +25,8 @@ from fastapi.responses import StreamingResponse
 def create_app() -> FastAPI:
     """The fake's app; its state lives on app.state (one fake per process)."""
     app = FastAPI()
-    app.state.control = {"latency_ms": 0.0, "fail_status": None}
-    app.state.stats = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    app.state.control = {"latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0}
+    app.state.stats = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "streams_cut_off": 0}
 
     @app.get("/health")
     async def health() -> Response:
@@ -91,7 +91,7 @@ async def _complete(app: FastAPI, raw: bytes, chat: bool) -> Response:
     if body.get("stream"):
         include = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
-            _events(rid, created, model, words, usage, include, chat), media_type="text/event-stream"
+            _events(rid, created, model, words, usage, include, chat, app), media_type="text/event-stream"
         )
     content = " ".join(words)
     if chat:
@@ -118,7 +118,35 @@ async def _complete(app: FastAPI, raw: bytes, chat: bool) -> Response:
 
 
 async def _events(
-    rid: str, created: int, model: Any, words: list[str], usage: dict[str, Any], include: bool, chat: bool
+    rid: str,
+    created: int,
+    model: Any,
+    words: list[str],
+    usage: dict[str, Any],
+    include: bool,
+    chat: bool,
+    app: FastAPI,
+) -> AsyncIterator[bytes]:
+    """The stream; `chunk_delay_ms` paces it, and a reader that leaves early is counted."""
+    finished = False
+    try:
+        async for event in _chunks(rid, created, model, words, usage, include, chat, app):
+            yield event
+        finished = True
+    finally:
+        if not finished:
+            app.state.stats["streams_cut_off"] += 1
+
+
+async def _chunks(
+    rid: str,
+    created: int,
+    model: Any,
+    words: list[str],
+    usage: dict[str, Any],
+    include: bool,
+    chat: bool,
+    app: FastAPI,
 ) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include else {}
@@ -129,7 +157,10 @@ async def _events(
 
     if chat:
         yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    delay = float(app.state.control.get("chunk_delay_ms") or 0.0) / 1000
     for i, word in enumerate(words):
+        if delay:
+            await asyncio.sleep(delay)
         piece = word if i == 0 else " " + word
         yield event({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat
                     else {"index": 0, "text": piece, "finish_reason": None})  # fmt: skip

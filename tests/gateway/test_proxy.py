@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,29 @@ def test_hosted_provider_errors_keep_their_status(stack: Stack) -> None:
             )
     finally:
         httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
+
+
+def test_client_leaving_a_stream_closes_the_upstream_stream(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"chunk_delay_ms": 100})
+    try:
+        before = httpx.get(f"{stack.upstream.base_url}/stats").json()["streams_cut_off"]
+        body = {
+            "model": "fast",
+            "messages": [{"role": "user", "content": " ".join(["w"] * 50)}],
+            "stream": True,
+        }
+        headers = {"Authorization": f"Bearer {stack.key}"}
+        with httpx.stream(
+            "POST", f"{stack.gateway.base_url}/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += bool(line)
+                if seen == 3:
+                    break
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{stack.upstream.base_url}/stats").json()["streams_cut_off"] == before:
+            assert time.monotonic() < deadline, "the upstream stream kept running after the client left"
+            time.sleep(0.05)
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"chunk_delay_ms": 0})
