@@ -27,12 +27,23 @@ class GatewayError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
+    """`{"error": {...}}` as JSON bytes."""
+    body: dict[str, Any] = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return orjson.dumps(body)
+
+
 def error_response(
     status: int, message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> Response:
     """The JSON error response."""
-    body: dict[str, Any] = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+    body = error_body(message, type_, param, code)
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def auth_error_type(status: int) -> str:
+    """OpenAI's error type for an AuthError's status."""
+    return "authentication_error" if status == 401 else "permission_error"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -44,8 +55,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def auth_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, AuthError)
-        kind = "authentication_error" if exc.status == 401 else "permission_error"
-        return error_response(exc.status, exc.message, kind, code=exc.code)
+        return error_response(exc.status, exc.message, auth_error_type(exc.status), code=exc.code)
 
     async def not_found(_: Request, exc: Exception) -> Response:
         return error_response(404, f"no key with id {exc}", "invalid_request_error", code="key_not_found")

@@ -1,15 +1,18 @@
-"""create_app(settings): the gateway's FastAPI app; its lifespan wires the database and services."""
+"""create_app(settings): the gateway's ASGI app; its lifespan wires the database and services."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.api import admin_keys, openai_routes
+from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint, Receive, Scope, Send
 from gateway.auth import KeyHasher, KeyStore
 from gateway.backends.base import Upstream
 from gateway.backends.engine import EnginePool
@@ -25,7 +28,26 @@ from gateway.usage_log import RequestLogWriter
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+class GatewayApp:
+    """The ASGI entry point: the completion paths go to the bare endpoint, the rest to FastAPI."""
+
+    def __init__(self, api: FastAPI) -> None:
+        self.api = api
+        self.completions = CompletionsEndpoint(lambda: (api.state.keys, api.state.proxy))
+
+    @property
+    def state(self) -> Any:
+        """The FastAPI app's state (settings, keys, proxy once started)."""
+        return self.api.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
+            await self.completions(scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+
+def create_app(settings: GatewaySettings) -> GatewayApp:
     """The app; the database schema is checked (dev mode: upgraded) when it starts."""
 
     @asynccontextmanager
@@ -43,6 +65,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         log = RequestLogWriter(sessions, registry)
         log.start()
         app.state.proxy = Proxy(policy, pools, log)
+        gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
         try:
             yield
         finally:
@@ -67,7 +90,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """Prometheus text format (the observability issue adds request metrics)."""
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return app
+    return GatewayApp(app)
 
 
 def build_backends(policy: Policy) -> dict[str, Upstream]:
@@ -86,6 +109,6 @@ def build_backends(policy: Policy) -> dict[str, Upstream]:
     return backends
 
 
-def app_from_env() -> FastAPI:
+def app_from_env() -> GatewayApp:
     """uvicorn factory for worker processes: settings from the environment."""
     return create_app(GatewaySettings())

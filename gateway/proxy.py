@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import orjson
-from fastapi import Response
-from fastapi.responses import StreamingResponse
 
 from gateway.auth import AuthError, KeyInfo
 from gateway.backends.base import (
@@ -22,13 +21,35 @@ from gateway.backends.base import (
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
-from gateway.errors import GatewayError, error_response
+from gateway.errors import GatewayError, auth_error_type, error_body
 from gateway.policy import Policy
 from gateway.usage_log import RequestLogWriter
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any context these models take
+
+
+@dataclass
+class Reply:
+    """The gateway's answer, framework-free: a whole body, or SSE events when `events` is set."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    events: AsyncGenerator[bytes, None] | None = None
+
+
+def error_reply(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> Reply:
+    """An OpenAI-format error answer."""
+    return Reply(status, [_JSON], error_body(message, type_, param, code))
+
+
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]  # fmt: skip
 
 
 @dataclass
@@ -68,8 +89,8 @@ class Proxy:
             if key.allows(name)
         ]
 
-    async def handle(self, path: str, raw: bytes, key: KeyInfo) -> Response:
-        """Forward one request; every outcome, errors included, gets a log row."""
+    async def handle(self, path: str, raw: bytes, key: KeyInfo) -> Reply:
+        """Forward one request; every outcome, errors and client disconnects included, gets a log row."""
         call = _Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC))
         try:
             body, wants_usage = self._prepare(call, raw)
@@ -81,21 +102,26 @@ class Proxy:
             if body.get("stream"):
                 return await self._stream(call, pool, path, body, wants_usage)
             return await self._whole(call, pool, path, body)
-        except (GatewayError, AuthError) as exc:
-            self._log(call, exc.status, getattr(exc, "code", None))
-            raise
+        except GatewayError as exc:
+            return self._failed(call, exc.status, exc.message, exc.type, exc.param, exc.code)
+        except AuthError as exc:
+            return self._failed(call, exc.status, exc.message, auth_error_type(exc.status), None, exc.code)
         except ModelUnavailableError as exc:
-            self._log(call, 503, "model_unavailable")
             message = f"the model '{call.model}' is unavailable: {exc}"
-            return self._with_headers(
-                call, error_response(503, message, "api_error", "model", "model_unavailable")
-            )
+            return self._failed(call, 503, message, "api_error", "model", "model_unavailable")
         except UpstreamUnavailableError as exc:
             status = 504 if exc.timeout else 502
-            self._log(call, status, "upstream_timeout" if exc.timeout else "upstream_unavailable")
-            return self._with_headers(
-                call, error_response(status, str(exc), "api_error", code="upstream_unavailable")
-            )
+            code = "upstream_timeout" if exc.timeout else "upstream_unavailable"
+            return self._failed(call, status, str(exc), "api_error", None, code)
+        except asyncio.CancelledError:  # the client left before the answer was ready
+            self._log(call, 499, "client_disconnected")
+            raise
+
+    def _failed(
+        self, call: _Call, status: int, message: str, type_: str, param: str | None, code: str | None
+    ) -> Reply:
+        self._log(call, status, code)
+        return self._with_headers(call, error_reply(status, message, type_, param, code))
 
     def _prepare(self, call: _Call, raw: bytes) -> tuple[dict[str, Any], bool]:
         if len(raw) > MAX_BODY_BYTES:
@@ -129,7 +155,7 @@ class Proxy:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         return body, wants_usage
 
-    async def _whole(self, call: _Call, pool: Upstream, path: str, body: dict[str, Any]) -> Response:
+    async def _whole(self, call: _Call, pool: Upstream, path: str, body: dict[str, Any]) -> Reply:
         sent = time.perf_counter()
         reply = await pool.send(path, orjson.dumps(body))
         call.upstream_seconds = time.perf_counter() - sent
@@ -141,13 +167,12 @@ class Proxy:
                 call.usage = {}
             if self.policy.log_bodies:
                 call.response_body = reply.body
-        response = Response(reply.body, status_code=reply.status, media_type="application/json")
         self._log(call, reply.status, None if reply.status == 200 else _error_code(reply.body))
-        return self._with_headers(call, response)
+        return self._with_headers(call, Reply(reply.status, [_JSON], reply.body))
 
     async def _stream(
         self, call: _Call, pool: Upstream, path: str, body: dict[str, Any], wants_usage: bool
-    ) -> Response:
+    ) -> Reply:
         sent = time.perf_counter()
         context = pool.stream(path, orjson.dumps(body))
         upstream = await context.__aenter__()
@@ -156,13 +181,10 @@ class Proxy:
             await context.__aexit__(None, None, None)
             call.upstream_seconds = time.perf_counter() - sent
             self._log(call, upstream.status, _error_code(upstream.error_body))
-            response = Response(
-                upstream.error_body, status_code=upstream.status, media_type="application/json"
-            )
-            return self._with_headers(call, response)
+            return self._with_headers(call, Reply(upstream.status, [_JSON], upstream.error_body))
         call.upstream_seconds = time.perf_counter() - sent  # time to response headers
 
-        async def events() -> AsyncIterator[bytes]:
+        async def events() -> AsyncGenerator[bytes, None]:
             status, error = 200, None
             lines = upstream.lines.__aiter__()
             try:
@@ -192,10 +214,7 @@ class Proxy:
                 await context.__aexit__(None, None, None)
                 self._log(call, status, error)
 
-        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        return self._with_headers(
-            call, StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-        )
+        return self._with_headers(call, Reply(200, list(_SSE_HEADERS), events=events()))
 
     def _relay(self, call: _Call, line: str, wants_usage: bool) -> bytes | None:
         """One upstream SSE line as the client should see it (usage taken for the log)."""
@@ -215,12 +234,12 @@ class Proxy:
             line = line.replace(',"usage":null', "")
         return line.encode() + b"\n\n"
 
-    def _with_headers(self, call: _Call, response: Response) -> Response:
-        response.headers["x-request-id"] = call.id
+    def _with_headers(self, call: _Call, reply: Reply) -> Reply:
+        reply.headers.append((b"x-request-id", call.id.encode()))
         if call.backend:
-            response.headers["x-gateway-backend"] = call.backend
-        response.headers["x-gateway-overhead-ms"] = f"{call.overhead_ms():.3f}"
-        return response
+            reply.headers.append((b"x-gateway-backend", call.backend.encode()))
+        reply.headers.append((b"x-gateway-overhead-ms", b"%.3f" % call.overhead_ms()))
+        return reply
 
     def _log(self, call: _Call, status: int, error: str | None) -> None:
         usage = call.usage or {}

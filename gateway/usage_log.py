@@ -16,10 +16,12 @@ logger = logging.getLogger(__name__)
 
 
 class RequestLogWriter:
-    """A bounded queue drained by one task: every `interval` s or `batch_size` rows, one INSERT.
+    """Rows buffered in memory, written by one task: a full batch at once, the rest every `interval` s.
 
-    `record()` never blocks: when the queue is full the row is dropped, counted and logged.
-    A batch the database refuses is retried once, then counted as lost and logged.
+    `record()` never blocks and costs a list append: when `max_queue` rows are already waiting the
+    row is dropped, counted and logged. The writer wakes once per batch (not once per row), and
+    writes at most `batch_size` rows per INSERT, so the event loop is never held for long. A batch
+    the database refuses is retried once, then counted as lost and logged.
     """
 
     def __init__(
@@ -27,13 +29,16 @@ class RequestLogWriter:
         sessions: async_sessionmaker[AsyncSession],
         registry: CollectorRegistry,
         max_queue: int = 50_000,
-        batch_size: int = 500,
+        batch_size: int = 50,
         interval: float = 0.5,
     ) -> None:
         self._sessions = sessions
-        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(max_queue)  # None: stop
+        self._pending: list[dict[str, Any]] = []
+        self._max_queue = max_queue
         self._batch_size = batch_size
         self._interval = interval
+        self._wake = asyncio.Event()
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self.written = Counter("gateway_request_log_written", "Request-log rows written.", registry=registry)
         self.dropped = Counter(
@@ -48,31 +53,30 @@ class RequestLogWriter:
 
     def record(self, row: dict[str, Any]) -> None:
         """Queue one row (never waits)."""
-        try:
-            self._queue.put_nowait(row)
-        except asyncio.QueueFull:
+        if len(self._pending) >= self._max_queue:
             self.dropped.inc()
             logger.error("request log queue full: dropped the row of request %s", row.get("id"))
+            return
+        self._pending.append(row)
+        if len(self._pending) == self._batch_size:
+            self._wake.set()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        stopping = False
-        while not stopping:
-            first = await self._queue.get()
-            if first is None:
+        while True:
+            try:
+                async with asyncio.timeout(self._interval):
+                    await self._wake.wait()
+                whole_batches_only = not self._stopping
+            except TimeoutError:
+                whole_batches_only = False
+            self._wake.clear()
+            stopping = self._stopping
+            while len(self._pending) >= self._batch_size or (self._pending and not whole_batches_only):
+                batch = self._pending[: self._batch_size]
+                del self._pending[: self._batch_size]
+                await self._write(batch)
+            if stopping and not self._pending:
                 return
-            batch = [first]
-            deadline = loop.time() + self._interval
-            while len(batch) < self._batch_size:
-                try:
-                    row = await asyncio.wait_for(self._queue.get(), max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    break
-                if row is None:
-                    stopping = True
-                    break
-                batch.append(row)
-            await self._write(batch)
 
     async def _write(self, batch: list[dict[str, Any]]) -> None:
         for attempt in (1, 2):
@@ -92,6 +96,7 @@ class RequestLogWriter:
         """Write everything queued, then stop the task (used at shutdown)."""
         if self._task is None:
             return
-        await self._queue.put(None)  # behind every queued row
+        self._stopping = True
+        self._wake.set()
         await self._task
         self._task = None

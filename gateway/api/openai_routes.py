@@ -1,14 +1,13 @@
-"""The OpenAI-compatible routes: chat and text completions, models."""
+"""The OpenAI-compatible routes on FastAPI: models (completions: gateway/api/completions.py)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request
 
 from gateway.auth import KeyInfo, KeyStore
-from gateway.errors import GatewayError
-from gateway.proxy import MAX_BODY_BYTES, Proxy
+from gateway.proxy import Proxy
 
 router = APIRouter()
 
@@ -29,32 +28,6 @@ async def proxy(request: Request) -> Proxy:
 
 AuthedKey = Annotated[KeyInfo, Depends(authenticated_key)]
 ProxyDep = Annotated[Proxy, Depends(proxy)]
-
-
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with 413 as soon as it grows past `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, key: AuthedKey, service: ProxyDep) -> Response:
-    """Chat completions, streamed or whole, through the policy's backend for the model."""
-    return await service.handle("/v1/chat/completions", await read_body(request), key)
-
-
-@router.post("/v1/completions")
-async def completions(request: Request, key: AuthedKey, service: ProxyDep) -> Response:
-    """Text completions, streamed or whole."""
-    return await service.handle("/v1/completions", await read_body(request), key)
 
 
 @router.get("/v1/models")

@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 class ManagedServer:
-    """A server subprocess on a free port, ready once GET /health answers 200.
+    """A server subprocess on a free port, ready once GET `health_path` answers 200.
 
     `command(port)` builds its command line; `stop()` sends SIGTERM and returns the exit code.
     """
@@ -33,8 +33,10 @@ class ManagedServer:
         command: Callable[[int], list[str]],
         ready_timeout: float = 180.0,
         env: dict[str, str] | None = None,
+        health_path: str = "/health",
     ) -> None:
         self.port = free_port()
+        self.health_path = health_path
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
@@ -49,7 +51,7 @@ class ManagedServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.base_url}{self.health_path}", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -2,8 +2,9 @@
 
 Replies are deterministic: the completion is "echo:" plus the words of the last message (or the
 prompt), one word per token; usage counts whitespace-separated words. `POST /control` sets
-`latency_ms` (before the response) and `fail_status` (answer every request with that status);
-`GET /stats` reports requests served and the usage reported so far.
+`latency_ms` (before the response), `chunk_delay_ms` (between streamed chunks) and `fail_status`
+(answer every request with that status); `GET /stats` reports requests served, the usage reported
+so far, and how many callers left during the latency wait or mid-stream.
 
 Run: python tests/fakes/openai_upstream.py --port 9001
 """
@@ -26,7 +27,13 @@ def create_app() -> FastAPI:
     """The fake's app; its state lives on app.state (one fake per process)."""
     app = FastAPI()
     app.state.control = {"latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0}
-    app.state.stats = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "streams_cut_off": 0}
+    app.state.stats = {
+        "requests": 0,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "streams_cut_off": 0,
+        "waits_cut_off": 0,
+    }
 
     @app.get("/health")
     async def health() -> Response:
@@ -50,19 +57,25 @@ def create_app() -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _complete(app, await request.body(), chat=True)
+        return await _complete(app, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _complete(app, await request.body(), chat=False)
+        return await _complete(app, request, chat=False)
 
     return app
 
 
-async def _complete(app: FastAPI, raw: bytes, chat: bool) -> Response:
+async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
+    raw = await request.body()
     control = app.state.control
-    if control["latency_ms"]:
-        await asyncio.sleep(control["latency_ms"] / 1000)
+    if control["latency_ms"]:  # waited in slices: a caller that leaves meanwhile is counted
+        deadline = time.monotonic() + control["latency_ms"] / 1000
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+            if await request.is_disconnected():
+                app.state.stats["waits_cut_off"] += 1
+                return Response(status_code=499)
     if control["fail_status"]:
         status = int(control["fail_status"])
         body = {

@@ -310,3 +310,51 @@ def test_client_leaving_a_stream_closes_the_upstream_stream(stack: Stack) -> Non
             time.sleep(0.05)
     finally:
         httpx.post(f"{stack.upstream.base_url}/control", json={"chunk_delay_ms": 0})
+
+
+def test_client_leaving_before_a_whole_answer_cancels_the_upstream_call_and_logs_499(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"latency_ms": 3000})
+    try:
+        before = httpx.get(f"{stack.upstream.base_url}/stats").json()["waits_cut_off"]
+        with pytest.raises(openai.APITimeoutError):
+            stack.client().with_options(timeout=0.5).chat.completions.create(
+                model="fast", messages=[{"role": "user", "content": "left early"}]
+            )
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{stack.upstream.base_url}/stats").json()["waits_cut_off"] == before:
+            assert time.monotonic() < deadline, "the upstream call kept waiting after the client left"
+            time.sleep(0.05)
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"latency_ms": 0})
+    deadline = time.monotonic() + 5
+    while not any(r["error_type"] == "client_disconnected" for r in stack.log_rows()):
+        assert time.monotonic() < deadline, "no log row for the request whose client left"
+        time.sleep(0.1)
+    row = next(r for r in stack.log_rows() if r["error_type"] == "client_disconnected")
+    assert row["status"] == 499 and row["requested_model"] == "fast"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_completion_paths_refuse_other_methods_with_405(stack: Stack, path: str) -> None:
+    r = httpx.get(f"{stack.gateway.base_url}{path}", headers={"Authorization": f"Bearer {stack.key}"})
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_errors_after_auth_carry_the_request_id(stack: Stack) -> None:
+    r = httpx.post(
+        f"{stack.gateway.base_url}/v1/chat/completions",
+        json={"model": "nope", "messages": []},
+        headers={"Authorization": f"Bearer {stack.key}"},
+    )
+    assert r.status_code == 404 and r.headers["x-request-id"].startswith("req-")
+    assert any(row["id"] == r.headers["x-request-id"] for row in _eventually_logged(stack, r))
+
+
+def _eventually_logged(stack: Stack, r: httpx.Response) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 5
+    while True:
+        rows = stack.log_rows()
+        if any(row["id"] == r.headers["x-request-id"] for row in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)

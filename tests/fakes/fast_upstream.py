@@ -1,0 +1,135 @@
+"""A minimal-cost OpenAI-compatible upstream for overhead benchmarks: raw asyncio + httptools.
+
+Every request to `/v1/chat/completions` or `/v1/completions` gets the same small completion (three
+completion tokens, usage included); `"stream": true` gets it as SSE chunks, a usage chunk when
+`stream_options.include_usage` is set, and `[DONE]`. Keep-alive, no framework: a request costs a
+few tens of microseconds, so the benchmark measures the proxy in front of it, not the fake.
+`GET /health` answers `{"status":"ready"}`; `GET /stats` counts the requests served.
+
+Run: python tests/fakes/fast_upstream.py --port 9001
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any, cast
+
+import httptools
+import orjson
+import uvloop
+
+_WORDS = ("Hello", " from", " fake")
+
+
+def _completion(chat: bool, model: str) -> bytes:
+    usage = {"prompt_tokens": 5, "completion_tokens": len(_WORDS), "total_tokens": 5 + len(_WORDS)}
+    text = "".join(_WORDS)
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop",
+            "logprobs": None,
+        }  # fmt: skip
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}
+        kind = "text_completion"
+    return orjson.dumps(
+        {"id": "cmpl-fast", "object": kind, "created": 0, "model": model, "choices": [choice], "usage": usage}
+    )
+
+
+def _stream(chat: bool, model: str, include_usage: bool) -> bytes:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    base = {"id": "cmpl-fast", "object": kind, "created": 0, "model": model}
+    events: list[dict[str, Any]] = []
+    if chat:
+        events.append({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]})  # fmt: skip
+    for i, word in enumerate(_WORDS):
+        last = i == len(_WORDS) - 1
+        part: dict[str, Any] = {"content": word} if chat else {"text": word}
+        choice = {"index": 0, ("delta" if chat else "text"): part if chat else word,
+                  "finish_reason": "stop" if last else None}  # fmt: skip
+        events.append({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+    if include_usage:
+        usage = {"prompt_tokens": 5, "completion_tokens": len(_WORDS), "total_tokens": 5 + len(_WORDS)}
+        events.append({**base, "choices": [], "usage": usage})
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _response(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    head = b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+    return head % (status, content_type, len(body)) + body
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive client connection."""
+
+    def __init__(self, stats: dict[str, int]) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self._stats = stats
+        self._transport: asyncio.Transport | None = None
+        self._url = b""
+        self._body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self._transport is not None
+            self._transport.write(_response(400, b'{"error":{"message":"bad request"}}'))
+            self._transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self._url = url
+
+    def on_message_begin(self) -> None:
+        self._body = []
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self._transport is not None
+        self._transport.write(self._answer(self._url.split(b"?")[0], b"".join(self._body)))
+
+    def _answer(self, path: bytes, raw: bytes) -> bytes:
+        if path == b"/health":
+            return _response(200, b'{"status":"ready"}')
+        if path == b"/stats":
+            return _response(200, orjson.dumps(self._stats))
+        if path not in (b"/v1/chat/completions", b"/v1/completions"):
+            return _response(404, b'{"error":{"message":"not found","type":"invalid_request_error"}}')
+        self._stats["requests"] += 1
+        body = orjson.loads(raw) if raw else {}
+        chat = path == b"/v1/chat/completions"
+        model = str(body.get("model", "fake-model"))
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return _response(200, _stream(chat, model, usage), b"text/event-stream")
+        return _response(200, _completion(chat, model))
+
+
+async def serve(host: str, port: int) -> None:
+    """Serve until cancelled."""
+    stats = {"requests": 0}
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Connection(stats), host, port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9001)
+    args = parser.parse_args()
+    uvloop.run(serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

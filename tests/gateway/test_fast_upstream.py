@@ -1,0 +1,37 @@
+"""The benchmark's raw-asyncio fake upstream speaks the protocol the official client expects."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.engine.server_proc import ManagedServer
+
+
+@pytest.fixture(scope="module")
+def fast() -> Iterator[ManagedServer]:
+    server = ManagedServer(lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port)])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_whole_and_streamed_answers_parse_with_the_official_client(fast: ManagedServer) -> None:
+    client = openai.OpenAI(base_url=f"{fast.base_url}/v1", api_key="x", max_retries=0)
+    whole = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert whole.choices[0].message.content == "Hello from fake"
+    assert whole.usage is not None and whole.usage.completion_tokens == 3
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello from fake"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 8
+    text = list(client.completions.create(model="m", prompt="hi", stream=True))
+    assert "".join(c.choices[0].text for c in text) == "Hello from fake"
