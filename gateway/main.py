@@ -62,7 +62,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         app.state.keys = KeyStore(sessions, KeyHasher(secrets.key_secret), settings.key_cache_ttl)
         policy = load_policy(settings.policy_path)
         pools = build_backends(policy)
-        log = RequestLogWriter(sessions, registry)
+        log = RequestLogWriter(engine, registry)
         log.start()
         app.state.proxy = Proxy(policy, pools, log)
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection

@@ -31,7 +31,7 @@ def test_rows_are_written_in_batches_and_flushed_on_stop(database_url: str) -> N
 
     async def run() -> None:
         engine = create_engine(database_url)
-        writer = RequestLogWriter(session_factory(engine), CollectorRegistry(), batch_size=7, interval=10.0)
+        writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=7, interval=10.0)
         writer.start()
         for i in range(30):
             writer.record(_row(i))
@@ -50,7 +50,7 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking(database_url: str) ->
     async def run() -> None:
         engine = create_engine(database_url)
         registry = CollectorRegistry()
-        writer = RequestLogWriter(session_factory(engine), registry, max_queue=3)
+        writer = RequestLogWriter(engine, registry, max_queue=3)
         for i in range(5):  # the writer is not running: the queue fills up
             writer.record(_row(i))
         assert registry.get_sample_value("gateway_request_log_dropped_total") == 2
@@ -69,7 +69,7 @@ def test_rows_the_database_refuses_are_counted_as_lost(database_url: str) -> Non
     async def run() -> None:
         engine = create_engine(database_url)
         registry = CollectorRegistry()
-        writer = RequestLogWriter(session_factory(engine), registry, interval=0.05)
+        writer = RequestLogWriter(engine, registry, interval=0.05)
         writer.start()
         writer.record(_row(1))
         writer.record(_row(1))  # duplicate primary key: the batch fails twice
@@ -78,3 +78,35 @@ def test_rows_the_database_refuses_are_counted_as_lost(database_url: str) -> Non
         await engine.dispose()
 
     asyncio.run(run())
+
+
+def test_rows_read_back_through_the_orm_exactly_as_recorded(database_url: str) -> None:
+    upgrade(database_url)
+    created = datetime(2026, 11, 22, 10, 0, 0, 0, tzinfo=UTC)  # no microseconds: a formatting edge
+    finished = datetime(2026, 11, 22, 10, 0, 1, 250_001, tzinfo=UTC)
+    row = {
+        "id": "full", "created_at": created, "finished_at": finished, "key_id": "k1", "team": "legal",
+        "requested_model": "auto", "backend": "local", "deployment": "http://10.0.0.1:8001",
+        "route_reason": "tier simple", "status": 200, "error_type": None, "prompt_tokens": 12,
+        "completion_tokens": 34, "cached_tokens": 8, "latency_ms": 1250.123, "ttft_ms": 80.5,
+        "overhead_ms": 0.431, "attempts": 2, "cost_usd": None, "request_body": '{"ü": "日本"}',
+        "response_body": None,
+    }  # fmt: skip
+
+    async def run() -> RequestLog:
+        engine = create_engine(database_url)
+        writer = RequestLogWriter(engine, CollectorRegistry())
+        writer.start()
+        writer.record(row)
+        await writer.stop()
+        async with session_factory(engine)() as s:
+            stored = (await s.execute(select(RequestLog))).scalar_one()
+        await engine.dispose()
+        return stored
+
+    stored = asyncio.run(run())
+    assert stored.created_at.replace(tzinfo=UTC) == created
+    assert stored.finished_at is not None and stored.finished_at.replace(tzinfo=UTC) == finished
+    assert (stored.team, stored.attempts, stored.cached_tokens) == ("legal", 2, 8)
+    assert float(stored.latency_ms or 0) == 1250.123 and float(stored.overhead_ms or 0) == 0.431
+    assert stored.request_body == '{"ü": "日本"}' and stored.error_type is None
