@@ -1,4 +1,4 @@
-"""`python -m gateway serve | dev | db upgrade|downgrade|current | keys create`: the command line."""
+"""`python -m gateway serve | dev | db ... | keys create | policy check | route eval|explain`: the CLI."""
 
 from __future__ import annotations
 
@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     create.add_argument("--expires-in-days", type=float, default=None)
     create.add_argument("--metadata", default="{}", help="a JSON object")
+    _routing_commands(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command in ("policy", "route"):
+            return _routing(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "dev":
@@ -128,9 +131,54 @@ def main(argv: list[str] | None = None) -> int:
             return _db(args, settings)
         print(json.dumps(asyncio.run(_create_key(args, settings)), indent=2))
         return 0
-    except (ValidationError, SchemaMismatchError, PolicyError, ValueError) as exc:
+    except (ValidationError, SchemaMismatchError, PolicyError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _routing_commands(sub: Any) -> None:
+    policy = sub.add_parser("policy", help="routing policy files")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate a policy file offline (exit 0 valid, 1 invalid)")
+    check.add_argument("file", type=Path)
+    route = sub.add_parser("route", help="complexity routing, offline")
+    route_sub = route.add_subparsers(dest="route_command", required=True)
+    evaluate = route_sub.add_parser("eval", help="accuracy of the tier choice on labelled JSONL rows")
+    evaluate.add_argument("--policy", type=Path, default=Path("policies/default.yaml"))
+    evaluate.add_argument("--data", type=Path, required=True, help="JSONL: {label: simple|complex, messages}")
+    evaluate.add_argument("--route", default=None, help="the tiered route (default: the first one)")
+    explain = route_sub.add_parser("explain", help="features, score, tier and chain for one request")
+    explain.add_argument("--policy", type=Path, default=Path("policies/default.yaml"))
+    explain.add_argument("prompt", nargs="?", default=None, help="a user message")
+    explain.add_argument(
+        "--messages", type=Path, default=None, help="a JSON file: messages or a request body"
+    )
+    explain.add_argument("--route", default=None, help="the route or model asked for (default: first tiered)")
+    explain.add_argument("--team", default=None, help="route as a key of this team (overrides apply)")
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from gateway import cli_route
+
+    if args.command == "policy":
+        return cli_route.policy_check(args.file)
+    if args.route_command == "eval":
+        figures = cli_route.route_eval(args.policy, args.data, args.route)
+        print(f"n {figures['n']:.0f}  accuracy {figures['accuracy']:.3f}  precision(complex) "
+              f"{figures['precision']:.3f}  recall(complex) {figures['recall']:.3f}  "
+              f"sent to frontier {figures['frontier_share']:.3f}")  # fmt: skip
+        return 0
+    if (args.prompt is None) == (args.messages is None):
+        raise ValueError("give a prompt or --messages FILE (one of them)")
+    if args.messages is not None:
+        loaded = json.loads(args.messages.read_text(encoding="utf-8"))
+        body: dict[str, Any] = loaded if isinstance(loaded, dict) else {"messages": loaded}
+    else:
+        body = {"messages": [{"role": "user", "content": args.prompt}]}
+    if args.route is not None:
+        body["model"] = args.route
+    print(cli_route.route_explain(args.policy, body, args.route, args.team))
+    return 0
 
 
 if __name__ == "__main__":

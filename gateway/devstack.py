@@ -143,7 +143,8 @@ def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.
                        "--port", str(port)]  # fmt: skip
         procs.append(subprocess.Popen(gateway_cmd))
         _wait_healthy("gateway", procs[1], gateway_url, timeout=120)
-        models = [m for m in yaml.safe_load(policy.read_text())["models"]]
+        exposed = yaml.safe_load(policy.read_text())
+        models = [*exposed["models"], *(exposed.get("routes") or {})]
         master = resolve_secrets(settings).master_key
         print(_banner(gateway_url, master, key, models, _hosted_lines(policy)), flush=True)
         while not stop and all(p.poll() is None for p in procs):

@@ -11,16 +11,16 @@ from typing import Any
 from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.api import admin_keys, openai_routes
+from gateway.api import admin_keys, admin_policy, openai_routes
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint, Receive, Scope, Send
 from gateway.auth import KeyHasher, KeyStore
-from gateway.backends.base import Upstream
-from gateway.backends.engine import EnginePool
+from gateway.complexity import ComplexityModel
 from gateway.db import create_engine, session_factory
 from gateway.errors import install_error_handlers
 from gateway.migrate import ensure_schema
-from gateway.policy import EngineBackend, Policy, load_policy
+from gateway.policy import parse_policy, policy_version, read_policy_text
 from gateway.proxy import Proxy
+from gateway.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
 from gateway.usage_log import RequestLogWriter
@@ -60,23 +60,30 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         app.state.secrets = secrets
         sessions = session_factory(engine)
         app.state.keys = KeyStore(sessions, KeyHasher(secrets.key_secret), settings.key_cache_ttl)
-        policy = load_policy(settings.policy_path)
-        pools = build_backends(policy)
+        text = read_policy_text(settings.policy_path)
+        policy = parse_policy(text, str(settings.policy_path))
+        model = ComplexityModel.load()
+        holder = RuntimeHolder(await build_runtime(policy, policy_version(text), model))
+        watcher = PolicyWatcher(settings.policy_path, holder, model, registry)
+        watcher.start()
+        app.state.policy_watcher = watcher
         log = RequestLogWriter(engine, registry)
         log.start()
-        app.state.proxy = Proxy(policy, pools, log)
+        app.state.proxy = Proxy(holder, log)
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
         try:
             yield
         finally:
+            await watcher.stop()
             await log.stop()
-            for pool in pools.values():
+            for pool in holder.runtime.pools.values():
                 await pool.close()
             await engine.dispose()
 
     app = FastAPI(title="Switchboard gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(admin_keys.router)
+    app.include_router(admin_policy.router)
     app.include_router(openai_routes.router)
     registry = CollectorRegistry()
 
@@ -91,22 +98,6 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return GatewayApp(app)
-
-
-def build_backends(policy: Policy) -> dict[str, Upstream]:
-    """One client per backend; litellm is imported only when the policy has hosted models."""
-    backends: dict[str, Upstream] = {}
-    for name, spec in policy.backends.items():
-        if isinstance(spec, EngineBackend):
-            backends[name] = EnginePool(name, spec)
-            continue
-        from gateway.backends.hosted import HostedModel
-
-        hosted = HostedModel(name, spec)
-        if hosted.unavailable_reason:
-            logger.warning("hosted backend %r is unavailable: %s", name, hosted.unavailable_reason)
-        backends[name] = hosted
-    return backends
 
 
 def app_from_env() -> GatewayApp:

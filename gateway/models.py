@@ -7,7 +7,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Index, Integer, Numeric, String, Text, func
+from sqlalchemy import JSON, DateTime, Float, Index, Integer, Numeric, String, Text, func
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -58,6 +58,9 @@ class RequestLog(Base):
     backend: Mapped[str | None] = mapped_column(String(200))
     deployment: Mapped[str | None] = mapped_column(String(500))
     route_reason: Mapped[str | None] = mapped_column(String(500))
+    route_tier: Mapped[str | None] = mapped_column(String(100))
+    complexity_score: Mapped[float | None] = mapped_column(Float)
+    failover: Mapped[str | None] = mapped_column(Text)  # what was tried before the answer, if anything
     status: Mapped[int] = mapped_column(Integer)
     error_type: Mapped[str | None] = mapped_column(String(100))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)

@@ -1,9 +1,17 @@
-"""The routing policy: YAML -> a validated, frozen Policy (the routing issue extends the schema)."""
+"""The routing policy: YAML -> a validated, frozen Policy. Schema and examples: docs/policy.md.
+
+Clients ask for a name in `models` (one backend each) or in `routes` (aliases: a candidate list,
+or complexity tiers of candidates, plus fallbacks, retries and timeouts). Candidates and fallbacks
+name entries of `models`. `overrides` change the route for a team or a key; `health` holds the
+active-check and circuit-breaker thresholds (an engine backend may override them).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,10 +26,51 @@ class _Strict(BaseModel):
 
 
 class Timeouts(_Strict):
-    """Seconds."""
+    """Seconds. `first_token` bounds the wait for a stream's first event (failover happens before it)."""
 
     connect: float = Field(default=2.0, gt=0)
+    first_token: float = Field(default=60.0, gt=0)
     total: float = Field(default=600.0, gt=0)
+
+
+class Price(_Strict):
+    """USD per million tokens."""
+
+    input_per_mtok: float = Field(ge=0)
+    output_per_mtok: float = Field(ge=0)
+    cached_input_per_mtok: float | None = Field(default=None, ge=0)
+
+
+class Breaker(_Strict):
+    """Per-replica circuit breaker: closed -> open -> half-open probe after `cooldown` -> closed."""
+
+    consecutive_failures: int = Field(default=3, ge=1)  # open after this many failures in a row
+    error_rate: float = Field(default=0.5, gt=0, le=1)  # ... or this share of failures
+    window: float = Field(default=10.0, gt=0)  # ... over this many seconds
+    min_requests: int = Field(default=10, ge=1)  # ... once the window holds at least this many
+    cooldown: float = Field(default=5.0, gt=0)  # seconds open before one probe is let through
+
+
+class Health(_Strict):
+    """Active checks of engine replicas and the thresholds that mark one unhealthy."""
+
+    interval: float = Field(default=1.0, gt=0)  # seconds between checks of each replica
+    timeout: float = Field(default=1.0, gt=0)
+    first_token_slo: float | None = Field(default=None, gt=0)  # slower first token: a failure
+    max_queue_depth: int | None = Field(default=None, ge=0)  # more waiting requests: avoided
+    max_kv_usage: float | None = Field(default=None, gt=0, le=1)  # fuller KV cache: avoided
+    breaker: Breaker = Breaker()
+
+
+class HealthOverride(_Strict):
+    """Per-backend changes to the policy's `health` section (unset fields keep its values)."""
+
+    interval: float | None = Field(default=None, gt=0)
+    timeout: float | None = Field(default=None, gt=0)
+    first_token_slo: float | None = Field(default=None, gt=0)
+    max_queue_depth: int | None = Field(default=None, ge=0)
+    max_kv_usage: float | None = Field(default=None, gt=0, le=1)
+    breaker: Breaker | None = None
 
 
 class EngineBackend(_Strict):
@@ -31,12 +80,16 @@ class EngineBackend(_Strict):
     urls: list[str] = Field(min_length=1)
     api_key_env: str | None = None  # env var holding the engines' --api-key, if they have one
     timeouts: Timeouts = Timeouts()
+    health: HealthOverride = HealthOverride()
+    price: Price | None = None  # what a self-hosted token costs us (for the cost reports)
 
     @model_validator(mode="after")
     def _urls_are_http(self) -> EngineBackend:
         for i, url in enumerate(self.urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"urls[{i}]: must start with http:// or https://, got {url!r}")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError("urls: each replica must be listed once")
         return self
 
 
@@ -49,44 +102,153 @@ class HostedBackend(_Strict):
     base_url: str | None = None  # for Azure or any OpenAI-compatible server
     api_version: str | None = None  # Azure
     timeouts: Timeouts = Timeouts()
+    price: Price | None = None  # overrides litellm's price map
 
 
 Backend = Annotated[EngineBackend | HostedBackend, Field(discriminator="type")]
 
 
 class ModelRoute(_Strict):
-    """A model name clients may ask for, and where it is served."""
+    """A model name clients may ask for, served by one backend."""
 
     backend: str
     model: str | None = None  # the upstream's name for it (default: the exposed name)
+    fallbacks: list[str] = []  # other models to try when this one cannot answer
+
+
+class Retries(_Strict):
+    """Retries of one candidate before moving on: backoff * 2**n, capped, +- jitter (a fraction)."""
+
+    count: int = Field(default=0, ge=0, le=10)  # 0: on to the next model once every replica failed
+    backoff: float = Field(default=0.05, ge=0)
+    max_backoff: float = Field(default=2.0, ge=0)
+    jitter: float = Field(default=0.5, ge=0, le=1)
+
+
+class Tier(_Strict):
+    """Requests whose complexity score is >= `threshold` (and below the next tier's) go here."""
+
+    name: str = Field(min_length=1)
+    threshold: float
+    candidates: list[str] = Field(min_length=1)  # model names, tried in order
+
+    @model_validator(mode="after")
+    def _threshold_in_range(self) -> Tier:
+        if not 0 <= self.threshold <= 1:
+            raise ValueError("threshold: must be between 0 and 1")
+        return self
+
+
+class Route(_Strict):
+    """An alias: a fixed candidate list, or complexity tiers; then fallbacks."""
+
+    candidates: list[str] = []
+    tiers: list[Tier] = []
+    fallbacks: list[str] = []
+    retries: Retries = Retries()
+    timeouts: Timeouts | None = None  # default: each backend's own
+    complexity_weights: dict[str, float] = {}  # override learned feature weights by name
+
+    @model_validator(mode="after")
+    def _candidates_or_tiers(self) -> Route:
+        if bool(self.candidates) == bool(self.tiers):
+            raise ValueError("give either candidates or tiers (exactly one of them)")
+        for i, tier in enumerate(self.tiers):
+            if i == 0 and tier.threshold != 0:
+                raise ValueError("tiers[0].threshold: the first tier must start at 0")
+            if i > 0 and tier.threshold <= self.tiers[i - 1].threshold:
+                raise ValueError(f"tiers[{i}].threshold: must be above tiers[{i - 1}].threshold")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError("tiers: tier names must be unique")
+        return self
+
+
+class Override(_Strict):
+    """For one team or one key (its id): a forced tier, forced candidates, or where data may go."""
+
+    team: str | None = None
+    key: str | None = None
+    tier: str | None = None  # on tiered routes: always this tier
+    candidates: list[str] | None = None  # on every route: these candidates instead
+    data_residency: Literal["any", "self_hosted_only"] = "any"
+
+    @model_validator(mode="after")
+    def _one_subject(self) -> Override:
+        if (self.team is None) == (self.key is None):
+            raise ValueError("give exactly one of team or key")
+        if self.tier is None and self.candidates is None and self.data_residency == "any":
+            raise ValueError("an override must set tier, candidates or data_residency")
+        return self
 
 
 class Policy(_Strict):
-    """Backends, the models exposed to clients, and logging options."""
+    """Backends, the models and aliases exposed to clients, overrides, health, logging options."""
 
     backends: dict[str, Backend] = Field(min_length=1)
     models: dict[str, ModelRoute] = Field(min_length=1)
+    routes: dict[str, Route] = {}
+    overrides: list[Override] = []
+    health: Health = Health()
     log_bodies: bool = False  # store prompt and completion bodies in the request log
 
     @model_validator(mode="after")
-    def _routes_name_backends(self) -> Policy:
+    def _references_resolve(self) -> Policy:
+        known_backends = ", ".join(sorted(self.backends))
         for name, route in self.models.items():
             if route.backend not in self.backends:
-                known = ", ".join(sorted(self.backends))
-                raise ValueError(f"models.{name}.backend: unknown backend {route.backend!r} (known: {known})")
+                raise ValueError(
+                    f"models.{name}.backend: unknown backend {route.backend!r} (known: {known_backends})"
+                )
+            for i, fallback in enumerate(route.fallbacks):
+                self._check_model(f"models.{name}.fallbacks[{i}]", fallback)
+        for name, alias in self.routes.items():
+            if name in self.models:
+                raise ValueError(f"routes.{name}: already a name in models")
+            for i, candidate in enumerate(alias.candidates):
+                self._check_model(f"routes.{name}.candidates[{i}]", candidate)
+            for t, tier in enumerate(alias.tiers):
+                for i, candidate in enumerate(tier.candidates):
+                    self._check_model(f"routes.{name}.tiers[{t}].candidates[{i}]", candidate)
+            for i, fallback in enumerate(alias.fallbacks):
+                self._check_model(f"routes.{name}.fallbacks[{i}]", fallback)
+        tier_names = {tier.name for alias in self.routes.values() for tier in alias.tiers}
+        for i, override in enumerate(self.overrides):
+            if override.tier is not None and override.tier not in tier_names:
+                known = ", ".join(sorted(tier_names)) or "none"
+                raise ValueError(f"overrides[{i}].tier: unknown tier {override.tier!r} (known: {known})")
+            for j, candidate in enumerate(override.candidates or []):
+                self._check_model(f"overrides[{i}].candidates[{j}]", candidate)
         return self
 
+    def _check_model(self, where: str, name: str) -> None:
+        if name not in self.models:
+            known = ", ".join(sorted(self.models))
+            raise ValueError(f"{where}: unknown model {name!r} (known: {known})")
+
+    def exposed(self) -> list[str]:
+        """Every name a client may ask for: models, then routes."""
+        return [*self.models, *self.routes]
+
     def upstream_model(self, name: str) -> str:
-        """The name the backend knows the model by (a hosted backend's own model by default)."""
+        """The name the backend knows a model by (a hosted backend's own model by default)."""
         route = self.models[name]
         if route.model:
             return route.model
         backend = self.backends[route.backend]
         return backend.model if isinstance(backend, HostedBackend) else name
 
+    def health_for(self, backend: str) -> Health:
+        """The policy's health settings with the backend's overrides applied."""
+        spec = self.backends[backend]
+        if not isinstance(spec, EngineBackend):
+            return self.health
+        changes = {k: v for k, v in spec.health.model_dump(exclude_none=True).items()}
+        return self.health.model_copy(update=changes)
+
 
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
-    """Validate YAML text; errors read like `models.auto.backend: unknown backend 'x'`."""
+    """Validate YAML text; errors read like `routes.auto.tiers[1].threshold: must be between 0 and 1`."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -103,20 +265,40 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
 
 def load_policy(path: Path) -> Policy:
     """Read and validate a policy file."""
+    return parse_policy(read_policy_text(path), str(path))
+
+
+def read_policy_text(path: Path) -> str:
+    """The file's text, or a PolicyError saying why it cannot be read."""
     try:
-        text = path.read_text()
+        return path.read_text()
     except OSError as exc:
         raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
-    return parse_policy(text, str(path))
 
 
-def _describe(err: object) -> str:
-    assert isinstance(err, dict)
-    parts = [str(p) for p in err["loc"]]
-    if len(parts) >= 3 and parts[0] == "backends" and parts[2] in ("engine", "hosted"):
-        del parts[2]  # the union's tag: `backends.local.urls`, not `backends.local.engine.urls`
-    loc = ".".join(parts)
+def policy_version(text: str) -> str:
+    """A short content hash that identifies one version of a policy file."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _describe(err: Any) -> str:
+    """`routes.auto.tiers[1].threshold: must be ...` from one pydantic error."""
+    parts: list[str] = []
+    loc = list(err["loc"])
+    if len(loc) >= 3 and loc[0] == "backends" and loc[2] in ("engine", "hosted"):
+        del loc[2]  # the union's tag: `backends.local.urls`, not `backends.local.engine.urls`
+    for part in loc:
+        if isinstance(part, int):
+            parts[-1:] = [f"{parts[-1]}[{part}]"] if parts else [f"[{part}]"]
+        else:
+            parts.append(str(part))
+    where = ".".join(parts)
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
-    return f"{loc}: {msg}" if loc else msg
+    if where and _SUBPATH.match(msg):
+        return f"{where}.{msg}"  # a validator naming a sub-path: `routes.auto` + `tiers[1].threshold: ...`
+    return f"{where}: {msg}" if where else msg
+
+
+_SUBPATH = re.compile(r"^[A-Za-z_]\w*(\[\d+\])?(\.[A-Za-z_]\w*(\[\d+\])?)*: ")

@@ -11,18 +11,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway.auth import AuthError, KeyInfo
-from gateway.backends.base import (
-    ModelUnavailableError,
-    Upstream,
-    UpstreamStreamError,
-    UpstreamUnavailableError,
-)
+from gateway.backends.base import UpstreamStreamError
 from gateway.errors import GatewayError, auth_error_type, error_body
+from gateway.failover import Attempt, ChainExhaustedError, Served
 from gateway.policy import Policy
+from gateway.routing import NoRouteError, RouteDecision
+from gateway.runtime import Runtime, RuntimeHolder
 from gateway.usage_log import RequestLogWriter
 
 logger = logging.getLogger(__name__)
@@ -68,54 +65,78 @@ class _Call:
     usage: dict[str, Any] = field(default_factory=dict)
     request_body: bytes | None = None
     response_body: bytes | None = None
+    decision: RouteDecision | None = None
+    attempts: list[Attempt] = field(default_factory=list)
 
     def overhead_ms(self) -> float:
         return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
 
 
 class Proxy:
-    """Routes chat and text completions to the policy's backends and logs every request."""
+    """Routes chat and text completions along the policy's chains and logs every request."""
 
-    def __init__(self, policy: Policy, pools: dict[str, Upstream], log: RequestLogWriter) -> None:
-        self.policy = policy
-        self.pools = pools
+    def __init__(self, holder: RuntimeHolder, log: RequestLogWriter) -> None:
+        self.holder = holder
         self.log = log
 
+    @property
+    def runtime(self) -> Runtime:
+        """The active policy version (a reload replaces it between requests)."""
+        return self.holder.runtime
+
+    @property
+    def policy(self) -> Policy:
+        """The active policy."""
+        return self.runtime.policy
+
     def models_for(self, key: KeyInfo) -> list[tuple[str, str | None]]:
-        """The model names this key may use, each with why it is unavailable (None: available)."""
-        return [
-            (name, self.pools[route.backend].unavailable_reason)
-            for name, route in self.policy.models.items()
-            if key.allows(name)
-        ]
+        """The names this key may use, each with why it is unavailable (None: available)."""
+        rt = self.runtime
+        listed = []
+        for name in rt.policy.exposed():
+            if not key.allows(name):
+                continue
+            chain = _static_chain(rt.policy, name)
+            reasons = [rt.pools[rt.policy.models[m].backend].unavailable_reason for m in chain]
+            listed.append(
+                (name, None if any(r is None for r in reasons) else "; ".join(r or "" for r in reasons))
+            )
+        return listed
 
     async def handle(self, path: str, raw: bytes, key: KeyInfo) -> Reply:
         """Forward one request; every outcome, errors and client disconnects included, gets a log row."""
         call = _Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC))
+        rt = self.runtime  # one policy version for the whole request, even if a reload lands meanwhile
         try:
-            body, wants_usage = self._prepare(call, raw)
-            pool = self.pools[self.policy.models[call.model or ""].backend]
-            call.backend = pool.name
-            reason = pool.unavailable_reason
-            if reason is not None:
-                raise ModelUnavailableError(reason)
+            body, wants_usage = self._prepare(rt, call, raw)
+            call.decision = rt.router.decide(call.model or "", body, key)
             if body.get("stream"):
-                return await self._stream(call, pool, path, body, wants_usage)
-            return await self._whole(call, pool, path, body)
+                return await self._stream(rt, call, path, body, wants_usage)
+            return await self._whole(rt, call, path, body)
         except GatewayError as exc:
             return self._failed(call, exc.status, exc.message, exc.type, exc.param, exc.code)
         except AuthError as exc:
             return self._failed(call, exc.status, exc.message, auth_error_type(exc.status), None, exc.code)
-        except ModelUnavailableError as exc:
-            message = f"the model '{call.model}' is unavailable: {exc}"
-            return self._failed(call, 503, message, "api_error", "model", "model_unavailable")
-        except UpstreamUnavailableError as exc:
-            status = 504 if exc.timeout else 502
-            code = "upstream_timeout" if exc.timeout else "upstream_unavailable"
-            return self._failed(call, status, str(exc), "api_error", None, code)
+        except NoRouteError as exc:
+            return self._failed(call, 503, str(exc), "api_error", "model", "no_route")
+        except ChainExhaustedError as exc:
+            return self._exhausted(call, exc)
         except asyncio.CancelledError:  # the client left before the answer was ready
             self._log(call, 499, "client_disconnected")
             raise
+
+    def _exhausted(self, call: _Call, exc: ChainExhaustedError) -> Reply:
+        """Every model failed: the last upstream error answer as it was, else 503/504/502."""
+        call.attempts = exc.attempts
+        if exc.last is not None:
+            call.deployment = exc.last.url
+            self._log(call, exc.last.status, _error_code(exc.last.body))
+            return self._with_headers(call, Reply(exc.last.status, [_JSON], exc.last.body))
+        if exc.unavailable:
+            return self._failed(call, 503, str(exc), "api_error", "model", "model_unavailable")
+        if exc.timeout:
+            return self._failed(call, 504, str(exc), "api_error", None, "upstream_timeout")
+        return self._failed(call, 502, str(exc), "api_error", None, "upstream_unavailable")
 
     def _failed(
         self, call: _Call, status: int, message: str, type_: str, param: str | None, code: str | None
@@ -123,7 +144,7 @@ class Proxy:
         self._log(call, status, code)
         return self._with_headers(call, error_reply(status, message, type_, param, code))
 
-    def _prepare(self, call: _Call, raw: bytes) -> tuple[dict[str, Any], bool]:
+    def _prepare(self, rt: Runtime, call: _Call, raw: bytes) -> tuple[dict[str, Any], bool]:
         if len(raw) > MAX_BODY_BYTES:
             raise GatewayError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
         try:
@@ -140,54 +161,71 @@ class Proxy:
                 400, "you must provide a model parameter", param="model", code="missing_required_parameter"
             )
         call.model = model
-        if model not in self.policy.models:
+        if model not in rt.policy.models and model not in rt.policy.routes:
             raise GatewayError(
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
             )
         if not call.key.allows(model):
             raise AuthError(403, f"this key may not use the model '{model}'", "model_not_allowed")
-        if self.policy.log_bodies:
+        if rt.policy.log_bodies:
             call.request_body = raw
-        body["model"] = self.policy.upstream_model(model)
         options = body.get("stream_options")
         wants_usage = isinstance(options, dict) and options.get("include_usage") is True
         if body.get("stream") is True and not wants_usage:  # the log needs usage: ask, hide it later
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         return body, wants_usage
 
-    async def _whole(self, call: _Call, pool: Upstream, path: str, body: dict[str, Any]) -> Reply:
+    async def _whole(self, rt: Runtime, call: _Call, path: str, body: dict[str, Any]) -> Reply:
+        assert call.decision is not None
         sent = time.perf_counter()
-        reply = await pool.send(path, orjson.dumps(body))
-        call.upstream_seconds = time.perf_counter() - sent
-        call.deployment = reply.url
+        try:
+            served = await rt.failover.send(call.decision, path, body)
+        finally:
+            call.upstream_seconds = time.perf_counter() - sent
+        self._served(call, served)
+        reply = served.reply
+        assert reply is not None
         if reply.status == 200:
             try:
                 call.usage = orjson.loads(reply.body).get("usage") or {}
             except (orjson.JSONDecodeError, AttributeError):
                 call.usage = {}
-            if self.policy.log_bodies:
+            if rt.policy.log_bodies:
                 call.response_body = reply.body
         self._log(call, reply.status, None if reply.status == 200 else _error_code(reply.body))
         return self._with_headers(call, Reply(reply.status, [_JSON], reply.body))
 
+    @staticmethod
+    def _served(call: _Call, served: Served) -> None:
+        call.backend, call.deployment, call.attempts = served.backend, served.deployment, served.attempts
+
     async def _stream(
-        self, call: _Call, pool: Upstream, path: str, body: dict[str, Any], wants_usage: bool
+        self, rt: Runtime, call: _Call, path: str, body: dict[str, Any], wants_usage: bool
     ) -> Reply:
+        assert call.decision is not None
         sent = time.perf_counter()
-        context = pool.stream(path, orjson.dumps(body))
-        upstream = await context.__aenter__()
-        call.deployment = upstream.url
+        try:
+            served = await rt.failover.stream(call.decision, path, body)
+        finally:
+            call.upstream_seconds = time.perf_counter() - sent  # up to the first token
+        self._served(call, served)
+        upstream, context = served.stream, served.context
+        assert upstream is not None and context is not None
         if upstream.status != 200:
             await context.__aexit__(None, None, None)
-            call.upstream_seconds = time.perf_counter() - sent
             self._log(call, upstream.status, _error_code(upstream.error_body))
             return self._with_headers(call, Reply(upstream.status, [_JSON], upstream.error_body))
-        call.upstream_seconds = time.perf_counter() - sent  # time to response headers
 
         async def events() -> AsyncGenerator[bytes, None]:
             status, error = 200, None
             lines = upstream.lines.__aiter__()
             try:
+                for line in served.head:  # read before committing to this upstream
+                    event = self._relay(call, line, wants_usage)
+                    if event is not None:
+                        paused = time.perf_counter()
+                        yield event
+                        call.upstream_seconds += time.perf_counter() - paused
                 while True:
                     waited = time.perf_counter()
                     try:
@@ -201,7 +239,7 @@ class Proxy:
                         paused = time.perf_counter()
                         yield event
                         call.upstream_seconds += time.perf_counter() - paused  # the client reading
-            except (aiohttp.ClientError, UpstreamStreamError) as exc:  # broke off mid-stream: tell the client
+            except UpstreamStreamError as exc:  # broke off mid-stream: tell the client, never switch silently
                 status, error = 502, "upstream_stream_error"
                 yield b"data: " + orjson.dumps(
                     {"error": {"message": f"the upstream stream failed: {exc}", "type": "api_error",
@@ -238,6 +276,11 @@ class Proxy:
         reply.headers.append((b"x-request-id", call.id.encode()))
         if call.backend:
             reply.headers.append((b"x-gateway-backend", call.backend.encode()))
+        if call.decision is not None:
+            reply.headers.append((b"x-gateway-route", call.decision.header().encode()))
+        if call.attempts:
+            tried = ", ".join(a.describe() for a in call.attempts)
+            reply.headers.append((b"x-gateway-failover", tried.encode("ascii", "replace")))
         reply.headers.append((b"x-gateway-overhead-ms", b"%.3f" % call.overhead_ms()))
         return reply
 
@@ -252,19 +295,25 @@ class Proxy:
                 "finished_at": datetime.now(UTC),
                 "key_id": call.key.id,
                 "team": call.key.team,
-                "requested_model": call.model,
+                "requested_model": _clip(call.model, 200),
                 "backend": call.backend,
-                "deployment": call.deployment,
-                "route_reason": "direct" if call.backend else None,
+                "deployment": _clip(call.deployment, 500),
+                "route_reason": _clip(call.decision.reason, 500) if call.decision else None,
+                "route_tier": _clip(call.decision.tier, 100) if call.decision else None,
+                "complexity_score": round(call.decision.score, 4)
+                if call.decision and call.decision.score is not None
+                else None,
+                "failover": ", ".join(a.describe() for a in call.attempts) or None,
                 "status": status,
-                "error_type": error,
+                "error_type": _clip(error, 100),
                 "prompt_tokens": usage.get("prompt_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),
                 "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
                 "latency_ms": round(latency * 1e3, 3),
                 "ttft_ms": round(call.ttft * 1e3, 3) if call.ttft is not None else None,
                 "overhead_ms": round(call.overhead_ms(), 3),
-                "attempts": 1,
+                "attempts": len([a for a in call.attempts if not a.outcome.startswith("unavailable")])
+                + (1 if call.backend and call.deployment else 0),
                 "cost_usd": None,
                 "request_body": call.request_body.decode(errors="replace") if call.request_body else None,
                 "response_body": call.response_body.decode(errors="replace") if call.response_body else None,
@@ -278,3 +327,17 @@ def _error_code(body: bytes) -> str:
         return str(error.get("code") or error.get("type") or "upstream_error")
     except (orjson.JSONDecodeError, AttributeError):
         return "upstream_error"
+
+
+def _static_chain(policy: Policy, name: str) -> list[str]:
+    """Every model a name may reach (for listing availability)."""
+    if name in policy.models:
+        return [name, *policy.models[name].fallbacks]
+    route = policy.routes[name]
+    tiers = [m for tier in route.tiers for m in tier.candidates]
+    return list(dict.fromkeys([*route.candidates, *tiers, *route.fallbacks]))
+
+
+def _clip(text: str | None, limit: int) -> str | None:
+    """Column-sized text: PostgreSQL refuses a whole batch over one value that is too long."""
+    return text if text is None or len(text) <= limit else text[: limit - 1] + "…"

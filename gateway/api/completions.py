@@ -137,9 +137,15 @@ async def _send_stream(reply: Reply, send: Send, state: dict[str, bool]) -> None
     assert reply.events is not None
     events = reply.events
     try:
+        try:  # start the generator before any other await: from here its cleanup always runs
+            first: bytes | None = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
         await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
-        async for event in events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        if first is not None:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            async for event in events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
         state["done"] = True
         await send({"type": "http.response.body", "body": b""})
     finally:

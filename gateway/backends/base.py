@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from gateway.policy import Timeouts
 
 
 class UpstreamUnavailableError(Exception):
-    """The upstream could not be reached or did not answer in time."""
+    """The upstream could not be reached or did not answer in time (`deployment`: which one)."""
 
-    def __init__(self, message: str, timeout: bool) -> None:
+    def __init__(self, message: str, timeout: bool, deployment: str | None = None) -> None:
         super().__init__(message)
         self.timeout = timeout
+        self.deployment = deployment
 
 
 class ModelUnavailableError(Exception):
@@ -33,14 +36,23 @@ class UpstreamReply:
     url: str
 
 
+def _no_verdict(ok: bool) -> None:
+    """Default stream verdict hook: nothing tracks this upstream's health."""
+
+
 @dataclass
 class UpstreamStream:
-    """A streamed upstream response: SSE lines when status is 200, else an error body."""
+    """A streamed upstream response: SSE lines when status is 200, else an error body.
+
+    `verdict(ok)` tells the backend's health accounting how the stream went when the caller is the
+    one who knows (e.g. it gave up waiting for the first event); the first verdict counts.
+    """
 
     status: int
     lines: AsyncIterator[str]
     error_body: bytes
     url: str
+    verdict: Callable[[bool], None] = field(default=_no_verdict)
 
 
 class Upstream(Protocol):
@@ -49,16 +61,29 @@ class Upstream(Protocol):
     name: str
 
     @property
+    def timeouts(self) -> Timeouts:
+        """The backend's own timeouts (a route may replace them)."""
+        ...
+
+    @property
     def unavailable_reason(self) -> str | None:
         """Why the backend cannot be called, or None."""
         ...
 
-    async def send(self, path: str, body: bytes) -> UpstreamReply:
-        """One whole response."""
+    async def send(
+        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+    ) -> UpstreamReply:
+        """One whole response (`avoid`: deployments this request already failed on)."""
         ...
 
-    def stream(self, path: str, body: bytes) -> AbstractAsyncContextManager[UpstreamStream]:
+    def stream(
+        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+    ) -> AbstractAsyncContextManager[UpstreamStream]:
         """A streamed response; leaving the context releases the upstream."""
+        ...
+
+    async def start(self) -> None:
+        """Begin background work (health checks), inside the running loop."""
         ...
 
     async def close(self) -> None:

@@ -25,7 +25,8 @@ def free_port() -> int:
 class ManagedServer:
     """A server subprocess on a free port, ready once GET `health_path` answers 200.
 
-    `command(port)` builds its command line; `stop()` sends SIGTERM and returns the exit code.
+    `command(port)` builds its command line (`port`: a given one, e.g. to restart a server where it
+    was; default a free one); `stop()` sends SIGTERM and returns the exit code.
     """
 
     def __init__(
@@ -34,8 +35,9 @@ class ManagedServer:
         ready_timeout: float = 180.0,
         env: dict[str, str] | None = None,
         health_path: str = "/health",
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.health_path = health_path
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115

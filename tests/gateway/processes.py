@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from sqlalchemy import text
+
+from gateway.db import create_engine
 from tests.engine.server_proc import ManagedServer
 
 
@@ -33,3 +38,17 @@ def start_gateway(policy: Path, env: dict[str, str]) -> ManagedServer:
 def create_key_cli(env: dict[str, str], name: str) -> str:
     """A new key through the CLI; returns its plaintext."""
     return str(json.loads(gateway_cli(env, "keys", "create", "--name", name))["key"])
+
+
+def read_log_rows(database_url: str) -> list[dict[str, Any]]:
+    """Every request-log row, as dicts."""
+
+    async def read() -> list[dict[str, Any]]:
+        engine = create_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                return [dict(r._mapping) for r in await conn.execute(text("SELECT * FROM request_logs"))]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(read())

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
 from gateway.auth import AuthError, KeyHasher, KeyStore
 from gateway.db import create_engine, session_factory
@@ -43,7 +45,9 @@ class FakeClock:
 
 
 def _store(url: str, clock: FakeClock, ttl: float = 5.0) -> KeyStore:
-    return KeyStore(session_factory(create_engine(url)), KeyHasher(b"hmac-secret"), ttl, clock)
+    # NullPool: no connection outlives its session (and the event loop of the test that used it)
+    engine = create_async_engine(url, poolclass=NullPool)
+    return KeyStore(session_factory(engine), KeyHasher(b"hmac-secret"), ttl, clock)
 
 
 def test_admin_creates_lists_gets_updates_revokes_and_rotates(admin: TestClient) -> None:

@@ -20,6 +20,55 @@ models:
 def test_the_shipped_default_policy_is_valid() -> None:
     policy = load_policy(Path("policies/default.yaml"))
     assert "SmolLM2-135M-Instruct" in policy.models
+    assert {"auto", "fast", "smart"} <= set(policy.routes)
+
+
+def test_the_commented_example_uses_every_feature_and_is_valid() -> None:
+    policy = load_policy(Path("policies/example.yaml"))
+    assert policy.routes["auto"].tiers and policy.routes["fast"].candidates
+    assert {o.data_residency for o in policy.overrides} == {"any", "self_hosted_only"}
+    assert policy.health_for("gpu-pool").max_queue_depth == 32 and policy.health.max_queue_depth is None
+
+
+_ROUTES = """  hosted: {backend: api}
+routes:
+  auto:
+    tiers:
+      - {name: simple, threshold: 0, candidates: [small]}
+      - {name: complex, threshold: 0.6, candidates: [hosted]}
+    fallbacks: [direct]
+overrides:
+  - {team: legal, tier: complex}
+"""
+ROUTED = (GOOD + _ROUTES).replace("models:", "  api: {type: hosted, model: openai/x}\nmodels:")
+
+
+def test_a_routed_policy_parses_with_tiers_fallbacks_and_overrides() -> None:
+    policy = parse_policy(ROUTED)
+    assert [t.threshold for t in policy.routes["auto"].tiers] == [0, 0.6]
+    assert policy.exposed() == ["small", "direct", "hosted", "auto"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("threshold: 0.6", "threshold: 1.5"), "routes.auto.tiers[1].threshold: must be between 0 and 1"),
+        (("threshold: 0.6", "threshold: 0"), "routes.auto.tiers[1].threshold: must be above tiers[0]"),
+        (("threshold: 0,", "threshold: 0.2,"), "routes.auto.tiers[0].threshold: the first tier must"),
+        (("candidates: [hosted]", "candidates: [x]"), "auto.tiers[1].candidates[0]: unknown model 'x'"),
+        (("fallbacks: [direct]", "fallbacks: [gone]"), "routes.auto.fallbacks[0]: unknown model 'gone'"),
+        (("tier: complex}", "tier: huge}"), "overrides[0].tier: unknown tier 'huge'"),
+        (("{team: legal, tier: complex}", "{team: legal}"), "overrides[0]: an override must set tier"),
+        (("{team: legal, tier: complex}", "{team: a, key: b, tier: x}"), "overrides[0]: give exactly one"),
+        (("  auto:\n", "  small:\n"), "routes.small: already a name in models"),
+        (("    fallbacks: [direct]", "    fallbacks: [direct]\n    retries: {count: -1}"),
+         "routes.auto.retries.count: Input should be greater than or equal to 0"),
+    ],
+)  # fmt: skip
+def test_routing_errors_name_their_path(change: tuple[str, str], message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(ROUTED.replace(*change), "p.yaml")
+    assert message in str(info.value)
 
 
 def test_upstream_model_defaults_to_the_exposed_name() -> None:

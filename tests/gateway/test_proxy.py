@@ -13,11 +13,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from sqlalchemy import text
 
-from gateway.db import create_engine
 from tests.engine.server_proc import ManagedServer
-from tests.gateway.processes import start_gateway
+from tests.gateway.processes import read_log_rows, start_gateway
 
 MASTER = "sk-master-proxy"
 
@@ -68,15 +66,7 @@ models:
         return openai.OpenAI(base_url=f"{self.gateway.base_url}/v1", api_key=key or self.key, max_retries=0)
 
     def log_rows(self) -> list[dict[str, Any]]:
-        async def read() -> list[dict[str, Any]]:
-            engine = create_engine(self.database_url)
-            try:
-                async with engine.connect() as conn:
-                    return [dict(r._mapping) for r in await conn.execute(text("SELECT * FROM request_logs"))]
-            finally:
-                await engine.dispose()
-
-        return asyncio.run(read())
+        return read_log_rows(self.database_url)
 
     def close(self) -> int:
         code = self.gateway.stop()
@@ -187,11 +177,17 @@ def test_bad_requests_are_clear_4xx(stack: Stack, content: bytes, status: int, c
     assert r.json()["error"]["code"] == code
 
 
-def test_unreachable_upstream_is_502_in_openai_format(stack: Stack) -> None:
-    with pytest.raises(openai.APIStatusError) as info:
-        stack.client().chat.completions.create(model="broken", messages=[{"role": "user", "content": "x"}])
-    assert info.value.status_code == 502
-    assert info.value.code == "upstream_unavailable"
+def test_a_pool_whose_only_replica_is_down_is_503_naming_the_replica(stack: Stack) -> None:
+    deadline = time.monotonic() + 5  # the first health check marks it down; until then calls fail (502)
+    while True:
+        with pytest.raises(openai.APIStatusError) as info:
+            stack.client().chat.completions.create(model="broken", messages=[{"role": "user", "content": ""}])
+        if info.value.status_code == 503 or time.monotonic() > deadline:
+            break
+        assert info.value.status_code == 502 and info.value.code == "upstream_unavailable"
+        time.sleep(0.1)
+    assert info.value.status_code == 503 and info.value.code == "model_unavailable"
+    assert "http://127.0.0.1:9" in info.value.message
 
 
 def test_upstream_errors_pass_through_with_their_status(stack: Stack) -> None:
