@@ -261,8 +261,8 @@ def _has_token(line: str) -> bool:
     if not line.startswith("data:"):
         return False
     payload = line[5:].strip()
-    if payload == "[DONE]":
-        return True
+    if '"role"' not in payload:
+        return True  # only the opening role chunk can be empty: skip parsing everything else
     try:
         chunk = orjson.loads(payload)
     except orjson.JSONDecodeError:

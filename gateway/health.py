@@ -46,7 +46,10 @@ class CircuitBreaker:
         self._consecutive = 0
         self._opened_at = 0.0
         self._probing = False
-        self._outcomes: deque[tuple[float, bool]] = deque()  # (time, ok) within the window
+        # outcomes within the window, bucketed by whole second: [second, requests, failures]
+        self._buckets: deque[list[int]] = deque()
+        self._requests = 0
+        self._failures = 0
 
     @property
     def state(self) -> BreakerState:
@@ -76,7 +79,7 @@ class CircuitBreaker:
         self._probing = False
 
     def record(self, ok: bool) -> None:
-        """One outcome of real traffic (or of a probe)."""
+        """One outcome of real traffic (or of a probe). O(1): counts are kept per second of the window."""
         now = self._clock()
         state = self.state
         if state is BreakerState.HALF_OPEN:
@@ -86,26 +89,40 @@ class CircuitBreaker:
             else:
                 self._open(now)
             return
-        self._outcomes.append((now, ok))
-        while self._outcomes and now - self._outcomes[0][0] > self.settings.window:
-            self._outcomes.popleft()
+        self._count(now, ok)
         self._consecutive = 0 if ok else self._consecutive + 1
-        if state is not BreakerState.CLOSED:
-            return
-        failures = sum(1 for _, good in self._outcomes if not good)
+        if ok or state is not BreakerState.CLOSED:
+            return  # only a failure can trip a closed breaker
         rate_tripped = (
-            len(self._outcomes) >= self.settings.min_requests
-            and failures / len(self._outcomes) >= self.settings.error_rate
+            self._requests >= self.settings.min_requests
+            and self._failures / self._requests >= self.settings.error_rate
         )
         if self._consecutive >= self.settings.consecutive_failures or rate_tripped:
             self._open(now)
+
+    def _count(self, now: float, ok: bool) -> None:
+        second = int(now)
+        horizon = second - self.settings.window
+        while self._buckets and self._buckets[0][0] <= horizon:
+            _, requests, failures = self._buckets.popleft()
+            self._requests -= requests
+            self._failures -= failures
+        if not self._buckets or self._buckets[-1][0] != second:
+            self._buckets.append([second, 0, 0])
+        bucket = self._buckets[-1]
+        bucket[1] += 1
+        self._requests += 1
+        if not ok:
+            bucket[2] += 1
+            self._failures += 1
 
     def _open(self, now: float) -> None:
         self._state, self._opened_at, self._probing = BreakerState.OPEN, now, False
 
     def _close(self) -> None:
         self._state, self._consecutive = BreakerState.CLOSED, 0
-        self._outcomes.clear()
+        self._buckets.clear()
+        self._requests = self._failures = 0
 
 
 class Replica:

@@ -16,6 +16,8 @@ from gateway.auth import AuthError, KeyInfo
 from gateway.complexity import ComplexityModel, ComplexityResult, ComplexityScorer
 from gateway.policy import EngineBackend, Override, Policy, Retries, Route, Timeouts
 
+NO_RETRIES = Retries()  # direct models: no retries of the same model (built once, not per request)
+
 
 class NoRouteError(Exception):
     """Nothing in the chain may serve this request (e.g. self-hosted only, but every candidate is hosted)."""
@@ -31,7 +33,7 @@ class RouteDecision:
     tier: str | None = None
     score: float | None = None
     self_hosted_only: bool = False
-    retries: Retries = field(default_factory=Retries)
+    retries: Retries = NO_RETRIES
     timeouts: Timeouts | None = None
     complexity: ComplexityResult | None = field(default=None, compare=False)
 
