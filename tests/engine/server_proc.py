@@ -93,7 +93,9 @@ class ManagedServer:
 class ServerProcess(ManagedServer):
     """`python -m engine serve` with the given model and options."""
 
-    def __init__(self, model: str | Path, *args: str, ready_timeout: float = 180.0) -> None:
+    def __init__(
+        self, model: str | Path, *args: str, ready_timeout: float = 180.0, port: int | None = None
+    ) -> None:
         def command(port: int) -> list[str]:
             return [
                 sys.executable,
@@ -107,7 +109,7 @@ class ServerProcess(ManagedServer):
                 *args,
             ]
 
-        super().__init__(command, ready_timeout)
+        super().__init__(command, ready_timeout, port=port)
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {series: value}, labels dropped (one model per server)."""

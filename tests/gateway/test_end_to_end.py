@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+import time
 from pathlib import Path
 
 import openai
 
-from tests.engine.server_proc import ServerProcess
+from tests.engine.server_proc import ManagedServer, ServerProcess
 from tests.gateway.processes import create_key_cli, start_gateway
+from tests.gateway.test_failover import Load
 
 
 def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp_path: Path) -> None:
@@ -50,3 +54,43 @@ def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp
         if gateway is not None:
             assert gateway.stop() == 0
         engine.stop()
+
+
+def test_killing_the_engine_under_load_fails_over_to_the_hosted_fake_without_a_failed_request(
+    tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    engine = ServerProcess(tiny_chat_model, "--kv-cache-memory", str(32 << 20), "--no-access-log")
+    hosted = ManagedServer(lambda p: [sys.executable, "tests/fakes/openai_upstream.py", "--port", str(p)], 60)
+    gateway = None
+    try:
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(f"""
+backends:
+  local: {{type: engine, urls: ["{engine.base_url}"], timeouts: {{connect: 1, first_token: 5, total: 30}}}}
+  frontier: {{type: hosted, model: openai/fake-model, api_key_env: FAKE_PROVIDER_KEY,
+             base_url: "{hosted.base_url}/v1"}}
+models:
+  tiny: {{backend: local, model: {tiny_chat_model.name}, fallbacks: [hosted]}}
+  hosted: {{backend: frontier}}
+health: {{interval: 0.2, timeout: 0.5}}
+""")  # fmt: skip
+        env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", "FAKE_PROVIDER_KEY": "sk-fake",
+               "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"}  # fmt: skip
+        gateway = start_gateway(policy, env)
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "keep going"}]}
+        with Load(f"{gateway.base_url}/v1/chat/completions", create_key_cli(env, "e2e"), 3, body) as load:
+            time.sleep(1.5)
+            assert any(a.backend == "local" for a in load.answers)
+            killed = time.monotonic()
+            engine.proc.send_signal(signal.SIGKILL)
+            engine.proc.wait()
+            time.sleep(3.0)
+            after = load.since(killed + 2.0)
+        assert not load.errors, load.errors[:3]
+        assert after and all(a.backend == "frontier" for a in after)
+    finally:
+        if gateway is not None:
+            assert gateway.stop() == 0
+        if engine.proc.poll() is None:
+            engine.stop()
+        hosted.stop()

@@ -43,8 +43,9 @@ class Answer:
 class Load:
     """`workers` clients sending non-streamed chat requests back to back, in a thread."""
 
-    def __init__(self, url: str, key: str, workers: int = 4) -> None:
+    def __init__(self, url: str, key: str, workers: int = 4, body: dict[str, Any] | None = None) -> None:
         self.url, self.key, self.workers = url, key, workers
+        self.body = body or {"model": "local", "messages": [{"role": "user", "content": "steady load"}]}
         self.answers: list[Answer] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -59,7 +60,7 @@ class Load:
         self._thread.join(30)
 
     async def _run(self) -> None:
-        body = {"model": "local", "messages": [{"role": "user", "content": "steady load"}]}
+        body = self.body
         headers = {"Authorization": f"Bearer {self.key}"}
         async with httpx.AsyncClient(timeout=30) as client:
 
