@@ -134,6 +134,8 @@ class Proxy:
             return self._with_headers(call, Reply(exc.last.status, [_JSON], exc.last.body))
         if exc.unavailable:
             return self._failed(call, 503, str(exc), "api_error", "model", "model_unavailable")
+        if call.decision is not None and call.decision.self_hosted_only:  # never "try hosted": say so
+            return self._failed(call, 503, str(exc), "api_error", "model", "self_hosted_unavailable")
         if exc.timeout:
             return self._failed(call, 504, str(exc), "api_error", None, "upstream_timeout")
         return self._failed(call, 502, str(exc), "api_error", None, "upstream_unavailable")

@@ -101,15 +101,21 @@ health:
   interval: 0.2
   timeout: 0.5
   breaker: {{consecutive_failures: 2, cooldown: 1}}
+overrides:
+  - {{team: eu, data_residency: self_hosted_only}}
 """)  # fmt: skip
         self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         self.env = {"GATEWAY_MASTER_KEY": MASTER, "GATEWAY_KEY_SECRET": "chaos-secret",
                     "GATEWAY_DATABASE_URL": self.database_url, "FAKE_PROVIDER_KEY": "sk-fake"}  # fmt: skip
         self.gateway = start_gateway(policy, self.env)
-        r = httpx.post(f"{self.gateway.base_url}/admin/keys", json={"name": "chaos"},
-                       headers={"Authorization": f"Bearer {MASTER}"})  # fmt: skip
-        self.key = str(r.json()["key"])
+        self.key = self.create_key(name="chaos")
         self.url = f"{self.gateway.base_url}/v1/chat/completions"
+
+    def create_key(self, **body: Any) -> str:
+        r = httpx.post(
+            f"{self.gateway.base_url}/admin/keys", json=body, headers={"Authorization": f"Bearer {MASTER}"}
+        )
+        return str(r.json()["key"])
 
     def requests_seen(self, server: ManagedServer) -> int:
         return int(httpx.get(f"{server.base_url}/stats").json()["requests"])
@@ -226,3 +232,22 @@ def test_a_replica_dying_mid_stream_ends_it_with_an_error_event_and_a_log_row(ch
         assert time.monotonic() < deadline, "no log row for the broken stream"
         time.sleep(0.1)
     assert rows[0]["status"] == 502 and rows[0]["backend"] == "pool"
+
+
+def test_self_hosted_only_requests_get_a_clear_503_and_never_reach_the_hosted_provider(chaos: Chaos) -> None:
+    eu = chaos.create_key(name="eu", team="eu")
+    body = {"model": "local", "messages": [{"role": "user", "content": "patient record"}]}
+    ok = httpx.post(chaos.url, json=body, headers={"Authorization": f"Bearer {eu}"})
+    assert ok.status_code == 200 and ok.headers["x-gateway-backend"] == "pool"
+    chaos.kill(chaos.a)
+    chaos.kill(chaos.b)
+    hosted_before = chaos.requests_seen(chaos.hosted)
+    for _ in range(5):  # first contact (connection refused) and after the checks marked the pool down
+        r = httpx.post(chaos.url, json=body, headers={"Authorization": f"Bearer {eu}"})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] in ("self_hosted_unavailable", "model_unavailable")
+        assert "self-hosted" in r.json()["error"]["message"] or "self_hosted" in r.json()["error"]["message"]
+        time.sleep(0.2)
+    assert chaos.requests_seen(chaos.hosted) == hosted_before
+    other = httpx.post(chaos.url, json=body, headers={"Authorization": f"Bearer {chaos.key}"})
+    assert other.status_code == 200 and other.headers["x-gateway-backend"] == "frontier"
