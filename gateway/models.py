@@ -7,8 +7,41 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, Index, Integer, Numeric, String, Text, func
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Float,
+    Index,
+    Integer,
+    Numeric,
+    String,
+    Text,
+    func,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+PICO = Decimal(10) ** 12
+
+
+class Money(TypeDecorator[Decimal]):
+    """USD as an exact Decimal, stored as whole picodollars (BIGINT) on every database.
+
+    Integers are exact on SQLite as well as PostgreSQL, and so are their SUMs; 10^-12 USD is
+    far below any per-token price (the cheapest are ~10^-9 USD).
+    """
+
+    impl = BigInteger
+    cache_ok = True
+
+    def process_bind_param(self, value: Decimal | None, dialect: Dialect) -> int | None:
+        return None if value is None else int((value * PICO).to_integral_value())
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Decimal | None:
+        return None if value is None else Decimal(int(value)) / PICO
 
 
 class Base(DeclarativeBase):
@@ -70,6 +103,8 @@ class RequestLog(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Numeric(12, 3))
     overhead_ms: Mapped[float | None] = mapped_column(Numeric(12, 3))
     attempts: Mapped[int] = mapped_column(Integer, default=1)
-    cost_usd: Mapped[Decimal | None] = mapped_column(Numeric(20, 10))
+    cost_usd: Mapped[Decimal | None] = mapped_column("cost_picousd", Money)  # what serving it cost
+    reference_cost_usd: Mapped[Decimal | None] = mapped_column("reference_cost_picousd", Money)  # at frontier
+    cost_estimated: Mapped[bool] = mapped_column(Boolean, default=False)  # usage counted by us, not reported
     request_body: Mapped[str | None] = mapped_column(Text)  # only when the policy opts in
     response_body: Mapped[str | None] = mapped_column(Text)

@@ -41,6 +41,20 @@ class Price(_Strict):
     cached_input_per_mtok: float | None = Field(default=None, ge=0)
 
 
+class GpuCost(_Strict):
+    """A self-hosted price derived from what the GPU costs and what it serves (docs/policy.md)."""
+
+    hourly_usd: float = Field(gt=0)
+    input_tokens_per_second: float = Field(gt=0)  # prefill throughput of one replica at load
+    output_tokens_per_second: float = Field(gt=0)  # decode throughput of one replica at load
+
+
+class Costs(_Strict):
+    """What the savings in the reports are measured against."""
+
+    reference_model: str | None = None  # a litellm model name, e.g. "gpt-4o": what a frontier would charge
+
+
 class Breaker(_Strict):
     """Per-replica circuit breaker: closed -> open -> half-open probe after `cooldown` -> closed."""
 
@@ -81,10 +95,13 @@ class EngineBackend(_Strict):
     api_key_env: str | None = None  # env var holding the engines' --api-key, if they have one
     timeouts: Timeouts = Timeouts()
     health: HealthOverride = HealthOverride()
-    price: Price | None = None  # what a self-hosted token costs us (for the cost reports)
+    price: Price | None = None  # what a self-hosted token costs us (for the cost reports) ...
+    gpu: GpuCost | None = None  # ... or derived from the GPU's hourly price and throughput
 
     @model_validator(mode="after")
     def _urls_are_http(self) -> EngineBackend:
+        if self.price is not None and self.gpu is not None:
+            raise ValueError("give price or gpu, not both")
         for i, url in enumerate(self.urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"urls[{i}]: must start with http:// or https://, got {url!r}")
@@ -190,6 +207,7 @@ class Policy(_Strict):
     routes: dict[str, Route] = {}
     overrides: list[Override] = []
     health: Health = Health()
+    costs: Costs = Costs()
     log_bodies: bool = False  # store prompt and completion bodies in the request log
 
     @model_validator(mode="after")

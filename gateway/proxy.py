@@ -15,6 +15,7 @@ import orjson
 
 from gateway.auth import AuthError, KeyInfo
 from gateway.backends.base import UpstreamStreamError
+from gateway.costs import PriceBook
 from gateway.errors import GatewayError, auth_error_type, error_body
 from gateway.failover import Attempt, ChainExhaustedError, Served
 from gateway.policy import Policy
@@ -67,6 +68,7 @@ class _Call:
     response_body: bytes | None = None
     decision: RouteDecision | None = None
     attempts: list[Attempt] = field(default_factory=list)
+    prices: PriceBook | None = None
 
     def overhead_ms(self) -> float:
         return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
@@ -107,6 +109,7 @@ class Proxy:
         """Forward one request; every outcome, errors and client disconnects included, gets a log row."""
         call = _Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC))
         rt = self.runtime  # one policy version for the whole request, even if a reload lands meanwhile
+        call.prices = rt.prices
         try:
             body, wants_usage = self._prepare(rt, call, raw)
             call.decision = rt.router.decide(call.model or "", body, key)
@@ -290,6 +293,9 @@ class Proxy:
         usage = call.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         latency = time.perf_counter() - call.started
+        cost = reference = None
+        if call.prices is not None and call.backend is not None and usage:
+            cost, reference = call.prices.costs(call.backend, usage)
         self.log.record(
             {
                 "id": call.id,
@@ -316,7 +322,9 @@ class Proxy:
                 "overhead_ms": round(call.overhead_ms(), 3),
                 "attempts": len([a for a in call.attempts if not a.outcome.startswith("unavailable")])
                 + (1 if call.backend and call.deployment else 0),
-                "cost_usd": None,
+                "cost_picousd": cost,
+                "reference_cost_picousd": reference,
+                "cost_estimated": False,
                 "request_body": call.request_body.decode(errors="replace") if call.request_body else None,
                 "response_body": call.response_body.decode(errors="replace") if call.response_body else None,
             }

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.backends.base import Upstream
 from gateway.backends.engine import EnginePool
 from gateway.complexity import ComplexityModel
+from gateway.costs import PriceBook
 from gateway.failover import Failover
 from gateway.policy import EngineBackend, Policy, PolicyError, parse_policy, policy_version, read_policy_text
 from gateway.routing import Router
@@ -38,6 +39,7 @@ class Runtime:
     pools: dict[str, Upstream]
     version: str
     loaded_at: datetime
+    prices: PriceBook
 
 
 async def build_runtime(
@@ -53,7 +55,9 @@ async def build_runtime(
         pools[name] = _new_backend(name, policy)
         await pools[name].start()
     router = Router(policy, model)
-    return Runtime(policy, router, Failover(policy, pools), pools, version, datetime.now(UTC))
+    return Runtime(
+        policy, router, Failover(policy, pools), pools, version, datetime.now(UTC), PriceBook(policy)
+    )
 
 
 def _same_backend(previous: Runtime | None, policy: Policy, name: str) -> bool:

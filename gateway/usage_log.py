@@ -103,6 +103,9 @@ class RequestLogWriter:
 class _BatchInsert:
     """Rows straight through the driver: asyncpg's binary COPY, or sqlite3's executemany.
 
+    Rows are keyed by column name (e.g. `cost_picousd`) and hold the ORM's Python values (a Decimal
+    for money); a missing key takes the column's default.
+
     Values go through the dialect's own bind processors, so they are stored exactly as SQLAlchemy
     would store them; skipping its statement machinery halves the CPU the event loop spends per
     row (measured: 200 rows, 4.5 -> 2.3 ms on SQLite, 5.6 -> 2.9 ms on PostgreSQL).
@@ -113,15 +116,22 @@ class _BatchInsert:
         self._engine = engine
         self._columns = [c.name for c in table.columns]
         self._processors = [c.type.bind_processor(engine.dialect) for c in table.columns]
+        self._defaults = [
+            c.default.arg if c.default is not None and c.default.is_scalar else None for c in table.columns
+        ]  # a key missing from a row gets the column's Python-side default, as an ORM insert would
         self._postgres = engine.dialect.name == "postgresql"
         placeholders = ", ".join("?" for _ in self._columns)
         self._table = RequestLog.__tablename__
         self._sql = f"INSERT INTO {self._table} ({', '.join(self._columns)}) VALUES ({placeholders})"
 
     async def __call__(self, rows: list[dict[str, Any]]) -> None:
-        pairs = list(zip(self._columns, self._processors, strict=True))
+        columns = list(zip(self._columns, self._processors, self._defaults, strict=True))
         records = [
-            tuple(row.get(name) if process is None else process(row.get(name)) for name, process in pairs)
+            tuple(
+                value if process is None else process(value)
+                for name, process, default in columns
+                for value in (row.get(name, default),)
+            )
             for row in rows
         ]
         async with self._engine.begin() as conn:

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.costs import map_price
+from gateway.models import PICO
 from tests.engine.server_proc import ManagedServer
 from tests.gateway.processes import read_log_rows, start_gateway
 
@@ -31,7 +34,8 @@ class Stack:
         policy.write_text(
             f"""
 backends:
-  fake: {{type: engine, urls: ["{self.upstream.base_url}"], timeouts: {{connect: 1, total: 10}}}}
+  fake: {{type: engine, urls: ["{self.upstream.base_url}"], timeouts: {{connect: 1, total: 10}},
+         price: {{input_per_mtok: 0.3, output_per_mtok: 1.7}}}}
   down: {{type: engine, urls: ["http://127.0.0.1:9"], timeouts: {{connect: 1, total: 2}}}}
   frontier: {{type: hosted, model: openai/fake-model, api_key_env: FAKE_PROVIDER_KEY,
              base_url: "{self.upstream.base_url}/v1"}}
@@ -42,6 +46,7 @@ models:
   fast: {{backend: fake, model: fake-model}}
   smart: {{backend: fake}}
   broken: {{backend: down}}
+costs: {{reference_model: gpt-4o-mini}}
 """
         )
         self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.db'}"
@@ -235,6 +240,15 @@ def test_burst_of_500_requests_logs_500_rows_with_the_upstream_token_totals(
     assert sum(r["prompt_tokens"] for r in rows) == stats["prompt_tokens"]
     assert sum(r["completion_tokens"] for r in rows) == stats["completion_tokens"]
     assert all(r["overhead_ms"] is not None and r["key_id"] for r in rows)
+    picousd = sum(int(r["cost_picousd"]) for r in rows)  # exact integers on both databases
+    want = stats["prompt_tokens"] * Decimal("0.3") + stats["completion_tokens"] * Decimal("1.7")
+    assert Decimal(picousd) / PICO == want / 1_000_000
+    reference = map_price("gpt-4o-mini")
+    assert reference is not None
+    reference_total = sum(int(r["reference_cost_picousd"]) for r in rows)
+    assert Decimal(reference_total) / PICO == reference.cost(
+        stats["prompt_tokens"], stats["completion_tokens"]
+    )
     assert stack.key not in json.dumps([dict(r) for r in rows], default=str)
 
 

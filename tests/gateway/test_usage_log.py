@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
+from decimal import Decimal
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
@@ -89,8 +90,8 @@ def test_rows_read_back_through_the_orm_exactly_as_recorded(database_url: str) -
         "requested_model": "auto", "backend": "local", "deployment": "http://10.0.0.1:8001",
         "route_reason": "tier simple", "status": 200, "error_type": None, "prompt_tokens": 12,
         "completion_tokens": 34, "cached_tokens": 8, "latency_ms": 1250.123, "ttft_ms": 80.5,
-        "overhead_ms": 0.431, "attempts": 2, "cost_usd": None, "request_body": '{"ü": "日本"}',
-        "response_body": None,
+        "overhead_ms": 0.431, "attempts": 2, "cost_picousd": Decimal("0.000012345678"),
+        "reference_cost_picousd": None, "request_body": '{"ü": "日本"}', "response_body": None,
     }  # fmt: skip
 
     async def run() -> RequestLog:
@@ -110,3 +111,5 @@ def test_rows_read_back_through_the_orm_exactly_as_recorded(database_url: str) -
     assert (stored.team, stored.attempts, stored.cached_tokens) == ("legal", 2, 8)
     assert float(stored.latency_ms or 0) == 1250.123 and float(stored.overhead_ms or 0) == 0.431
     assert stored.request_body == '{"ü": "日本"}' and stored.error_type is None
+    assert stored.cost_usd == Decimal("0.000012345678") and stored.reference_cost_usd is None
+    assert stored.cost_estimated is False
