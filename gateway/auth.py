@@ -65,6 +65,8 @@ class KeyInfo:
     expires_at: datetime | None
     revoked_at: datetime | None
     rotated_at: datetime | None
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
 
     def allows(self, model: str) -> bool:
         """Whether the key may call `model` (no list: every model)."""
@@ -87,6 +89,8 @@ class KeyInfo:
             "expires_at": _iso(self.expires_at),
             "revoked_at": _iso(self.revoked_at),
             "rotated_at": _iso(self.rotated_at),
+            "rpm_limit": self.rpm_limit,
+            "tpm_limit": self.tpm_limit,
         }
 
 
@@ -110,6 +114,8 @@ def _info(row: ApiKey) -> KeyInfo:
         expires_at=_aware(row.expires_at) if row.expires_at else None,
         revoked_at=_aware(row.revoked_at) if row.revoked_at else None,
         rotated_at=_aware(row.rotated_at) if row.rotated_at else None,
+        rpm_limit=row.rpm_limit,
+        tpm_limit=row.tpm_limit,
     )
 
 
@@ -172,6 +178,8 @@ class KeyStore:
         allowed_models: list[str] | None = None,
         expires_at: datetime | None = None,
         metadata: dict[str, Any] | None = None,
+        rpm_limit: int | None = None,
+        tpm_limit: int | None = None,
     ) -> tuple[KeyInfo, str]:
         """A new key; returns it with its plaintext (shown once, never stored)."""
         plaintext = generate_key()
@@ -184,6 +192,8 @@ class KeyStore:
             allowed_models=allowed_models,
             metadata_=metadata or {},
             expires_at=expires_at,
+            rpm_limit=rpm_limit,
+            tpm_limit=tpm_limit,
         )
         async with self._sessions() as session:
             session.add(row)

@@ -51,7 +51,10 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
         store = KeyStore(session_factory(engine), KeyHasher(resolve_secrets(settings).key_secret), 0.0)
         expires = datetime.now(UTC) + timedelta(days=args.expires_in_days) if args.expires_in_days else None
         models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
-        info, plaintext = await store.create(args.name, args.team, models, expires, json.loads(args.metadata))
+        metadata = json.loads(args.metadata)
+        info, plaintext = await store.create(
+            args.name, args.team, models, expires, metadata, args.rpm, args.tpm
+        )
         return {**info.public(), "key": plaintext}
     finally:
         await engine.dispose()
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     create.add_argument("--expires-in-days", type=float, default=None)
     create.add_argument("--metadata", default="{}", help="a JSON object")
+    create.add_argument("--rpm", type=_positive, default=None, help="requests per minute (default: no limit)")
+    create.add_argument("--tpm", type=_positive, default=None, help="tokens per minute (default: no limit)")
     _routing_commands(sub)
     args = parser.parse_args(argv)
     try:
@@ -134,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, SchemaMismatchError, PolicyError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _routing_commands(sub: Any) -> None:

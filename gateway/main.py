@@ -20,6 +20,7 @@ from gateway.errors import install_error_handlers
 from gateway.migrate import ensure_schema
 from gateway.policy import parse_policy, policy_version, read_policy_text
 from gateway.proxy import Proxy
+from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
@@ -69,13 +70,19 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         app.state.policy_watcher = watcher
         log = RequestLogWriter(engine, registry)
         log.start()
-        app.state.proxy = Proxy(holder, log)
+        limiter: RateLimiter = (
+            RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open)
+            if settings.redis_url
+            else LocalRateLimiter()
+        )
+        app.state.proxy = Proxy(holder, log, limiter)
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
         try:
             yield
         finally:
             await watcher.stop()
             await log.stop()
+            await limiter.close()
             for pool in holder.runtime.pools.values():
                 await pool.close()
             await engine.dispose()

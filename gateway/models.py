@@ -71,6 +71,8 @@ class ApiKey(Base):
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     rotated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)  # requests per minute (None: no limit)
+    tpm_limit: Mapped[int | None] = mapped_column(Integer)  # tokens per minute (None: no limit)
 
 
 class RequestLog(Base):

@@ -49,6 +49,13 @@ class GpuCost(_Strict):
     output_tokens_per_second: float = Field(gt=0)  # decode throughput of one replica at load
 
 
+class Team(_Strict):
+    """Limits shared by every key of one team."""
+
+    rpm: int | None = Field(default=None, ge=1)  # requests per minute
+    tpm: int | None = Field(default=None, ge=1)  # tokens per minute (prompt + completion)
+
+
 class Costs(_Strict):
     """What the savings in the reports are measured against."""
 
@@ -208,6 +215,7 @@ class Policy(_Strict):
     overrides: list[Override] = []
     health: Health = Health()
     costs: Costs = Costs()
+    teams: dict[str, Team] = {}
     log_bodies: bool = False  # store prompt and completion bodies in the request log
 
     @model_validator(mode="after")

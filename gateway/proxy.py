@@ -19,6 +19,14 @@ from gateway.costs import PriceBook
 from gateway.errors import GatewayError, auth_error_type, error_body
 from gateway.failover import Attempt, ChainExhaustedError, Served
 from gateway.policy import Policy
+from gateway.ratelimit import (
+    Limit,
+    LimiterUnavailableError,
+    LocalRateLimiter,
+    RateLimitedError,
+    RateLimiter,
+    retry_after_header,
+)
 from gateway.routing import NoRouteError, RouteDecision
 from gateway.runtime import Runtime, RuntimeHolder
 from gateway.usage_log import RequestLogWriter
@@ -69,6 +77,8 @@ class _Call:
     decision: RouteDecision | None = None
     attempts: list[Attempt] = field(default_factory=list)
     prices: PriceBook | None = None
+    token_limits: list[Limit] = field(default_factory=list)  # reconciled with the real usage at the end
+    reserved_tokens: int = 0
 
     def overhead_ms(self) -> float:
         return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
@@ -77,9 +87,13 @@ class _Call:
 class Proxy:
     """Routes chat and text completions along the policy's chains and logs every request."""
 
-    def __init__(self, holder: RuntimeHolder, log: RequestLogWriter) -> None:
+    def __init__(
+        self, holder: RuntimeHolder, log: RequestLogWriter, limiter: RateLimiter | None = None
+    ) -> None:
         self.holder = holder
         self.log = log
+        self.limiter = limiter or LocalRateLimiter()
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def runtime(self) -> Runtime:
@@ -113,6 +127,9 @@ class Proxy:
         try:
             body, wants_usage = self._prepare(rt, call, raw)
             call.decision = rt.router.decide(call.model or "", body, key)
+            limits = self._limits(rt, call, body, len(raw))
+            if limits:
+                await self.limiter.acquire(limits)
             if body.get("stream"):
                 return await self._stream(rt, call, path, body, wants_usage)
             return await self._whole(rt, call, path, body)
@@ -122,11 +139,52 @@ class Proxy:
             return self._failed(call, exc.status, exc.message, auth_error_type(exc.status), None, exc.code)
         except NoRouteError as exc:
             return self._failed(call, 503, str(exc), "api_error", "model", "no_route")
+        except RateLimitedError as exc:
+            call.token_limits = []  # nothing was spent
+            kind = "tokens" if "tokens" in str(exc) else "requests"
+            reply = self._failed(call, 429, str(exc), kind, None, "rate_limit_exceeded")
+            reply.headers.append((b"retry-after", retry_after_header(exc.retry_after)))
+            return reply
+        except LimiterUnavailableError as exc:
+            call.token_limits = []
+            return self._failed(call, 503, str(exc), "api_error", None, "rate_limiter_unavailable")
         except ChainExhaustedError as exc:
             return self._exhausted(call, exc)
         except asyncio.CancelledError:  # the client left before the answer was ready
             self._log(call, 499, "client_disconnected")
             raise
+
+    def _limits(self, rt: Runtime, call: _Call, body: dict[str, Any], body_bytes: int) -> list[Limit]:
+        """The key's and its team's per-minute counters this request spends (often none)."""
+        key = call.key
+        team = rt.policy.teams.get(key.team) if key.team else None
+        rpm = [(f"key:{key.id}", key.rpm_limit, "for this key"),
+               (f"team:{key.team}", team.rpm if team else None, f"for team {key.team}")]  # fmt: skip
+        tpm = [(f"key:{key.id}", key.tpm_limit, "for this key"),
+               (f"team:{key.team}", team.tpm if team else None, f"for team {key.team}")]  # fmt: skip
+        limits = [Limit(f"{n}:rpm", v, 1, f"requests per minute {w}") for n, v, w in rpm if v]
+        if any(v for _, v, _ in tpm):
+            out = body.get("max_completion_tokens") or body.get("max_tokens")
+            call.reserved_tokens = body_bytes // 4 + (out if isinstance(out, int) and out > 0 else 0)
+            call.token_limits = [
+                Limit(f"{n}:tpm", v, call.reserved_tokens, f"tokens per minute {w}") for n, v, w in tpm if v
+            ]
+            limits += call.token_limits
+        return limits
+
+    def _reconcile(self, call: _Call) -> None:
+        """Tokens per minute: replace the reservation by what the request really used."""
+        usage = call.usage or {}
+        used = usage.get("total_tokens")
+        if not isinstance(used, int):
+            parts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+            used = sum(p for p in parts if isinstance(p, int))
+        delta = used - call.reserved_tokens
+        for limit in call.token_limits:
+            task = asyncio.get_running_loop().create_task(self.limiter.adjust(limit, delta))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        call.token_limits = []
 
     def _exhausted(self, call: _Call, exc: ChainExhaustedError) -> Reply:
         """Every model failed: the last upstream error answer as it was, else 503/504/502."""
@@ -290,6 +348,8 @@ class Proxy:
         return reply
 
     def _log(self, call: _Call, status: int, error: str | None) -> None:
+        if call.token_limits:
+            self._reconcile(call)
         usage = call.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         latency = time.perf_counter() - call.started

@@ -25,7 +25,8 @@ class GatewaySettings(BaseSettings):
     dev_mode: bool = False  # generated secrets, automatic migrations: never in production
     data_dir: Path = Field(default_factory=default_data_dir)
     database_url: str | None = None  # default: SQLite file in data_dir
-    redis_url: str | None = None
+    redis_url: str | None = None  # shared rate-limit counters for several replicas (else in-process)
+    rate_limit_fail_open: bool = True  # Redis unreachable: admit (True) or answer 503 (False)
     policy_path: Path = Path("policies/default.yaml")
     key_cache_ttl: float = Field(default=5.0, ge=0.0, le=60.0)  # seconds a looked-up key may be reused
 

@@ -45,6 +45,8 @@ class KeyCreate(BaseModel):
     expires_at: datetime | None = None
     expires_in_days: float | None = Field(None, gt=0)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    rpm_limit: int | None = Field(None, ge=1)
+    tpm_limit: int | None = Field(None, ge=1)
 
     def expiry(self) -> datetime | None:
         """Absolute expiry from either field."""
@@ -62,6 +64,8 @@ class KeyUpdate(BaseModel):
     allowed_models: list[str] | None = None
     expires_at: datetime | None = None
     metadata: dict[str, Any] | None = None
+    rpm_limit: int | None = Field(None, ge=1)
+    tpm_limit: int | None = Field(None, ge=1)
 
 
 admin = [Depends(require_master_key)]
@@ -71,7 +75,13 @@ admin = [Depends(require_master_key)]
 async def create_key(body: KeyCreate, keys: Keys) -> dict[str, Any]:
     """Create a key; the plaintext `key` is in this response only."""
     info, plaintext = await keys.create(
-        body.name, body.team, body.allowed_models, body.expiry(), body.metadata
+        body.name,
+        body.team,
+        body.allowed_models,
+        body.expiry(),
+        body.metadata,
+        body.rpm_limit,
+        body.tpm_limit,
     )
     return {**info.public(), "key": plaintext}
 

@@ -26,6 +26,16 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
         return
+    yield from _fresh_postgres()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database (dropped afterwards)."""
+    yield from _fresh_postgres()
+
+
+def _fresh_postgres() -> Iterator[str]:
     name = f"gw_{uuid.uuid4().hex[:12]}"
     asyncio.run(_pg(f'CREATE DATABASE "{name}"'))
     try:
