@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -11,6 +11,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Date,
     DateTime,
     Dialect,
     Float,
@@ -110,3 +111,31 @@ class RequestLog(Base):
     cost_estimated: Mapped[bool] = mapped_column(Boolean, default=False)  # usage counted by us, not reported
     request_body: Mapped[str | None] = mapped_column(Text)  # only when the policy opts in
     response_body: Mapped[str | None] = mapped_column(Text)
+
+
+class UsageDaily(Base):
+    """Per UTC day, key, team, requested model and backend: what the request log adds up to.
+
+    Maintained by the log writer in the same transaction as the raw rows, so reports and budget
+    reseeding read a few rows per day instead of scanning the log. '' stands for "none" in the
+    key columns (they form the primary key).
+    """
+
+    __tablename__ = "usage_daily"
+    __table_args__ = (
+        Index("ix_usage_daily_key_day", "key_id", "day"),
+        Index("ix_usage_daily_team_day", "team", "day"),
+    )
+
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    team: Mapped[str] = mapped_column(String(200), primary_key=True)
+    requested_model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    backend: Mapped[str] = mapped_column(String(200), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost_usd: Mapped[Decimal] = mapped_column("cost_picousd", Money, default=Decimal(0))
+    reference_cost_usd: Mapped[Decimal] = mapped_column("reference_cost_picousd", Money, default=Decimal(0))

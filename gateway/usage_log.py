@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import UTC
+from decimal import Decimal
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.models import RequestLog
+from gateway.models import PICO, RequestLog
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +136,60 @@ class _BatchInsert:
             )
             for row in rows
         ]
-        async with self._engine.begin() as conn:
+        totals = _daily_totals(rows)
+        async with self._engine.connect() as conn:
             driver = (await conn.get_raw_connection()).driver_connection
             assert driver is not None
-            if self._postgres:
-                await driver.copy_records_to_table(self._table, records=records, columns=self._columns)
+            if self._postgres:  # one transaction: the raw rows and the aggregates never disagree
+                async with driver.transaction():
+                    await driver.copy_records_to_table(self._table, records=records, columns=self._columns)
+                    await driver.executemany(_upsert_sql("$"), totals)
             else:
-                await driver.executemany(self._sql, records)
+                try:
+                    await driver.executemany(self._sql, records)
+                    await driver.executemany(
+                        _upsert_sql("?"), [(d.isoformat(), *rest) for d, *rest in totals]
+                    )
+                    await driver.commit()
+                except BaseException:
+                    await driver.rollback()
+                    raise
+
+
+_GROUP = ("day", "key_id", "team", "requested_model", "backend")
+_SUMS = ("requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_picousd",
+         "reference_cost_picousd")  # fmt: skip
+
+
+def _upsert_sql(style: str) -> str:
+    """INSERT ... ON CONFLICT DO UPDATE adding to the day's row (same SQL on SQLite and PostgreSQL)."""
+    columns = (*_GROUP, *_SUMS)
+    marks = [f"${i}" for i in range(1, len(columns) + 1)] if style == "$" else ["?"] * len(columns)
+    updates = ", ".join(f"{c} = usage_daily.{c} + excluded.{c}" for c in _SUMS)
+    return (
+        f"INSERT INTO usage_daily ({', '.join(columns)}) VALUES ({', '.join(marks)}) "
+        f"ON CONFLICT ({', '.join(_GROUP)}) DO UPDATE SET {updates}"
+    )
+
+
+def _daily_totals(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """The batch summed per (UTC day, key, team, requested model, backend); money in picodollars."""
+    totals: dict[tuple[Any, ...], list[int]] = {}
+    for row in rows:
+        created = row["created_at"]
+        group = (created.astimezone(UTC).date() if created.tzinfo else created.date(),
+                 row.get("key_id") or "", row.get("team") or "", row.get("requested_model") or "",
+                 row.get("backend") or "")  # fmt: skip
+        sums = totals.setdefault(group, [0] * len(_SUMS))
+        sums[0] += 1
+        sums[1] += row.get("status") != 200
+        sums[2] += row.get("prompt_tokens") or 0
+        sums[3] += row.get("completion_tokens") or 0
+        sums[4] += row.get("cached_tokens") or 0
+        sums[5] += _picousd(row.get("cost_picousd"))
+        sums[6] += _picousd(row.get("reference_cost_picousd"))
+    return [(*group, *sums) for group, sums in totals.items()]
+
+
+def _picousd(value: Decimal | None) -> int:
+    return 0 if value is None else int((value * PICO).to_integral_value())

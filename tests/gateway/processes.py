@@ -40,14 +40,14 @@ def create_key_cli(env: dict[str, str], name: str) -> str:
     return str(json.loads(gateway_cli(env, "keys", "create", "--name", name))["key"])
 
 
-def read_log_rows(database_url: str) -> list[dict[str, Any]]:
-    """Every request-log row, as dicts."""
+def read_log_rows(database_url: str, table: str = "request_logs") -> list[dict[str, Any]]:
+    """Every row of the request log (or of another table), as dicts."""
 
     async def read() -> list[dict[str, Any]]:
         engine = create_engine(database_url)
         try:
             async with engine.connect() as conn:
-                return [dict(r._mapping) for r in await conn.execute(text("SELECT * FROM request_logs"))]
+                return [dict(r._mapping) for r in await conn.execute(text(f"SELECT * FROM {table}"))]
         finally:
             await engine.dispose()
 

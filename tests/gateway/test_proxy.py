@@ -246,6 +246,10 @@ def test_burst_of_500_requests_logs_500_rows_with_the_upstream_token_totals(
     reference = map_price("gpt-4o-mini")
     assert reference is not None
     reference_total = sum(int(r["reference_cost_picousd"]) for r in rows)
+    daily = read_log_rows(stack.database_url, "usage_daily")  # the aggregates agree with the raw rows
+    assert sum(d["requests"] for d in daily) == 500
+    assert sum(d["prompt_tokens"] for d in daily) == stats["prompt_tokens"]
+    assert sum(int(d["cost_picousd"]) for d in daily) == picousd
     assert Decimal(reference_total) / PICO == reference.cost(
         stats["prompt_tokens"], stats["completion_tokens"]
     )

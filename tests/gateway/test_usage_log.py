@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from gateway.db import create_engine, session_factory
 from gateway.migrate import upgrade
-from gateway.models import RequestLog
+from gateway.models import RequestLog, UsageDaily
 from gateway.usage_log import RequestLogWriter
 
 
@@ -113,3 +113,46 @@ def test_rows_read_back_through_the_orm_exactly_as_recorded(database_url: str) -
     assert stored.request_body == '{"ü": "日本"}' and stored.error_type is None
     assert stored.cost_usd == Decimal("0.000012345678") and stored.reference_cost_usd is None
     assert stored.cost_estimated is False
+
+
+def test_daily_aggregates_add_up_to_the_raw_rows_in_the_same_transaction(database_url: str) -> None:
+    upgrade(database_url)
+    day1 = datetime(2026, 11, 20, 23, 59, 59, tzinfo=UTC)
+    day2 = datetime(2026, 11, 21, 0, 0, 1, tzinfo=UTC)
+    rows = [
+        {"id": f"a{i}", "created_at": day1 if i < 3 else day2, "status": 200 if i != 4 else 502,
+         "key_id": "k1" if i % 2 else "k2", "team": "t", "requested_model": "auto", "backend": "pool",
+         "prompt_tokens": 10 + i, "completion_tokens": 5, "cached_tokens": i,
+         "cost_picousd": Decimal("0.000001") * (i + 1), "reference_cost_picousd": Decimal("0.00002")}
+        for i in range(6)
+    ]  # fmt: skip
+    rows.append({"id": "dup", "created_at": day2, "status": 200, "attempts": 1})
+
+    async def run() -> tuple[list[UsageDaily], int]:
+        engine = create_engine(database_url)
+        writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=100, interval=0.05)
+        writer.start()
+        for row in rows:
+            writer.record(row)
+        await writer.stop()
+        writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
+        writer.start()
+        writer.record({"id": "dup", "created_at": day2, "status": 200, "key_id": "k9"})  # refused: same id
+        await writer.stop()
+        async with session_factory(engine)() as s:
+            daily = list(
+                (await s.execute(select(UsageDaily).order_by(UsageDaily.day, UsageDaily.key_id))).scalars()
+            )
+        await engine.dispose()
+        return daily, await _count(database_url)
+
+    daily, raw = asyncio.run(run())
+    assert raw == 7
+    assert sum(d.requests for d in daily) == 7 and sum(d.errors for d in daily) == 1
+    assert not any(d.key_id == "k9" for d in daily)  # the refused batch left no aggregate behind
+    assert sum(d.prompt_tokens for d in daily) == sum(10 + i for i in range(6))
+    assert sum((d.cost_usd for d in daily), Decimal(0)) == Decimal("0.000021")
+    assert sum((d.reference_cost_usd for d in daily), Decimal(0)) == Decimal("0.00012")
+    by_day = {(str(d.day), d.key_id): d.requests for d in daily}
+    assert by_day[("2026-11-20", "k1")] == 1 and by_day[("2026-11-20", "k2")] == 2
+    assert by_day[("2026-11-21", "")] == 1  # no key: ''
