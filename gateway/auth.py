@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import select
@@ -67,6 +68,8 @@ class KeyInfo:
     rotated_at: datetime | None
     rpm_limit: int | None = None
     tpm_limit: int | None = None
+    budget_usd: Decimal | None = None
+    budget_period: str | None = None
 
     def allows(self, model: str) -> bool:
         """Whether the key may call `model` (no list: every model)."""
@@ -91,6 +94,8 @@ class KeyInfo:
             "rotated_at": _iso(self.rotated_at),
             "rpm_limit": self.rpm_limit,
             "tpm_limit": self.tpm_limit,
+            "budget_usd": str(self.budget_usd) if self.budget_usd is not None else None,
+            "budget_period": self.budget_period,
         }
 
 
@@ -116,6 +121,8 @@ def _info(row: ApiKey) -> KeyInfo:
         rotated_at=_aware(row.rotated_at) if row.rotated_at else None,
         rpm_limit=row.rpm_limit,
         tpm_limit=row.tpm_limit,
+        budget_usd=row.budget_usd,
+        budget_period=row.budget_period,
     )
 
 
@@ -180,6 +187,8 @@ class KeyStore:
         metadata: dict[str, Any] | None = None,
         rpm_limit: int | None = None,
         tpm_limit: int | None = None,
+        budget_usd: Decimal | None = None,
+        budget_period: str | None = None,
     ) -> tuple[KeyInfo, str]:
         """A new key; returns it with its plaintext (shown once, never stored)."""
         plaintext = generate_key()
@@ -194,6 +203,8 @@ class KeyStore:
             expires_at=expires_at,
             rpm_limit=rpm_limit,
             tpm_limit=tpm_limit,
+            budget_usd=budget_usd,
+            budget_period=budget_period,
         )
         async with self._sessions() as session:
             session.add(row)

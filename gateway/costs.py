@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache
@@ -28,6 +29,7 @@ from gateway.policy import EngineBackend, HostedBackend, Policy, Price
 logger = logging.getLogger(__name__)
 
 _MILLION = Decimal(1_000_000)
+DEFAULT_OUTPUT_CAP = 4096  # tokens reserved for a request that names no max_tokens on an uncapped model
 _HOUR = Decimal(3600)
 
 
@@ -101,6 +103,12 @@ class PriceBook:
 
     def __init__(self, policy: Policy) -> None:
         self.self_hosted = frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
+        self._backend_of = {name: route.backend for name, route in policy.models.items()}
+        self._caps = {
+            name: max_output_tokens(spec.model)
+            for name, route in policy.models.items()
+            if isinstance(spec := policy.backends[route.backend], HostedBackend)
+        }
         self._prices: dict[str, TokenPrice | None] = {}
         for name, spec in policy.backends.items():
             self._prices[name] = _backend_price(spec)
@@ -114,6 +122,18 @@ class PriceBook:
     def price(self, backend: str) -> TokenPrice | None:
         """USD per token on `backend` (None: unpriced)."""
         return self._prices.get(backend)
+
+    def worst_case(self, chain: Sequence[str], body: dict[str, Any], body_bytes: int) -> Decimal:
+        """The most a request may cost anywhere on its chain: prompt ~ body bytes / 4, plus max_tokens
+        (or the dearest model's output cap, else DEFAULT_OUTPUT_CAP) at the dearest prices."""
+        prices = [p for p in (self._prices.get(self._backend_of.get(m, "")) for m in chain) if p is not None]
+        if not prices:
+            return Decimal(0)
+        out = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not isinstance(out, int) or out <= 0:
+            caps = [self._caps.get(m) for m in chain]
+            out = max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
+        return body_bytes // 4 * max(p.input for p in prices) + out * max(p.output for p in prices)
 
     def costs(self, backend: str, usage: dict[str, Any]) -> tuple[Decimal | None, Decimal | None]:
         """(what the request cost, what the reference model would have charged: self-hosted only)."""

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gateway.api import admin_keys, admin_policy, openai_routes
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint, Receive, Scope, Send
 from gateway.auth import KeyHasher, KeyStore
+from gateway.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spend_seed
 from gateway.complexity import ComplexityModel
 from gateway.db import create_engine, session_factory
 from gateway.errors import install_error_handlers
@@ -75,7 +76,12 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             if settings.redis_url
             else LocalRateLimiter()
         )
-        app.state.proxy = Proxy(holder, log, limiter)
+        budgets: BudgetStore = (
+            RedisBudgetStore(settings.redis_url, settings.budget_fail_open)
+            if settings.redis_url
+            else LocalBudgetStore()
+        )
+        app.state.proxy = Proxy(holder, log, limiter, budgets, spend_seed(engine))
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
         try:
             yield
@@ -83,6 +89,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             await watcher.stop()
             await log.stop()
             await limiter.close()
+            await budgets.close()
             for pool in holder.runtime.pools.values():
                 await pool.close()
             await engine.dispose()

@@ -74,6 +74,8 @@ class ApiKey(Base):
     rotated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     rpm_limit: Mapped[int | None] = mapped_column(Integer)  # requests per minute (None: no limit)
     tpm_limit: Mapped[int | None] = mapped_column(Integer)  # tokens per minute (None: no limit)
+    budget_usd: Mapped[Decimal | None] = mapped_column("budget_picousd", Money)  # None: no budget
+    budget_period: Mapped[str | None] = mapped_column(String(10))  # daily | weekly | monthly | total
 
 
 class RequestLog(Base):

@@ -49,11 +49,19 @@ class GpuCost(_Strict):
     output_tokens_per_second: float = Field(gt=0)  # decode throughput of one replica at load
 
 
+class BudgetSpec(_Strict):
+    """USD per period; `daily` and `weekly` (from Monday) and `monthly` reset at 00:00 UTC."""
+
+    usd: float = Field(gt=0)
+    period: Literal["daily", "weekly", "monthly", "total"] = "monthly"
+
+
 class Team(_Strict):
     """Limits shared by every key of one team."""
 
     rpm: int | None = Field(default=None, ge=1)  # requests per minute
     tpm: int | None = Field(default=None, ge=1)  # tokens per minute (prompt + completion)
+    budget: BudgetSpec | None = None
 
 
 class Costs(_Strict):

@@ -6,15 +6,27 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import orjson
 
 from gateway.auth import AuthError, KeyInfo
 from gateway.backends.base import UpstreamStreamError
+from gateway.budgets import (
+    PERIODS,
+    Budget,
+    BudgetExceededError,
+    BudgetStore,
+    BudgetUnavailableError,
+    Charge,
+    LocalBudgetStore,
+    Seed,
+    to_picousd,
+)
 from gateway.costs import PriceBook
 from gateway.errors import GatewayError, auth_error_type, error_body
 from gateway.failover import Attempt, ChainExhaustedError, Served
@@ -79,6 +91,7 @@ class _Call:
     prices: PriceBook | None = None
     token_limits: list[Limit] = field(default_factory=list)  # reconciled with the real usage at the end
     reserved_tokens: int = 0
+    charges: list[Charge] = field(default_factory=list)  # budget reservations, settled at the end
 
     def overhead_ms(self) -> float:
         return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
@@ -88,11 +101,18 @@ class Proxy:
     """Routes chat and text completions along the policy's chains and logs every request."""
 
     def __init__(
-        self, holder: RuntimeHolder, log: RequestLogWriter, limiter: RateLimiter | None = None
+        self,
+        holder: RuntimeHolder,
+        log: RequestLogWriter,
+        limiter: RateLimiter | None = None,
+        budgets: BudgetStore | None = None,
+        seed: Seed | None = None,
     ) -> None:
         self.holder = holder
         self.log = log
         self.limiter = limiter or LocalRateLimiter()
+        self.budgets = budgets or LocalBudgetStore()
+        self._seed = seed or _no_spend
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -130,6 +150,10 @@ class Proxy:
             limits = self._limits(rt, call, body, len(raw))
             if limits:
                 await self.limiter.acquire(limits)
+            charges = self._charges(rt, call, body, len(raw))
+            if charges:
+                await self.budgets.reserve(charges, self._seed)
+                call.charges = charges
             if body.get("stream"):
                 return await self._stream(rt, call, path, body, wants_usage)
             return await self._whole(rt, call, path, body)
@@ -148,6 +172,15 @@ class Proxy:
         except LimiterUnavailableError as exc:
             call.token_limits = []
             return self._failed(call, 503, str(exc), "api_error", None, "rate_limiter_unavailable")
+        except BudgetExceededError as exc:
+            reply = self._failed(call, 429, str(exc), "insufficient_quota", None, "budget_exceeded")
+            if exc.reset is not None:
+                wait = (exc.reset - datetime.now(UTC)).total_seconds()
+                reply.headers.append((b"retry-after", retry_after_header(wait)))
+                reply.headers.append((b"x-budget-reset", exc.reset.isoformat().encode()))
+            return reply
+        except BudgetUnavailableError as exc:
+            return self._failed(call, 503, str(exc), "api_error", None, "budget_unavailable")
         except ChainExhaustedError as exc:
             return self._exhausted(call, exc)
         except asyncio.CancelledError:  # the client left before the answer was ready
@@ -172,6 +205,39 @@ class Proxy:
             limits += call.token_limits
         return limits
 
+    def _charges(self, rt: Runtime, call: _Call, body: dict[str, Any], body_bytes: int) -> list[Charge]:
+        """Budget reservations for the key and its team: the worst case over the route's chain."""
+        key = call.key
+        budgets = []
+        if key.budget_usd is not None:
+            period = key.budget_period if key.budget_period in PERIODS else "monthly"
+            budgets.append(Budget("key", key.id, key.budget_usd, period))
+        team = rt.policy.teams.get(key.team) if key.team else None
+        if team is not None and team.budget is not None and key.team is not None:
+            budgets.append(Budget("team", key.team, Decimal(str(team.budget.usd)), team.budget.period))
+        if not budgets:
+            return []
+        assert call.decision is not None
+        amount = to_picousd(rt.prices.worst_case(call.decision.chain, body, body_bytes))
+        now = datetime.now(UTC)
+        charges = []
+        for budget in budgets:
+            counter, start, reset = budget.counter(now)
+            charges.append(Charge(budget, counter, start, reset, amount))
+        return charges
+
+    def _settle(self, call: _Call, cost: Decimal | None) -> None:
+        """Budgets: replace the reservations by what the request cost."""
+        actual = to_picousd(cost) if cost is not None else 0
+        for charge in call.charges:
+            self._spawn(self.budgets.settle(charge, actual))
+        call.charges = []
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _reconcile(self, call: _Call) -> None:
         """Tokens per minute: replace the reservation by what the request really used."""
         usage = call.usage or {}
@@ -181,9 +247,7 @@ class Proxy:
             used = sum(p for p in parts if isinstance(p, int))
         delta = used - call.reserved_tokens
         for limit in call.token_limits:
-            task = asyncio.get_running_loop().create_task(self.limiter.adjust(limit, delta))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self.limiter.adjust(limit, delta))
         call.token_limits = []
 
     def _exhausted(self, call: _Call, exc: ChainExhaustedError) -> Reply:
@@ -356,6 +420,8 @@ class Proxy:
         cost = reference = None
         if call.prices is not None and call.backend is not None and usage:
             cost, reference = call.prices.costs(call.backend, usage)
+        if call.charges:
+            self._settle(call, cost)
         self.log.record(
             {
                 "id": call.id,
@@ -406,6 +472,11 @@ def _static_chain(policy: Policy, name: str) -> list[str]:
     route = policy.routes[name]
     tiers = [m for tier in route.tiers for m in tier.candidates]
     return list(dict.fromkeys([*route.candidates, *tiers, *route.fallbacks]))
+
+
+async def _no_spend(budget: Budget, start: datetime) -> int:
+    """Seed for a proxy without a database: nothing spent yet."""
+    return 0
 
 
 def _clip(text: str | None, limit: int) -> str | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hmac
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from decimal import Decimal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,6 +48,8 @@ class KeyCreate(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     rpm_limit: int | None = Field(None, ge=1)
     tpm_limit: int | None = Field(None, ge=1)
+    budget_usd: Decimal | None = Field(None, gt=0, max_digits=20, decimal_places=12)
+    budget_period: Literal["daily", "weekly", "monthly", "total"] = "monthly"
 
     def expiry(self) -> datetime | None:
         """Absolute expiry from either field."""
@@ -66,6 +69,8 @@ class KeyUpdate(BaseModel):
     metadata: dict[str, Any] | None = None
     rpm_limit: int | None = Field(None, ge=1)
     tpm_limit: int | None = Field(None, ge=1)
+    budget_usd: Decimal | None = Field(None, gt=0, max_digits=20, decimal_places=12)
+    budget_period: Literal["daily", "weekly", "monthly", "total"] | None = None
 
 
 admin = [Depends(require_master_key)]
@@ -80,8 +85,10 @@ async def create_key(body: KeyCreate, keys: Keys) -> dict[str, Any]:
         body.allowed_models,
         body.expiry(),
         body.metadata,
-        body.rpm_limit,
-        body.tpm_limit,
+        rpm_limit=body.rpm_limit,
+        tpm_limit=body.tpm_limit,
+        budget_usd=body.budget_usd,
+        budget_period=body.budget_period if body.budget_usd is not None else None,
     )
     return {**info.public(), "key": plaintext}
 

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
 
+from gateway.models import PICO
 from tests.engine.server_proc import ManagedServer
-from tests.gateway.processes import start_gateway
+from tests.gateway.processes import read_log_rows, start_gateway
 
 MASTER = "sk-master-limits"
+TEAM = f"squad-{uuid.uuid4().hex[:8]}"  # Redis counters outlive a test run: a name of its own
+PRICE = "price: {input_per_mtok: 1000, output_per_mtok: 2000}"  # $0.001 and $0.002 per token
 
 
 @pytest.fixture
@@ -23,9 +28,9 @@ def replicas(tmp_path: Path, postgres_url: str) -> Iterator[tuple[list[ManagedSe
     )
     policy = tmp_path / "policy.yaml"
     policy.write_text(
-        f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
+        f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"], {PRICE}}}\n'
         "models:\n  fast: {backend: fake, model: fake-model}\n"
-        "teams:\n  squad: {rpm: 30}\n"
+        f"teams:\n  {TEAM}: {{rpm: 30}}\n"
     )
     env = {"GATEWAY_MASTER_KEY": MASTER, "GATEWAY_KEY_SECRET": "s", "GATEWAY_DATABASE_URL": postgres_url,
            "GATEWAY_REDIS_URL": "redis://127.0.0.1:6379/0"}  # fmt: skip
@@ -45,8 +50,12 @@ def _key(gateway: ManagedServer, **body: object) -> str:
     return str(r.json()["key"])
 
 
-async def _burst(gateways: list[ManagedServer], key: str, n: int) -> list[httpx.Response]:
-    body = {"model": "fast", "messages": [{"role": "user", "content": "count me"}]}
+async def _burst(
+    gateways: list[ManagedServer], key: str, n: int, max_tokens: int | None = None
+) -> list[httpx.Response]:
+    body: dict[str, object] = {"model": "fast", "messages": [{"role": "user", "content": "count me"}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     async with httpx.AsyncClient(timeout=30) as client:
         return await asyncio.gather(*(
             client.post(f"{gateways[i % 2].base_url}/v1/chat/completions", json=body,
@@ -73,7 +82,7 @@ def test_a_team_limit_is_shared_by_its_keys_across_replicas(
     replicas: tuple[list[ManagedServer], ManagedServer],
 ) -> None:
     gateways, _ = replicas
-    first, second = _key(gateways[0], team="squad"), _key(gateways[1], team="squad")
+    first, second = _key(gateways[0], team=TEAM), _key(gateways[1], team=TEAM)
 
     async def both() -> list[httpx.Response]:
         a, b = await asyncio.gather(_burst(gateways, first, 30), _burst(gateways, second, 30))
@@ -82,4 +91,25 @@ def test_a_team_limit_is_shared_by_its_keys_across_replicas(
     answers = asyncio.run(both())
     assert 29 <= sum(r.status_code == 200 for r in answers) <= 31
     refused = [r for r in answers if r.status_code == 429]
-    assert refused and "team squad" in refused[0].json()["error"]["message"]
+    assert refused and f"team {TEAM}" in refused[0].json()["error"]["message"]
+
+
+def test_two_replicas_cannot_overspend_one_budget_by_more_than_a_reservation(
+    replicas: tuple[list[ManagedServer], ManagedServer], postgres_url: str
+) -> None:
+    gateways, _ = replicas
+    key = _key(gateways[0], budget_usd="0.10", budget_period="daily")
+    answers = asyncio.run(_burst(gateways, key, 100, max_tokens=5))
+    for g in gateways:
+        assert g.stop() == 0  # flushes the request log
+    admitted = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert admitted and refused
+    assert {r.status_code for r in refused} == {429}
+    assert all(r.json()["error"]["code"] == "budget_exceeded" for r in refused)
+    assert "resets at" in refused[0].json()["error"]["message"] and "retry-after" in refused[0].headers
+    rows = [r for r in read_log_rows(postgres_url) if r["status"] == 200]
+    spent = sum(Decimal(int(r["cost_picousd"])) for r in rows) / PICO
+    body_bytes = len(b'{"model":"fast","messages":[{"role":"user","content":"count me"}],"max_tokens":5}')
+    reservation = Decimal(body_bytes // 4) * Decimal("0.001") + 5 * Decimal("0.002")
+    assert len(rows) == len(admitted) and spent <= Decimal("0.10") + reservation

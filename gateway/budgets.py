@@ -1,0 +1,226 @@
+"""Budgets in USD per key and per team, per period: reserved before the call, settled after it.
+
+A budget's counter holds, in picodollars, what the period has spent plus what requests in flight
+have reserved. A request reserves its worst case (prompt estimate + `max_tokens`, or the model's
+output cap, at the most expensive price its route may reach) on every counter it touches, all or
+nothing, and refuses when a counter would pass its limit; afterwards the reservation is replaced
+by the real cost. Concurrent requests therefore overspend by at most one reservation. Counters
+are named after their period's start, so a new period starts a new counter: the reset is
+automatic. A counter that does not exist yet (a new period, a restart, a flushed Redis) is seeded
+once from the daily aggregates, never from the raw log. With Redis the counters are shared by
+every replica and one Lua script reserves atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from typing import Any, Literal, Protocol
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.models import PICO, UsageDaily
+
+logger = logging.getLogger(__name__)
+
+Period = Literal["daily", "weekly", "monthly", "total"]
+PERIODS: tuple[Period, ...] = ("daily", "weekly", "monthly", "total")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def period_bounds(period: Period, now: datetime) -> tuple[datetime, datetime | None]:
+    """(start, next reset) of the period containing `now`, in UTC; a total budget never resets."""
+    day = datetime(now.year, now.month, now.day, tzinfo=UTC)
+    if period == "daily":
+        return day, day + timedelta(days=1)
+    if period == "weekly":
+        start = day - timedelta(days=day.weekday())  # Monday
+        return start, start + timedelta(days=7)
+    if period == "monthly":
+        start = day.replace(day=1)
+        following = (
+            start.replace(year=start.year + 1, month=1)
+            if start.month == 12
+            else start.replace(month=start.month + 1)
+        )
+        return start, following
+    return _EPOCH, None
+
+
+def to_picousd(value: Decimal) -> int:
+    """Whole picodollars (rounded half-even, like the database column)."""
+    return int((value * PICO).to_integral_value())
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One budget a request is charged to."""
+
+    scope: Literal["key", "team"]
+    subject: str  # the key id or the team name
+    limit_usd: Decimal
+    period: Period
+
+    def counter(self, now: datetime) -> tuple[str, datetime, datetime | None]:
+        """(counter name, period start, reset time) for `now`."""
+        start, reset = period_bounds(self.period, now)
+        return f"budget:{self.scope}:{self.subject}:{self.period}:{start.date().isoformat()}", start, reset
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A reservation on one budget's counter for one request."""
+
+    budget: Budget
+    counter: str
+    period_start: datetime
+    reset: datetime | None
+    amount: int  # picodollars reserved
+
+
+class BudgetExceededError(Exception):
+    """A budget cannot take this request's reservation; `reset` is when the period ends (None: never)."""
+
+    def __init__(self, budget: Budget, reset: datetime | None) -> None:
+        when = f"; it resets at {reset.isoformat()}" if reset else " (a total budget: it does not reset)"
+        super().__init__(f"the {budget.period} budget of ${budget.limit_usd} for {budget.scope} "
+                         f"{budget.subject} is spent{when}")  # fmt: skip
+        self.budget, self.reset = budget, reset
+
+
+class BudgetUnavailableError(Exception):
+    """Budgets cannot be checked (Redis unreachable) and they fail closed."""
+
+
+Seed = Callable[[Budget, datetime], Awaitable[int]]
+
+
+class BudgetStore(Protocol):
+    """Where the counters live."""
+
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> None:
+        """Reserve every charge or none (BudgetExceededError)."""
+        ...
+
+    async def settle(self, charge: Charge, actual: int) -> None:
+        """Replace a reservation by the real cost (picodollars)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class LocalBudgetStore:
+    """In-process counters: right for one gateway replica."""
+
+    def __init__(self) -> None:
+        self._spent: dict[str, int] = {}
+
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> None:
+        for charge in charges:
+            if charge.counter not in self._spent:
+                value = await seed(charge.budget, charge.period_start)
+                self._spent.setdefault(charge.counter, value)
+        for charge in charges:  # no await from here on: the check and the spend are atomic
+            if self._spent[charge.counter] + charge.amount > to_picousd(charge.budget.limit_usd):
+                raise BudgetExceededError(charge.budget, charge.reset)
+        for charge in charges:
+            self._spent[charge.counter] += charge.amount
+
+    async def settle(self, charge: Charge, actual: int) -> None:
+        self._spent[charge.counter] = self._spent.get(charge.counter, 0) + actual - charge.amount
+
+    async def close(self) -> None:
+        return None
+
+
+# KEYS: counters. ARGV: limit_1, amount_1, ttl_ms_1, ... ("0" ttl: none).
+# Returns "ok", "missing <i>" (seed it, then retry) or "over <i>".
+_RESERVE = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then return 'missing ' .. i end
+end
+for i, key in ipairs(KEYS) do
+  local value = tonumber(redis.call('GET', key))
+  if value + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then return 'over ' .. i end
+end
+for i, key in ipairs(KEYS) do
+  redis.call('INCRBY', key, ARGV[3 * i - 1])
+end
+return 'ok'
+"""
+
+
+class RedisBudgetStore:
+    """Counters in Redis (INCRBY on integers: exact), shared by every replica."""
+
+    def __init__(self, url: str, fail_open: bool = False, prefix: str = "switchboard:") -> None:
+        import redis.asyncio as aioredis
+
+        self._redis: Any = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._reserve = self._redis.register_script(_RESERVE)
+        self._prefix = prefix
+        self._fail_open = fail_open
+        self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
+
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> None:
+        keys = [self._prefix + c.counter for c in charges]
+        args: list[int] = []
+        for charge in charges:
+            args += [to_picousd(charge.budget.limit_usd), charge.amount]
+        try:
+            for _ in range(3):
+                answer = await self._reserve(keys=keys, args=args)
+                verdict, _, index = (answer.decode() if isinstance(answer, bytes) else str(answer)).partition(
+                    " "
+                )
+                if verdict == "ok":
+                    return
+                charge = charges[int(index) - 1]
+                if verdict == "over":
+                    raise BudgetExceededError(charge.budget, charge.reset)
+                value = await seed(charge.budget, charge.period_start)
+                ttl = (
+                    None
+                    if charge.reset is None
+                    else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
+                )
+                await self._redis.set(keys[int(index) - 1], value, nx=True, ex=ttl)  # first seeder wins
+            raise BudgetUnavailableError("budget counters could not be seeded")
+        except self._errors as exc:
+            if self._fail_open:
+                logger.warning("budgets not enforced: Redis is unreachable (%s)", exc)
+                return
+            raise BudgetUnavailableError(f"budgets cannot be checked: Redis is unreachable ({exc})") from exc
+
+    async def settle(self, charge: Charge, actual: int) -> None:
+        delta = actual - charge.amount
+        if delta:
+            try:
+                await self._redis.incrby(self._prefix + charge.counter, delta)
+            except self._errors as exc:
+                logger.error("budget %s: could not settle %d picodollars: %s", charge.counter, delta, exc)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def spend_seed(engine: AsyncEngine) -> Seed:
+    """What a budget's subject has spent since `start`, from the daily aggregates (picodollars)."""
+
+    async def seed(budget: Budget, start: datetime) -> int:
+        column = UsageDaily.key_id if budget.scope == "key" else UsageDaily.team
+        first_day: date = start.date()
+        query = select(func.sum(UsageDaily.cost_usd)).where(
+            column == budget.subject, UsageDaily.day >= first_day
+        )
+        async with engine.connect() as conn:
+            spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None for no rows
+        return to_picousd(spent) if spent is not None else 0
+
+    return seed

@@ -1,0 +1,147 @@
+"""Budgets: periods, reservations all or nothing, settlement, reseeding from the aggregates."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.budgets import (
+    Budget,
+    BudgetExceededError,
+    Charge,
+    LocalBudgetStore,
+    RedisBudgetStore,
+    period_bounds,
+    spend_seed,
+    to_picousd,
+)
+from gateway.db import create_engine
+from gateway.migrate import upgrade
+from gateway.usage_log import RequestLogWriter
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _at(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(("period", "now", "start", "reset"), [
+    ("daily", _at(2026, 11, 22, 23, 59), _at(2026, 11, 22), _at(2026, 11, 23)),
+    ("weekly", _at(2026, 11, 22, 12), _at(2026, 11, 16), _at(2026, 11, 23)),  # Sunday -> Monday 16th
+    ("monthly", _at(2026, 12, 31, 23), _at(2026, 12, 1), _at(2027, 1, 1)),
+    ("monthly", _at(2026, 2, 10), _at(2026, 2, 1), _at(2026, 3, 1)),
+])  # fmt: skip
+def test_periods_start_and_reset_at_utc_midnight(
+    period: str, now: datetime, start: datetime, reset: datetime
+) -> None:
+    assert period_bounds(period, now) == (start, reset)  # type: ignore[arg-type]
+    assert period_bounds("total", now)[1] is None
+
+
+async def _nothing_spent(budget: Budget, start: datetime) -> int:
+    return 0
+
+
+def _charge(budget: Budget, now: datetime, usd: str) -> Charge:
+    counter, start, reset = budget.counter(now)
+    return Charge(budget, counter, start, reset, to_picousd(Decimal(usd)))
+
+
+def test_reservations_refuse_past_the_limit_and_settle_to_the_real_cost() -> None:
+    store = LocalBudgetStore()
+    key = Budget("key", "k1", Decimal("1.00"), "daily")
+    now = _at(2026, 11, 22, 10)
+
+    async def run() -> None:
+        first = _charge(key, now, "0.60")
+        await store.reserve([first], _nothing_spent)
+        with pytest.raises(BudgetExceededError) as info:
+            await store.reserve([_charge(key, now, "0.50")], _nothing_spent)
+        assert info.value.reset == _at(2026, 11, 23) and "resets at 2026-11-23" in str(info.value)
+        await store.settle(first, to_picousd(Decimal("0.10")))  # it really cost 10 cents
+        await store.reserve([_charge(key, now, "0.50")], _nothing_spent)
+
+    asyncio.run(run())
+
+
+def test_a_new_period_starts_from_nothing() -> None:
+    store = LocalBudgetStore()
+    key = Budget("key", "k1", Decimal("1.00"), "daily")
+
+    async def run() -> None:
+        await store.reserve([_charge(key, _at(2026, 11, 22, 23, 59), "1.00")], _nothing_spent)
+        with pytest.raises(BudgetExceededError):
+            await store.reserve([_charge(key, _at(2026, 11, 22, 23, 59, 59), "0.01")], _nothing_spent)
+        await store.reserve([_charge(key, _at(2026, 11, 23, 0, 0, 1), "1.00")], _nothing_spent)
+
+    asyncio.run(run())
+
+
+def test_key_and_team_are_charged_together_or_not_at_all() -> None:
+    store = LocalBudgetStore()
+    key, team = Budget("key", "k1", Decimal("10"), "monthly"), Budget("team", "t", Decimal("1"), "monthly")
+    now = _at(2026, 11, 22)
+
+    async def run() -> None:
+        with pytest.raises(BudgetExceededError) as info:
+            await store.reserve([_charge(key, now, "5"), _charge(team, now, "5")], _nothing_spent)
+        assert info.value.budget is team
+        await store.reserve([_charge(key, now, "10")], _nothing_spent)  # the refusal spent nothing
+
+    asyncio.run(run())
+
+
+def test_spend_is_reseeded_from_the_daily_aggregates(database_url: str) -> None:
+    upgrade(database_url)
+
+    async def run() -> tuple[int, int, int]:
+        engine = create_engine(database_url)
+        writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
+        writer.start()
+        for i, day in enumerate((_at(2026, 10, 31, 12), _at(2026, 11, 1, 12), _at(2026, 11, 21, 12))):
+            writer.record({"id": f"r{i}", "created_at": day, "status": 200, "key_id": "k1", "team": "t",
+                           "cost_picousd": Decimal("0.25")})  # fmt: skip
+        await writer.stop()
+        seed = spend_seed(engine)
+        month = await seed(Budget("key", "k1", Decimal(5), "monthly"), _at(2026, 11, 1))
+        team = await seed(Budget("team", "t", Decimal(5), "total"), _at(1970, 1, 1))
+        other = await seed(Budget("key", "k2", Decimal(5), "monthly"), _at(2026, 11, 1))
+        await engine.dispose()
+        return month, team, other
+
+    assert asyncio.run(run()) == (to_picousd(Decimal("0.50")), to_picousd(Decimal("0.75")), 0)
+
+
+def test_redis_budget_admits_no_more_than_the_budget_under_concurrency() -> None:
+    subject = uuid.uuid4().hex
+    budget = Budget("key", subject, Decimal("1.00"), "daily")
+    now = datetime.now(UTC)
+    seeded = []
+
+    async def seed(b: Budget, start: datetime) -> int:
+        seeded.append(b.subject)
+        return to_picousd(Decimal("0.30"))  # already spent this period
+
+    async def run() -> int:
+        a, b = RedisBudgetStore(REDIS), RedisBudgetStore(REDIS)
+
+        async def one(store: RedisBudgetStore) -> bool:
+            try:
+                await store.reserve([_charge(budget, now, "0.05")], seed)
+                return True
+            except BudgetExceededError:
+                return False
+
+        admitted = sum(await asyncio.gather(*(one(a if i % 2 else b) for i in range(100))))
+        await a.close()
+        await b.close()
+        return admitted
+
+    assert asyncio.run(run()) == 14  # (1.00 - 0.30) / 0.05
+    assert 1 <= len(seeded) <= 100 and set(seeded) == {subject}
