@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import sys
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -26,6 +26,7 @@ from gateway.migrate import (
     upgrade,
 )
 from gateway.policy import PolicyError, load_policy
+from gateway.reports import DIMENSIONS, render, spend
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
 
@@ -56,6 +57,16 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
             args.name, args.team, models, expires, metadata, args.rpm, args.tpm
         )
         return {**info.public(), "key": plaintext}
+    finally:
+        await engine.dispose()
+
+
+async def _report(args: argparse.Namespace, settings: GatewaySettings) -> str:
+    url = settings.resolved_database_url
+    await ensure_schema(url, auto_upgrade=False)
+    engine = create_engine(url)
+    try:
+        return render(await spend(engine, args.start, args.end, args.by), args.format, args.by)
     finally:
         await engine.dispose()
 
@@ -121,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("--rpm", type=_positive, default=None, help="requests per minute (default: no limit)")
     create.add_argument("--tpm", type=_positive, default=None, help="tokens per minute (default: no limit)")
     _routing_commands(sub)
+    report = sub.add_parser("report", help="finance reports (from the daily aggregates)")
+    report_sub = report.add_subparsers(dest="report_command", required=True)
+    spend = report_sub.add_parser("spend", help="spend, tokens and savings over a date range")
+    spend.add_argument("--from", dest="start", type=date.fromisoformat, required=True, help="YYYY-MM-DD")
+    spend.add_argument(
+        "--to", dest="end", type=date.fromisoformat, required=True, help="YYYY-MM-DD, included"
+    )
+    spend.add_argument("--by", choices=DIMENSIONS, default="key")
+    spend.add_argument("--format", choices=["table", "csv", "json"], default="table")
     args = parser.parse_args(argv)
     try:
         if args.command in ("policy", "route"):
@@ -134,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = GatewaySettings()
         if args.command == "db":
             return _db(args, settings)
+        if args.command == "report":
+            print(asyncio.run(_report(args, settings)))
+            return 0
         print(json.dumps(asyncio.run(_create_key(args, settings)), indent=2))
         return 0
     except (ValidationError, SchemaMismatchError, PolicyError, ValueError, OSError) as exc:

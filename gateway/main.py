@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.api import admin_keys, admin_policy, openai_routes
+from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint, Receive, Scope, Send
 from gateway.auth import KeyHasher, KeyStore
 from gateway.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spend_seed
@@ -57,6 +57,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         url = settings.resolved_database_url
         await ensure_schema(url, auto_upgrade=settings.dev_mode)
         engine = create_engine(url)
+        app.state.engine = engine
         secrets = resolve_secrets(settings)
         app.state.settings = settings
         app.state.secrets = secrets
@@ -98,6 +99,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
     install_error_handlers(app)
     app.include_router(admin_keys.router)
     app.include_router(admin_policy.router)
+    app.include_router(admin_reports.router)
     app.include_router(openai_routes.router)
     registry = CollectorRegistry()
 

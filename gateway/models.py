@@ -141,3 +141,5 @@ class UsageDaily(Base):
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cost_usd: Mapped[Decimal] = mapped_column("cost_picousd", Money, default=Decimal(0))
     reference_cost_usd: Mapped[Decimal] = mapped_column("reference_cost_picousd", Money, default=Decimal(0))
+    # what the requests that have a reference cost really cost: savings = reference - basis
+    reference_basis_usd: Mapped[Decimal] = mapped_column("reference_basis_picousd", Money, default=Decimal(0))

@@ -158,7 +158,7 @@ class _BatchInsert:
 
 _GROUP = ("day", "key_id", "team", "requested_model", "backend")
 _SUMS = ("requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_picousd",
-         "reference_cost_picousd")  # fmt: skip
+         "reference_cost_picousd", "reference_basis_picousd")  # fmt: skip
 
 
 def _upsert_sql(style: str) -> str:
@@ -188,6 +188,8 @@ def _daily_totals(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         sums[4] += row.get("cached_tokens") or 0
         sums[5] += _picousd(row.get("cost_picousd"))
         sums[6] += _picousd(row.get("reference_cost_picousd"))
+        if row.get("reference_cost_picousd") is not None:
+            sums[7] += _picousd(row.get("cost_picousd"))
     return [(*group, *sums) for group, sums in totals.items()]
 
 

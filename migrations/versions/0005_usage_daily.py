@@ -31,6 +31,7 @@ def upgrade() -> None:
         sa.Column("cached_tokens", sa.BigInteger(), nullable=False),
         sa.Column("cost_picousd", sa.BigInteger(), nullable=False),
         sa.Column("reference_cost_picousd", sa.BigInteger(), nullable=False),
+        sa.Column("reference_basis_picousd", sa.BigInteger(), nullable=False),
     )
     op.create_index("ix_usage_daily_key_day", "usage_daily", ["key_id", "day"])
     op.create_index("ix_usage_daily_team_day", "usage_daily", ["team", "day"])

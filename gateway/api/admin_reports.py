@@ -1,0 +1,31 @@
+"""GET /admin/reports/spend (master key): the spend report as JSON or CSV."""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+
+from gateway.api.admin_keys import require_master_key
+from gateway.errors import GatewayError
+from gateway.reports import Dimension, render, spend
+
+router = APIRouter(prefix="/admin/reports", dependencies=[Depends(require_master_key)])
+
+
+@router.get("/spend")
+async def spend_report(
+    request: Request,
+    start: Annotated[date, Query(alias="from")],
+    end: Annotated[date, Query(alias="to")],
+    by: Dimension = "key",
+    format: Literal["json", "csv"] = "json",
+) -> Response:
+    """Spend from `from` to `to` (both included, UTC days) grouped `by` key, team, model, backend or day."""
+    try:
+        rows = await spend(request.app.state.engine, start, end, by)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), param="to", code="invalid_value") from exc
+    media = "application/json" if format == "json" else "text/csv; charset=utf-8"
+    return Response(render(rows, format, by), media_type=media)
