@@ -139,7 +139,7 @@ class LocalBudgetStore:
         return None
 
 
-# KEYS: counters. ARGV: limit_1, amount_1, ttl_ms_1, ... ("0" ttl: none).
+# KEYS: counters. ARGV: limit_1, amount_1, limit_2, amount_2, ... (picodollars).
 # Returns "ok", "missing <i>" (seed it, then retry) or "over <i>".
 _RESERVE = """
 for i, key in ipairs(KEYS) do
@@ -147,10 +147,10 @@ for i, key in ipairs(KEYS) do
 end
 for i, key in ipairs(KEYS) do
   local value = tonumber(redis.call('GET', key))
-  if value + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then return 'over ' .. i end
+  if value + tonumber(ARGV[2 * i]) > tonumber(ARGV[2 * i - 1]) then return 'over ' .. i end
 end
 for i, key in ipairs(KEYS) do
-  redis.call('INCRBY', key, ARGV[3 * i - 1])
+  redis.call('INCRBY', key, ARGV[2 * i])
 end
 return 'ok'
 """

@@ -145,3 +145,25 @@ def test_redis_budget_admits_no_more_than_the_budget_under_concurrency() -> None
 
     assert asyncio.run(run()) == 14  # (1.00 - 0.30) / 0.05
     assert 1 <= len(seeded) <= 100 and set(seeded) == {subject}
+
+
+def test_redis_charges_key_and_team_together_or_not_at_all() -> None:
+    subject = uuid.uuid4().hex
+    key, team = (
+        Budget("key", subject, Decimal("10"), "monthly"),
+        Budget("team", subject, Decimal("1"), "monthly"),
+    )
+    now = datetime.now(UTC)
+
+    async def run() -> None:
+        store = RedisBudgetStore(REDIS)
+        await store.reserve([_charge(key, now, "0.5"), _charge(team, now, "0.5")], _nothing_spent)
+        with pytest.raises(BudgetExceededError) as info:
+            await store.reserve([_charge(key, now, "0.6"), _charge(team, now, "0.6")], _nothing_spent)
+        assert info.value.budget is team
+        await store.reserve([_charge(key, now, "9.5")], _nothing_spent)  # the refusal spent nothing of key's
+        with pytest.raises(BudgetExceededError):
+            await store.reserve([_charge(key, now, "0.000001")], _nothing_spent)
+        await store.close()
+
+    asyncio.run(run())
