@@ -25,7 +25,7 @@ from gateway.migrate import (
     head_revision,
     upgrade,
 )
-from gateway.policy import PolicyError, load_policy
+from gateway.policy import EngineBackend, PolicyError, load_policy
 from gateway.reports import DIMENSIONS, render, spend
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
@@ -66,6 +66,12 @@ async def _report(args: argparse.Namespace, settings: GatewaySettings) -> str:
     await ensure_schema(url, auto_upgrade=False)
     engine = create_engine(url)
     try:
+        if args.format == "html":
+            from gateway.report_html import html_report
+
+            policy = load_policy(args.policy or settings.policy_path)
+            own = frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
+            return await html_report(engine, args.start, args.end, own)
         return render(await spend(engine, args.start, args.end, args.by), args.format, args.by)
     finally:
         await engine.dispose()
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "--to", dest="end", type=date.fromisoformat, required=True, help="YYYY-MM-DD, included"
     )
     spend.add_argument("--by", choices=DIMENSIONS, default="key")
-    spend.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    spend.add_argument("--format", choices=["table", "csv", "json", "html"], default="table")
+    spend.add_argument("--policy", type=Path, default=None, help="which backends are self-hosted (html)")
     args = parser.parse_args(argv)
     try:
         if args.command in ("policy", "route"):

@@ -130,3 +130,31 @@ def test_report_cli_and_admin_endpoint(tmp_path: Path) -> None:
             client.get("/admin/reports/spend", params={"from": "2026-11-01", "to": "2026-11-02"}).status_code
             == 401
         )
+
+
+def test_html_report_is_one_self_contained_file_with_its_charts(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    _write(url)
+    policy = tmp_path / "p.yaml"
+    pool = '  pool: {type: engine, urls: ["http://127.0.0.1:1"]}\n'
+    policy.write_text(
+        f"backends:\n{pool}  openai: {{type: hosted, model: openai/x}}\nmodels:\n  m: {{backend: pool}}\n"
+    )
+    env = dict(os.environ, GATEWAY_MASTER_KEY="m", GATEWAY_KEY_SECRET="s", GATEWAY_DATABASE_URL=url)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "report", "spend", "--from", "2026-11-20", "--to", "2026-11-22",
+         "--format", "html", "--policy", str(policy)], env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    html = done.stdout
+    assert html.startswith("<!DOCTYPE html>") and html.count("<svg") == 5
+    assert "<script" not in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    for heading in ("Daily spend by backend", "Top keys", "Top teams", "self-hosted vs frontier",
+                    "actual cost vs the reference model"):  # fmt: skip
+        assert heading in html
+    raw = read_log_rows(url)
+    own = sum(r["prompt_tokens"] + r["completion_tokens"] for r in raw if r["backend"] == "pool")
+    whole = sum(r["prompt_tokens"] + r["completion_tokens"] for r in raw)
+    assert f"{100 * own / whole:.1f}%" in html
+    total = Decimal(sum(int(r["cost_picousd"]) for r in raw)) / PICO
+    assert f"${total:,.4f}" in html
