@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from gateway import tokens
 from gateway.auth import AuthError, KeyInfo
 from gateway.backends.base import UpstreamStreamError
 from gateway.budgets import (
@@ -92,6 +93,9 @@ class _Call:
     token_limits: list[Limit] = field(default_factory=list)  # reconciled with the real usage at the end
     reserved_tokens: int = 0
     charges: list[Charge] = field(default_factory=list)  # budget reservations, settled at the end
+    body: dict[str, Any] | None = None  # the parsed request (to count tokens if no usage comes back)
+    reply_body: bytes | None = None  # a whole answer (same reason)
+    lines: list[str] = field(default_factory=list)  # a stream's data lines (same reason)
 
     def overhead_ms(self) -> float:
         return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
@@ -146,6 +150,7 @@ class Proxy:
         call.prices = rt.prices
         try:
             body, wants_usage = self._prepare(rt, call, raw)
+            call.body = body
             call.decision = rt.router.decide(call.model or "", body, key)
             limits = self._limits(rt, call, body, len(raw))
             if limits:
@@ -250,6 +255,22 @@ class Proxy:
             self._spawn(self.limiter.adjust(limit, delta))
         call.token_limits = []
 
+    @staticmethod
+    def _estimated_usage(call: _Call) -> dict[str, Any]:
+        """No usage came back (an answer without it, a stream the client left): count it ourselves."""
+        model = call.deployment if call.deployment and not call.deployment.startswith("http") else call.model
+        chunks: list[dict[str, Any]] = []
+        for raw in [call.reply_body] if call.reply_body is not None else [line[6:] for line in call.lines]:
+            try:
+                parsed = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(parsed, dict):
+                chunks.append(parsed)
+        prompt = tokens.count(tokens.prompt_text(call.body or {}), model or "")
+        completion = tokens.count(tokens.completion_text(chunks), model or "")
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     def _exhausted(self, call: _Call, exc: ChainExhaustedError) -> Reply:
         """Every model failed: the last upstream error answer as it was, else 503/504/502."""
         call.attempts = exc.attempts
@@ -319,6 +340,7 @@ class Proxy:
                 call.usage = {}
             if rt.policy.log_bodies:
                 call.response_body = reply.body
+            call.reply_body = reply.body
         self._log(call, reply.status, None if reply.status == 200 else _error_code(reply.body))
         return self._with_headers(call, Reply(reply.status, [_JSON], reply.body))
 
@@ -387,6 +409,8 @@ class Proxy:
             return None
         if call.ttft is None:
             call.ttft = time.perf_counter() - call.started
+        if line.startswith("data: {"):
+            call.lines.append(line)  # a list append: parsed only if the stream ends without usage
         if line.startswith("data: {") and '"usage":{' in line:
             chunk = orjson.loads(line[6:])
             call.usage = chunk.get("usage") or {}
@@ -412,6 +436,10 @@ class Proxy:
         return reply
 
     def _log(self, call: _Call, status: int, error: str | None) -> None:
+        estimated = False
+        served = status in (200, 499) and call.backend is not None
+        if served and not isinstance((call.usage or {}).get("completion_tokens"), int):
+            call.usage, estimated = self._estimated_usage(call), True
         if call.token_limits:
             self._reconcile(call)
         usage = call.usage or {}
@@ -450,7 +478,7 @@ class Proxy:
                 + (1 if call.backend and call.deployment else 0),
                 "cost_picousd": cost,
                 "reference_cost_picousd": reference,
-                "cost_estimated": False,
+                "cost_estimated": estimated,
                 "request_body": call.request_body.decode(errors="replace") if call.request_body else None,
                 "response_body": call.response_body.decode(errors="replace") if call.response_body else None,
             }

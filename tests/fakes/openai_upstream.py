@@ -2,9 +2,10 @@
 
 Replies are deterministic: the completion is "echo:" plus the words of the last message (or the
 prompt), one word per token; usage counts whitespace-separated words. `POST /control` sets
-`latency_ms` (before the response), `chunk_delay_ms` (between streamed chunks) and `fail_status`
-(answer every request with that status); `GET /stats` reports requests served, the usage reported
-so far, and how many callers left during the latency wait or mid-stream.
+`latency_ms` (before the response), `chunk_delay_ms` (between streamed chunks), `fail_status`
+(answer every request with that status) and `omit_usage` (report no usage); `GET /stats`
+reports requests served, the usage reported so far, and how many callers left during the latency
+wait or mid-stream.
 
 Run: python tests/fakes/openai_upstream.py --port 9001
 """
@@ -26,7 +27,7 @@ from fastapi.responses import StreamingResponse
 def create_app() -> FastAPI:
     """The fake's app; its state lives on app.state (one fake per process)."""
     app = FastAPI()
-    app.state.control = {"latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0}
+    app.state.control = {"latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0, "omit_usage": False}
     app.state.stats = {
         "requests": 0,
         "prompt_tokens": 0,
@@ -102,7 +103,7 @@ async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
     stats["completion_tokens"] += len(words)
     rid, created, model = f"fake-{stats['requests']}", int(time.time()), body.get("model")
     if body.get("stream"):
-        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        include = bool((body.get("stream_options") or {}).get("include_usage")) and not control["omit_usage"]
         return StreamingResponse(
             _events(rid, created, model, words, usage, include, chat, app), media_type="text/event-stream"
         )
@@ -127,6 +128,8 @@ async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
         "choices": [choice],
         "usage": usage,
     }
+    if control["omit_usage"]:  # a provider that reports none
+        del reply["usage"]
     return Response(orjson.dumps(reply), media_type="application/json")
 
 

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from gateway import tokens
 from gateway.costs import map_price
 from gateway.models import PICO
 from tests.engine.server_proc import ManagedServer
@@ -372,3 +373,29 @@ def _eventually_logged(stack: Stack, r: httpx.Response) -> list[dict[str, Any]]:
         if any(row["id"] == r.headers["x-request-id"] for row in rows) or time.monotonic() > deadline:
             return rows
         time.sleep(0.1)
+
+
+def test_answers_without_usage_are_counted_with_a_tokenizer_and_marked_estimated(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": True})
+    try:
+        client = stack.client()
+        whole = client.chat.completions.with_raw_response.create(
+            model="fast", messages=[{"role": "user", "content": "count these words please"}]
+        )
+        streamed = client.chat.completions.with_raw_response.create(
+            model="fast", messages=[{"role": "user", "content": "and these too"}], stream=True
+        )
+        list(streamed.parse())
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": False})
+    ids = {whole.headers["x-request-id"]: "echo: count these words please",
+           streamed.headers["x-request-id"]: "echo: and these too"}  # fmt: skip
+    deadline = time.monotonic() + 5
+    while len(rows := [r for r in stack.log_rows() if r["id"] in ids]) < 2:
+        assert time.monotonic() < deadline, "the rows were not written"
+        time.sleep(0.1)
+    for row in rows:
+        assert row["cost_estimated"] in (True, 1) and row["status"] == 200
+        assert row["completion_tokens"] == tokens.count(ids[row["id"]], "fast")
+        assert row["prompt_tokens"] == tokens.count(ids[row["id"]].removeprefix("echo: "), "fast")
+        assert int(row["cost_picousd"]) > 0

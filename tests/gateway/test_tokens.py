@@ -1,0 +1,26 @@
+"""Token counting for rows without usage: offline tiktoken, the right encoding per model."""
+
+from __future__ import annotations
+
+from gateway import tokens
+
+
+def test_counts_offline_with_the_models_encoding() -> None:
+    assert tokens.encoding_for("openai/gpt-4o-mini") == "o200k_base"
+    assert tokens.encoding_for("gpt-3.5-turbo") == "cl100k_base"
+    assert tokens.encoding_for("SmolLM2-135M-Instruct") == "cl100k_base"
+    assert tokens.count("hello world", "gpt-4o") == 2
+    assert tokens.count("", "gpt-4o") == 0
+    assert tokens.count("<|endoftext|> is text here", "gpt-3.5-turbo") > 1  # special tokens: plain text
+
+
+def test_prompt_and_completion_text_from_every_request_and_answer_shape() -> None:
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_url"}]
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]}
+    assert tokens.prompt_text(body) == "be brief\nhi\n"
+    assert tokens.prompt_text({"prompt": ["a", "b"]}) == "a\nb" and tokens.prompt_text({"prompt": 3}) == ""
+    whole = [{"choices": [{"message": {"content": "answer"}}]}]
+    streamed = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                {"choices": [{"delta": {"content": "ans"}}]}, {"choices": [{"delta": {"content": "wer"}}]},
+                {"choices": [{"text": "!"}]}, {"choices": []}]  # fmt: skip
+    assert tokens.completion_text(whole) == "answer" and tokens.completion_text(streamed) == "answer!"
