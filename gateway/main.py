@@ -25,7 +25,7 @@ from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
-from gateway.usage_log import RequestLogWriter
+from gateway.usage_log import LogRetention, RequestLogWriter
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
         app.state.policy_watcher = watcher
         log = RequestLogWriter(engine, registry)
         log.start()
+        retention = LogRetention(engine, settings.log_retention_days) if settings.log_retention_days else None
+        if retention is not None:
+            retention.start()
         limiter: RateLimiter = (
             RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open)
             if settings.redis_url
@@ -88,6 +91,8 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             yield
         finally:
             await watcher.stop()
+            if retention is not None:
+                await retention.stop()
             await log.stop()
             await limiter.close()
             await budgets.close()

@@ -85,6 +85,7 @@ class RequestLog(Base):
     __table_args__ = (
         Index("ix_request_logs_key_created", "key_id", "created_at"),
         Index("ix_request_logs_team_created", "team", "created_at"),
+        Index("ix_request_logs_created", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)

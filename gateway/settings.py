@@ -27,6 +27,7 @@ class GatewaySettings(BaseSettings):
     database_url: str | None = None  # default: SQLite file in data_dir
     redis_url: str | None = None  # shared rate-limit counters for several replicas (else in-process)
     rate_limit_fail_open: bool = True  # Redis unreachable: admit (True) or answer 503 (False)
+    log_retention_days: float | None = Field(default=None, gt=0)  # raw request-log rows; aggregates stay
     budget_fail_open: bool = False  # Redis unreachable: budgets answer 503 (False) or admit (True)
     policy_path: Path = Path("policies/default.yaml")
     key_cache_ttl: float = Field(default=5.0, ge=0.0, le=60.0)  # seconds a looked-up key may be reused

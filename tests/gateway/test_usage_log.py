@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from gateway.db import create_engine, session_factory
 from gateway.migrate import upgrade
 from gateway.models import RequestLog, UsageDaily
-from gateway.usage_log import RequestLogWriter
+from gateway.usage_log import LogRetention, RequestLogWriter
 
 
 def _row(i: int) -> dict[str, object]:
@@ -156,3 +156,25 @@ def test_daily_aggregates_add_up_to_the_raw_rows_in_the_same_transaction(databas
     by_day = {(str(d.day), d.key_id): d.requests for d in daily}
     assert by_day[("2026-11-20", "k1")] == 1 and by_day[("2026-11-20", "k2")] == 2
     assert by_day[("2026-11-21", "")] == 1  # no key: ''
+
+
+def test_retention_removes_old_raw_rows_and_never_the_aggregates(database_url: str) -> None:
+    upgrade(database_url)
+    now = datetime(2026, 11, 22, 12, tzinfo=UTC)
+
+    async def run() -> tuple[int, int, int]:
+        engine = create_engine(database_url)
+        writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
+        writer.start()
+        for i in range(25):  # 20 rows 40 days old, 5 from yesterday
+            created = datetime(2026, 10, 13, tzinfo=UTC) if i < 20 else datetime(2026, 11, 21, tzinfo=UTC)
+            writer.record({"id": f"r{i}", "created_at": created, "status": 200, "key_id": "k",
+                           "cost_picousd": Decimal("0.001")})  # fmt: skip
+        await writer.stop()
+        removed = await LogRetention(engine, days=30, chunk=7).purge(now)
+        async with session_factory(engine)() as s:
+            daily = sum(d.requests for d in (await s.execute(select(UsageDaily))).scalars())
+        await engine.dispose()
+        return removed, await _count(database_url), daily
+
+    assert asyncio.run(run()) == (20, 5, 25)
