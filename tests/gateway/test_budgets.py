@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from gateway.budgets import (
     Budget,
     BudgetExceededError,
+    BudgetUnavailableError,
     Charge,
     LocalBudgetStore,
     RedisBudgetStore,
@@ -165,5 +166,21 @@ def test_redis_charges_key_and_team_together_or_not_at_all() -> None:
         with pytest.raises(BudgetExceededError):
             await store.reserve([_charge(key, now, "0.000001")], _nothing_spent)
         await store.close()
+
+    asyncio.run(run())
+
+
+def test_unreachable_redis_fails_budgets_closed_by_default_or_open_when_asked() -> None:
+    budget = Budget("key", "k", Decimal("1"), "daily")
+    now = datetime.now(UTC)
+
+    async def run() -> None:
+        closed = RedisBudgetStore("redis://127.0.0.1:1/0")
+        with pytest.raises(BudgetUnavailableError, match="Redis is unreachable"):
+            await closed.reserve([_charge(budget, now, "0.1")], _nothing_spent)
+        opened = RedisBudgetStore("redis://127.0.0.1:1/0", fail_open=True)
+        await opened.reserve([_charge(budget, now, "0.1")], _nothing_spent)
+        await closed.close()
+        await opened.close()
 
     asyncio.run(run())

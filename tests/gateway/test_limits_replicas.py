@@ -113,3 +113,25 @@ def test_two_replicas_cannot_overspend_one_budget_by_more_than_a_reservation(
     body_bytes = len(b'{"model":"fast","messages":[{"role":"user","content":"count me"}],"max_tokens":5}')
     reservation = Decimal(body_bytes // 4) * Decimal("0.001") + 5 * Decimal("0.002")
     assert len(rows) == len(admitted) and spent <= Decimal("0.10") + reservation
+
+
+def test_with_redis_down_budgets_fail_closed_and_rate_limits_fail_open(tmp_path: Path) -> None:
+    upstream = ManagedServer(
+        lambda p: [sys.executable, "tests/fakes/openai_upstream.py", "--port", str(p)], 60
+    )
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"], {PRICE}}}\n'
+                      "models:\n  fast: {backend: fake, model: fake-model}\n")  # fmt: skip
+    env = {"GATEWAY_MASTER_KEY": MASTER, "GATEWAY_KEY_SECRET": "s",
+           "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'g.db'}",
+           "GATEWAY_REDIS_URL": "redis://127.0.0.1:1/0"}  # fmt: skip
+    gateway = start_gateway(policy, env)
+    try:
+        budgeted, limited, plain = (_key(gateway, budget_usd="5"), _key(gateway, rpm_limit=5), _key(gateway))
+        answers = {k: asyncio.run(_burst([gateway, gateway], k, 1))[0] for k in (budgeted, limited, plain)}
+        assert answers[budgeted].status_code == 503
+        assert answers[budgeted].json()["error"]["code"] == "budget_unavailable"
+        assert answers[limited].status_code == 200 and answers[plain].status_code == 200
+    finally:
+        gateway.stop()
+        upstream.stop()
