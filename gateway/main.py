@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.admission import Admission
 from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint, Receive, Scope, Send
 from gateway.auth import KeyHasher, KeyStore
@@ -85,7 +86,8 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             if settings.redis_url
             else LocalBudgetStore()
         )
-        app.state.proxy = Proxy(holder, log, limiter, budgets, spend_seed(engine))
+        admission = Admission(limiter, budgets, spend_seed(engine))
+        app.state.proxy = Proxy(holder, log, admission)
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
         try:
             yield
@@ -94,8 +96,7 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             if retention is not None:
                 await retention.stop()
             await log.stop()
-            await limiter.close()
-            await budgets.close()
+            await admission.close()
             for pool in holder.runtime.pools.values():
                 await pool.close()
             await engine.dispose()

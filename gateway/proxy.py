@@ -6,38 +6,28 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import Any
 
 import orjson
 
 from gateway import tokens
+from gateway.admission import Admission, Ticket
 from gateway.auth import AuthError, KeyInfo
 from gateway.backends.base import UpstreamStreamError
 from gateway.budgets import (
-    PERIODS,
-    Budget,
     BudgetExceededError,
-    BudgetStore,
     BudgetUnavailableError,
-    Charge,
-    LocalBudgetStore,
-    Seed,
-    to_picousd,
 )
 from gateway.costs import PriceBook
 from gateway.errors import GatewayError, auth_error_type, error_body
 from gateway.failover import Attempt, ChainExhaustedError, Served
 from gateway.policy import Policy
 from gateway.ratelimit import (
-    Limit,
     LimiterUnavailableError,
-    LocalRateLimiter,
     RateLimitedError,
-    RateLimiter,
     retry_after_header,
 )
 from gateway.routing import NoRouteError, RouteDecision
@@ -90,9 +80,7 @@ class _Call:
     decision: RouteDecision | None = None
     attempts: list[Attempt] = field(default_factory=list)
     prices: PriceBook | None = None
-    token_limits: list[Limit] = field(default_factory=list)  # reconciled with the real usage at the end
-    reserved_tokens: int = 0
-    charges: list[Charge] = field(default_factory=list)  # budget reservations, settled at the end
+    ticket: Ticket | None = None  # rate-limit and budget reservations, released with the log row
     body: dict[str, Any] | None = None  # the parsed request (to count tokens if no usage comes back)
     reply_body: bytes | None = None  # a whole answer (same reason)
     lines: list[str] = field(default_factory=list)  # a stream's data lines (same reason)
@@ -105,19 +93,11 @@ class Proxy:
     """Routes chat and text completions along the policy's chains and logs every request."""
 
     def __init__(
-        self,
-        holder: RuntimeHolder,
-        log: RequestLogWriter,
-        limiter: RateLimiter | None = None,
-        budgets: BudgetStore | None = None,
-        seed: Seed | None = None,
+        self, holder: RuntimeHolder, log: RequestLogWriter, admission: Admission | None = None
     ) -> None:
         self.holder = holder
         self.log = log
-        self.limiter = limiter or LocalRateLimiter()
-        self.budgets = budgets or LocalBudgetStore()
-        self._seed = seed or _no_spend
-        self._background: set[asyncio.Task[None]] = set()
+        self.admission = admission or Admission()
 
     @property
     def runtime(self) -> Runtime:
@@ -152,13 +132,7 @@ class Proxy:
             body, wants_usage = self._prepare(rt, call, raw)
             call.body = body
             call.decision = rt.router.decide(call.model or "", body, key)
-            limits = self._limits(rt, call, body, len(raw))
-            if limits:
-                await self.limiter.acquire(limits)
-            charges = self._charges(rt, call, body, len(raw))
-            if charges:
-                await self.budgets.reserve(charges, self._seed)
-                call.charges = charges
+            call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
             if body.get("stream"):
                 return await self._stream(rt, call, path, body, wants_usage)
             return await self._whole(rt, call, path, body)
@@ -169,13 +143,11 @@ class Proxy:
         except NoRouteError as exc:
             return self._failed(call, 503, str(exc), "api_error", "model", "no_route")
         except RateLimitedError as exc:
-            call.token_limits = []  # nothing was spent
             kind = "tokens" if "tokens" in str(exc) else "requests"
             reply = self._failed(call, 429, str(exc), kind, None, "rate_limit_exceeded")
             reply.headers.append((b"retry-after", retry_after_header(exc.retry_after)))
             return reply
         except LimiterUnavailableError as exc:
-            call.token_limits = []
             return self._failed(call, 503, str(exc), "api_error", None, "rate_limiter_unavailable")
         except BudgetExceededError as exc:
             reply = self._failed(call, 429, str(exc), "insufficient_quota", None, "budget_exceeded")
@@ -191,69 +163,6 @@ class Proxy:
         except asyncio.CancelledError:  # the client left before the answer was ready
             self._log(call, 499, "client_disconnected")
             raise
-
-    def _limits(self, rt: Runtime, call: _Call, body: dict[str, Any], body_bytes: int) -> list[Limit]:
-        """The key's and its team's per-minute counters this request spends (often none)."""
-        key = call.key
-        team = rt.policy.teams.get(key.team) if key.team else None
-        rpm = [(f"key:{key.id}", key.rpm_limit, "for this key"),
-               (f"team:{key.team}", team.rpm if team else None, f"for team {key.team}")]  # fmt: skip
-        tpm = [(f"key:{key.id}", key.tpm_limit, "for this key"),
-               (f"team:{key.team}", team.tpm if team else None, f"for team {key.team}")]  # fmt: skip
-        limits = [Limit(f"{n}:rpm", v, 1, f"requests per minute {w}") for n, v, w in rpm if v]
-        if any(v for _, v, _ in tpm):
-            out = body.get("max_completion_tokens") or body.get("max_tokens")
-            call.reserved_tokens = body_bytes // 4 + (out if isinstance(out, int) and out > 0 else 0)
-            call.token_limits = [
-                Limit(f"{n}:tpm", v, call.reserved_tokens, f"tokens per minute {w}") for n, v, w in tpm if v
-            ]
-            limits += call.token_limits
-        return limits
-
-    def _charges(self, rt: Runtime, call: _Call, body: dict[str, Any], body_bytes: int) -> list[Charge]:
-        """Budget reservations for the key and its team: the worst case over the route's chain."""
-        key = call.key
-        budgets = []
-        if key.budget_usd is not None:
-            period = key.budget_period if key.budget_period in PERIODS else "monthly"
-            budgets.append(Budget("key", key.id, key.budget_usd, period))
-        team = rt.policy.teams.get(key.team) if key.team else None
-        if team is not None and team.budget is not None and key.team is not None:
-            budgets.append(Budget("team", key.team, Decimal(str(team.budget.usd)), team.budget.period))
-        if not budgets:
-            return []
-        assert call.decision is not None
-        amount = to_picousd(rt.prices.worst_case(call.decision.chain, body, body_bytes))
-        now = datetime.now(UTC)
-        charges = []
-        for budget in budgets:
-            counter, start, reset = budget.counter(now)
-            charges.append(Charge(budget, counter, start, reset, amount))
-        return charges
-
-    def _settle(self, call: _Call, cost: Decimal | None) -> None:
-        """Budgets: replace the reservations by what the request cost."""
-        actual = to_picousd(cost) if cost is not None else 0
-        for charge in call.charges:
-            self._spawn(self.budgets.settle(charge, actual))
-        call.charges = []
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _reconcile(self, call: _Call) -> None:
-        """Tokens per minute: replace the reservation by what the request really used."""
-        usage = call.usage or {}
-        used = usage.get("total_tokens")
-        if not isinstance(used, int):
-            parts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
-            used = sum(p for p in parts if isinstance(p, int))
-        delta = used - call.reserved_tokens
-        for limit in call.token_limits:
-            self._spawn(self.limiter.adjust(limit, delta))
-        call.token_limits = []
 
     @staticmethod
     def _estimated_usage(call: _Call) -> dict[str, Any]:
@@ -440,16 +349,15 @@ class Proxy:
         served = status in (200, 499) and call.backend is not None
         if served and not isinstance((call.usage or {}).get("completion_tokens"), int):
             call.usage, estimated = self._estimated_usage(call), True
-        if call.token_limits:
-            self._reconcile(call)
         usage = call.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         latency = time.perf_counter() - call.started
         cost = reference = None
         if call.prices is not None and call.backend is not None and usage:
             cost, reference = call.prices.costs(call.backend, usage)
-        if call.charges:
-            self._settle(call, cost)
+        if call.ticket is not None:
+            self.admission.release(call.ticket, usage, cost)
+            call.ticket = None
         self.log.record(
             {
                 "id": call.id,
@@ -500,11 +408,6 @@ def _static_chain(policy: Policy, name: str) -> list[str]:
     route = policy.routes[name]
     tiers = [m for tier in route.tiers for m in tier.candidates]
     return list(dict.fromkeys([*route.candidates, *tiers, *route.fallbacks]))
-
-
-async def _no_spend(budget: Budget, start: datetime) -> int:
-    """Seed for a proxy without a database: nothing spent yet."""
-    return 0
 
 
 def _clip(text: str | None, limit: int) -> str | None:
