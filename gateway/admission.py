@@ -16,8 +16,17 @@ from decimal import Decimal
 from typing import Any
 
 from gateway.auth import KeyInfo
-from gateway.budgets import PERIODS, Budget, BudgetStore, Charge, LocalBudgetStore, Seed, to_picousd
-from gateway.ratelimit import Limit, LocalRateLimiter, RateLimiter
+from gateway.budgets import (
+    PERIODS,
+    Budget,
+    BudgetStore,
+    Charge,
+    LocalBudgetStore,
+    RedisBudgetStore,
+    Seed,
+    to_picousd,
+)
+from gateway.ratelimit import Limit, LimiterUnavailableError, LocalRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.routing import RouteDecision
 from gateway.runtime import Runtime
 
@@ -56,6 +65,15 @@ class Admission:
         charges = self._charges(rt, key, decision, body, body_bytes)
         if not limits and not charges:
             return None
+        if (
+            limits
+            and charges
+            and isinstance(self.budgets, RedisBudgetStore)
+            and isinstance(self.limiter, RedisRateLimiter)
+        ):
+            await self._together(limits, charges)  # one round trip to Redis instead of two
+            ticket.charges = charges
+            return ticket
         if limits:
             await self.limiter.acquire(limits)
         if charges:
@@ -66,6 +84,17 @@ class Admission:
                 raise
             ticket.charges = charges
         return ticket
+
+    async def _together(self, limits: list[Limit], charges: list[Charge]) -> None:
+        assert isinstance(self.budgets, RedisBudgetStore) and isinstance(self.limiter, RedisRateLimiter)
+        try:
+            await self.budgets.admit(limits, self.limiter.prefix, charges, self._seed)
+        except self.budgets.errors as exc:
+            self.budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
+            if not self.limiter.fail_open:
+                raise LimiterUnavailableError(
+                    f"rate limits cannot be checked: Redis is unreachable ({exc})"
+                ) from exc
 
     def release(self, ticket: Ticket, usage: dict[str, Any], cost: Decimal | None) -> None:
         """After the request: tokens and money reconciled with what it really used (background)."""

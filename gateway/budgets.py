@@ -24,6 +24,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.models import PICO, UsageDaily
+from gateway.ratelimit import Limit, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -139,18 +140,38 @@ class LocalBudgetStore:
         return None
 
 
-# KEYS: counters. ARGV: limit_1, amount_1, limit_2, amount_2, ... (picodollars).
-# Returns "ok", "missing <i>" (seed it, then retry) or "over <i>".
-_RESERVE = """
-for i, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 0 then return 'missing ' .. i end
+# One round trip for a whole admission: rate limits (GCRA, as in gateway/ratelimit.py) and budgets,
+# all or nothing. KEYS: limit counters, then budget counters. ARGV: n_limits, n_budgets, then
+# interval_i, cost_i per limit, then limit_j, amount_j per budget. Returns "ok", "missing <j>",
+# "over <j>" or "limit <wait> <i>".
+_ADMIT = """
+local nl, nb = tonumber(ARGV[1]), tonumber(ARGV[2])
+for j = 1, nb do
+  if redis.call('EXISTS', KEYS[nl + j]) == 0 then return 'missing ' .. j end
 end
-for i, key in ipairs(KEYS) do
-  local value = tonumber(redis.call('GET', key))
-  if value + tonumber(ARGV[2 * i]) > tonumber(ARGV[2 * i - 1]) then return 'over ' .. i end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local new = {}
+local wait, culprit = 0, 0
+for i = 1, nl do
+  local interval, cost = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2])
+  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if tat < now then tat = now end
+  new[i] = tat + cost * interval
+  local over = new[i] - now - 60
+  if over > wait then wait, culprit = over, i end
 end
-for i, key in ipairs(KEYS) do
-  redis.call('INCRBY', key, ARGV[2 * i])
+if wait > 0 then return string.format('limit %.6f %d', wait, culprit) end
+local base = 2 + 2 * nl
+for j = 1, nb do
+  local value = tonumber(redis.call('GET', KEYS[nl + j]))
+  if value + tonumber(ARGV[base + 2 * j]) > tonumber(ARGV[base + 2 * j - 1]) then return 'over ' .. j end
+end
+for i = 1, nl do
+  redis.call('SET', KEYS[i], string.format('%.6f', new[i]), 'PX', math.ceil((new[i] - now) * 1000) + 1000)
+end
+for j = 1, nb do
+  redis.call('INCRBY', KEYS[nl + j], ARGV[base + 2 * j])
 end
 return 'ok'
 """
@@ -163,40 +184,62 @@ class RedisBudgetStore:
         import redis.asyncio as aioredis
 
         self._redis: Any = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self._reserve = self._redis.register_script(_RESERVE)
+        self._admit = self._redis.register_script(_ADMIT)
         self._prefix = prefix
-        self._fail_open = fail_open
+        self.fail_open = fail_open
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
 
     async def reserve(self, charges: Sequence[Charge], seed: Seed) -> None:
-        keys = [self._prefix + c.counter for c in charges]
-        args: list[int] = []
+        try:
+            await self.admit([], "", charges, seed)
+        except self._errors as exc:
+            self.unreachable(exc)
+
+    def unreachable(self, exc: BaseException) -> None:
+        """Redis could not be reached: admit (fail open, logged) or raise BudgetUnavailableError."""
+        if self.fail_open:
+            logger.warning("budgets not enforced: Redis is unreachable (%s)", exc)
+            return
+        raise BudgetUnavailableError(f"budgets cannot be checked: Redis is unreachable ({exc})") from exc
+
+    async def admit(
+        self, limits: Sequence[Limit], limit_prefix: str, charges: Sequence[Charge], seed: Seed
+    ) -> None:
+        """Rate limits (counters under `limit_prefix`) and budgets in one script, all or nothing.
+
+        Raises RateLimitedError or BudgetExceededError; redis errors propagate to the caller, which
+        applies its fail-open/closed settings.
+        """
+        keys = [limit_prefix + limit.name for limit in limits] + [self._prefix + c.counter for c in charges]
+        args: list[float | int] = [len(limits), len(charges)]
+        for limit in limits:
+            args += [limit.interval, limit.cost]
         for charge in charges:
             args += [to_picousd(charge.budget.limit_usd), charge.amount]
-        try:
-            for _ in range(3):
-                answer = await self._reserve(keys=keys, args=args)
-                verdict, _, index = (answer.decode() if isinstance(answer, bytes) else str(answer)).partition(
-                    " "
-                )
-                if verdict == "ok":
-                    return
-                charge = charges[int(index) - 1]
-                if verdict == "over":
-                    raise BudgetExceededError(charge.budget, charge.reset)
-                value = await seed(charge.budget, charge.period_start)
-                ttl = (
-                    None
-                    if charge.reset is None
-                    else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
-                )
-                await self._redis.set(keys[int(index) - 1], value, nx=True, ex=ttl)  # first seeder wins
-            raise BudgetUnavailableError("budget counters could not be seeded")
-        except self._errors as exc:
-            if self._fail_open:
-                logger.warning("budgets not enforced: Redis is unreachable (%s)", exc)
+        for _ in range(3):
+            answer = await self._admit(keys=keys, args=args)
+            verdict, *rest = (answer.decode() if isinstance(answer, bytes) else str(answer)).split()
+            if verdict == "ok":
                 return
-            raise BudgetUnavailableError(f"budgets cannot be checked: Redis is unreachable ({exc})") from exc
+            if verdict == "limit":
+                raise refusal(float(rest[0]), limits[int(rest[1]) - 1])
+            charge = charges[int(rest[0]) - 1]
+            if verdict == "over":
+                raise BudgetExceededError(charge.budget, charge.reset)
+            await self._seed_counter(charge, seed)
+        raise BudgetUnavailableError("budget counters could not be seeded")
+
+    async def _seed_counter(self, charge: Charge, seed: Seed) -> None:
+        value = await seed(charge.budget, charge.period_start)
+        ttl = (
+            None if charge.reset is None else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
+        )
+        await self._redis.set(self._prefix + charge.counter, value, nx=True, ex=ttl)  # first seeder wins
+
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]:
+        """What an unreachable Redis raises."""
+        return self._errors
 
     async def settle(self, charge: Charge, actual: int) -> None:
         delta = actual - charge.amount

@@ -64,7 +64,8 @@ class RateLimiter(Protocol):
         ...
 
 
-def _refuse(limits: Sequence[Limit], wait: float, culprit: Limit) -> RateLimitedError:
+def refusal(wait: float, culprit: Limit) -> RateLimitedError:
+    """The error for a refused limit: how long to wait, or that the request can never fit."""
     if culprit.cost > culprit.per_minute:
         return RateLimitedError(
             f"this request needs {culprit.cost} units but the limit is {culprit.per_minute} {culprit.label}",
@@ -91,7 +92,7 @@ class LocalRateLimiter:
                 worst = (over, limit)
             updates.append((limit.name, new))
         if worst is not None:
-            raise _refuse(limits, worst[0], worst[1])
+            raise refusal(worst[0], worst[1])
         self._tat.update(updates)
         if len(self._tat) > 100_000:  # drop counters that are idle (their TAT is in the past)
             self._tat = {k: v for k, v in self._tat.items() if v > now}
@@ -157,8 +158,8 @@ class RedisRateLimiter:
         self._redis: Any = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._adjust = self._redis.register_script(_ADJUST)
-        self._fail_open = fail_open
-        self._prefix = prefix
+        self.fail_open = fail_open
+        self.prefix = prefix
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
 
     async def acquire(self, limits: Sequence[Limit]) -> None:
@@ -168,25 +169,25 @@ class RedisRateLimiter:
         for limit in limits:
             args += [limit.interval, limit.cost]
         try:
-            answer = await self._acquire(keys=[self._prefix + limit.name for limit in limits], args=args)
+            answer = await self._acquire(keys=[self.prefix + limit.name for limit in limits], args=args)
         except self._errors as exc:
             self._unreachable(exc)
             return
         text = answer.decode() if isinstance(answer, bytes) else str(answer)
         if text != "0":
             wait, index = text.split()
-            raise _refuse(limits, float(wait), limits[int(index) - 1])
+            raise refusal(float(wait), limits[int(index) - 1])
 
     async def adjust(self, limit: Limit, delta: int) -> None:
         if delta == 0:
             return
         try:
-            await self._adjust(keys=[self._prefix + limit.name], args=[limit.interval, delta])
+            await self._adjust(keys=[self.prefix + limit.name], args=[limit.interval, delta])
         except self._errors as exc:
             logger.warning("rate limit: could not adjust %s by %d: %s", limit.name, delta, exc)
 
     def _unreachable(self, exc: BaseException) -> None:
-        if self._fail_open:
+        if self.fail_open:
             logger.warning("rate limits not enforced: Redis is unreachable (%s)", exc)
             return
         raise LimiterUnavailableError(f"rate limits cannot be checked: Redis is unreachable ({exc})") from exc

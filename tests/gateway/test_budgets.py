@@ -184,3 +184,27 @@ def test_unreachable_redis_fails_budgets_closed_by_default_or_open_when_asked() 
         await opened.close()
 
     asyncio.run(run())
+
+
+def test_one_redis_script_admits_limits_and_budgets_all_or_nothing() -> None:
+    from gateway.ratelimit import Limit, RateLimitedError
+
+    subject = uuid.uuid4().hex
+    budget = Budget("key", subject, Decimal("1"), "daily")
+    rpm = Limit(f"key:{subject}:rpm", 2, 1, "requests per minute for this key")
+    now = datetime.now(UTC)
+
+    async def run() -> None:
+        store = RedisBudgetStore(REDIS)
+        prefix = "switchboard:rl:"
+        await store.admit([rpm], prefix, [_charge(budget, now, "0.9")], _nothing_spent)
+        with pytest.raises(BudgetExceededError):  # refused by the budget: the limit is not spent
+            await store.admit([rpm], prefix, [_charge(budget, now, "0.2")], _nothing_spent)
+        await store.admit([rpm], prefix, [_charge(budget, now, "0.1")], _nothing_spent)  # rpm unit 2 of 2
+        with pytest.raises(RateLimitedError):  # refused by the limit: the budget is not spent
+            await store.admit([rpm], prefix, [], _nothing_spent)
+        await store.settle(_charge(budget, now, "0.9"), 0)  # the first request cost nothing after all
+        await store.admit([], prefix, [_charge(budget, now, "0.9")], _nothing_spent)
+        await store.close()
+
+    asyncio.run(run())
