@@ -60,12 +60,16 @@ async def _dev_key(settings: GatewaySettings) -> str:
         await engine.dispose()
 
 
-def _policy_for(engine_url: str, model_names: list[str], data_dir: Path) -> Path:
-    """policies/default.yaml with its engine URLs pointed at this run's engine."""
+def _policy_for(
+    engine_url: str, model_names: list[str], data_dir: Path, tokenizer: Path | None = None
+) -> Path:
+    """policies/default.yaml with its engine URLs pointed at this run's engine (and its tokenizer)."""
     policy = yaml.safe_load(Path("policies/default.yaml").read_text())
     for backend in policy["backends"].values():
         if backend.get("type") == "engine":
             backend["urls"] = [engine_url]
+            if tokenizer is not None and (tokenizer / "tokenizer.json").is_file():
+                backend["tokenizer"] = str(tokenizer)
     engines = [name for name, b in policy["backends"].items() if b.get("type") == "engine"]
     for name, route in policy["models"].items():  # the default policy names the default model
         if route["backend"] in engines and (route.get("model") or name) not in model_names:
@@ -137,7 +141,9 @@ def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.
         _wait_healthy("engine", procs[0], engine_url, timeout=900)
         served = [m["id"] for m in httpx.get(f"{engine_url}/v1/models", timeout=10).json()["data"]]
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        policy = _policy_for(engine_url, served, settings.data_dir)
+        from engine.default_model import resolve_model  # the engine resolved the same name already
+
+        policy = _policy_for(engine_url, served, settings.data_dir, resolve_model(model))
         key = asyncio.run(_dev_key(settings))
         gateway_cmd = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", host,
                        "--port", str(port)]  # fmt: skip

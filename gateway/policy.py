@@ -112,11 +112,13 @@ class EngineBackend(_Strict):
     health: HealthOverride = HealthOverride()
     price: Price | None = None  # what a self-hosted token costs us (for the cost reports) ...
     gpu: GpuCost | None = None  # ... or derived from the GPU's hourly price and throughput
+    tokenizer: str | None = None  # tokenizer.json (or its folder): counts tokens when usage is missing
 
     @model_validator(mode="after")
     def _urls_are_http(self) -> EngineBackend:
         if self.price is not None and self.gpu is not None:
             raise ValueError("give price or gpu, not both")
+
         for i, url in enumerate(self.urls):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"urls[{i}]: must start with http:// or https://, got {url!r}")

@@ -24,7 +24,7 @@ from gateway.budgets import (
 from gateway.costs import PriceBook
 from gateway.errors import GatewayError, auth_error_type, error_body
 from gateway.failover import Attempt, ChainExhaustedError, Served
-from gateway.policy import Policy
+from gateway.policy import EngineBackend, Policy
 from gateway.ratelimit import (
     LimiterUnavailableError,
     RateLimitedError,
@@ -164,10 +164,11 @@ class Proxy:
             self._log(call, 499, "client_disconnected")
             raise
 
-    @staticmethod
-    def _estimated_usage(call: _Call) -> dict[str, Any]:
+    def _estimated_usage(self, call: _Call) -> dict[str, Any]:
         """No usage came back (an answer without it, a stream the client left): count it ourselves."""
         model = call.deployment if call.deployment and not call.deployment.startswith("http") else call.model
+        spec = self.runtime.policy.backends.get(call.backend or "")
+        tokenizer = spec.tokenizer if isinstance(spec, EngineBackend) else None
         chunks: list[dict[str, Any]] = []
         for raw in [call.reply_body] if call.reply_body is not None else [line[6:] for line in call.lines]:
             try:
@@ -176,8 +177,8 @@ class Proxy:
                 continue
             if isinstance(parsed, dict):
                 chunks.append(parsed)
-        prompt = tokens.count(tokens.prompt_text(call.body or {}), model or "")
-        completion = tokens.count(tokens.completion_text(chunks), model or "")
+        prompt = tokens.count(tokens.prompt_text(call.body or {}), model or "", tokenizer)
+        completion = tokens.count(tokens.completion_text(chunks), model or "", tokenizer)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _exhausted(self, call: _Call, exc: ChainExhaustedError) -> Reply:

@@ -18,6 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from gateway import tokens
 from gateway.backends.base import Upstream
 from gateway.backends.engine import EnginePool
 from gateway.complexity import ComplexityModel
@@ -70,6 +71,10 @@ def _new_backend(name: str, policy: Policy) -> Upstream:
     """An engine pool, or a hosted model (litellm is imported only when the policy has one)."""
     spec = policy.backends[name]
     if isinstance(spec, EngineBackend):
+        if spec.tokenizer and not tokens.tokenizer_exists(spec.tokenizer):
+            logger.warning(
+                "backend %r: no tokenizer.json at %s; rows without usage use tiktoken", name, spec.tokenizer
+            )
         return EnginePool(name, spec, policy.health_for(name))
     from gateway.backends.hosted import HostedModel
 

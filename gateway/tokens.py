@@ -1,17 +1,21 @@
-"""Counting tokens when a backend reported no usage (e.g. a stream the client left): tiktoken, offline.
+"""Counting tokens when a backend reported no usage (e.g. a stream the client left), offline.
 
-The BPE files come from litellm's package (it bundles cl100k_base and o200k_base), found without
-importing litellm. OpenAI's GPT-4o family and later use o200k_base; every other model is counted
-with cl100k_base, an estimate for non-OpenAI tokenizers: rows counted here are marked `estimated`.
+An engine pool whose policy names its model's `tokenizer` (tokenizer.json) is counted with it.
+Otherwise tiktoken, with the BPE files litellm's package bundles (found without importing
+litellm): OpenAI's GPT-4o family and later use o200k_base, every other model cl100k_base (an
+estimate for non-OpenAI tokenizers). Rows counted here are marked `estimated` either way.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _O200K_PREFIXES = ("gpt-4o", "gpt-4.1", "gpt-4.5", "gpt-5", "o1", "o3", "o4", "chatgpt-4o")
 
@@ -33,11 +37,30 @@ def encoding_for(model: str) -> str:
     return "o200k_base" if bare.startswith(_O200K_PREFIXES) else "cl100k_base"
 
 
-def count(text: str, model: str) -> int:
+def count(text: str, model: str, tokenizer: str | None = None) -> int:
     """Tokens in `text` for `model` (special-token text counted as plain text)."""
     if not text:
         return 0
+    if tokenizer is not None:
+        try:
+            return len(_hf_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids)
+        except Exception:  # unreadable since the policy was checked: tiktoken's estimate instead
+            logger.warning("tokenizer %s is unreadable; counting with tiktoken", tokenizer, exc_info=True)
     return len(_encoding(encoding_for(model)).encode(text, disallowed_special=()))
+
+
+def tokenizer_exists(path: str) -> bool:
+    """Whether `path` is a tokenizer.json or a folder holding one."""
+    file = Path(path)
+    return (file / "tokenizer.json" if file.is_dir() else file).is_file()
+
+
+@lru_cache(maxsize=8)
+def _hf_tokenizer(path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    file = Path(path)
+    return Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
 
 
 def prompt_text(body: dict[str, Any]) -> str:

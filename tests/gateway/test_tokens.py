@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gateway import tokens
 
 
@@ -24,3 +26,24 @@ def test_prompt_and_completion_text_from_every_request_and_answer_shape() -> Non
                 {"choices": [{"delta": {"content": "ans"}}]}, {"choices": [{"delta": {"content": "wer"}}]},
                 {"choices": [{"text": "!"}]}, {"choices": []}]  # fmt: skip
     assert tokens.completion_text(whole) == "answer" and tokens.completion_text(streamed) == "answer!"
+
+
+def test_an_engine_tokenizer_from_the_policy_counts_with_the_models_own_vocabulary(
+    default_model_dir: Path,
+) -> None:
+    from tokenizers import Tokenizer
+
+    text = "Switchboard counts tokens the way SmolLM2 does: ünïcödé, 日本語, code()"
+    want = len(
+        Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+        .encode(text, add_special_tokens=False)
+        .ids
+    )
+    assert tokens.count(text, "SmolLM2-135M-Instruct", str(default_model_dir)) == want
+    assert tokens.count(text, "SmolLM2-135M-Instruct", str(default_model_dir / "tokenizer.json")) == want
+    assert want != tokens.count(text, "SmolLM2-135M-Instruct")  # tiktoken's estimate differs
+
+
+def test_a_missing_tokenizer_falls_back_to_tiktoken(tmp_path: Path) -> None:
+    assert not tokens.tokenizer_exists(str(tmp_path))
+    assert tokens.count("hello world", "gpt-4o", str(tmp_path)) == tokens.count("hello world", "gpt-4o") == 2
