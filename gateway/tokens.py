@@ -1,9 +1,10 @@
 """Counting tokens when a backend reported no usage (e.g. a stream the client left), offline.
 
-An engine pool whose policy names its model's `tokenizer` (tokenizer.json) is counted with it.
-Otherwise tiktoken, with the BPE files litellm's package bundles (found without importing
-litellm): OpenAI's GPT-4o family and later use o200k_base, every other model cl100k_base (an
-estimate for non-OpenAI tokenizers). Rows counted here are marked `estimated` either way.
+An engine pool whose policy names its model's `tokenizer` (tokenizer.json) is counted with it, and
+Claude models with the Anthropic tokenizer litellm bundles. Otherwise tiktoken, with the BPE
+files litellm's package bundles (found without importing litellm): OpenAI's GPT-4o family and
+later use o200k_base, every other model cl100k_base (an estimate for other tokenizers). Rows
+counted here are marked `estimated` either way.
 """
 
 from __future__ import annotations
@@ -41,12 +42,22 @@ def count(text: str, model: str, tokenizer: str | None = None) -> int:
     """Tokens in `text` for `model` (special-token text counted as plain text)."""
     if not text:
         return 0
+    if tokenizer is None and "claude" in model.lower():
+        tokenizer = _bundled("anthropic_tokenizer.json")  # litellm ships Anthropic's tokenizer too
     if tokenizer is not None:
         try:
             return len(_hf_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids)
         except Exception:  # unreadable since the policy was checked: tiktoken's estimate instead
             logger.warning("tokenizer %s is unreadable; counting with tiktoken", tokenizer, exc_info=True)
     return len(_encoding(encoding_for(model)).encode(text, disallowed_special=()))
+
+
+def _bundled(name: str) -> str | None:
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers" / name
+    return str(path) if path.is_file() else None
 
 
 def tokenizer_exists(path: str) -> bool:

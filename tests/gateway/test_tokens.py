@@ -47,3 +47,9 @@ def test_an_engine_tokenizer_from_the_policy_counts_with_the_models_own_vocabula
 def test_a_missing_tokenizer_falls_back_to_tiktoken(tmp_path: Path) -> None:
     assert not tokens.tokenizer_exists(str(tmp_path))
     assert tokens.count("hello world", "gpt-4o", str(tmp_path)) == tokens.count("hello world", "gpt-4o") == 2
+
+
+def test_claude_models_are_counted_with_the_bundled_anthropic_tokenizer() -> None:
+    text = "hello world, this is Claude"
+    claude = tokens.count(text, "anthropic/claude-3-5-haiku-latest")
+    assert claude > 0 and claude == tokens.count(text, "claude-3-opus")
