@@ -39,7 +39,7 @@ from gateway.reports import spend  # noqa: E402
 
 ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS = "redis://127.0.0.1:6379/0"
-MODELS = ["auto", "gpt-4o-mini", "claude-3-5-haiku", "SmolLM2-135M-Instruct"]
+MODELS = ["auto", "gpt-4o-mini", "claude-haiku-4-5", "SmolLM2-135M-Instruct"]
 BACKENDS = ["local", "openai", "anthropic"]
 
 
