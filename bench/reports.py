@@ -31,9 +31,10 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.budgets import Budget, Charge, LocalBudgetStore, RedisBudgetStore, to_picousd  # noqa: E402
+from gateway.budgets import Budget, Charge, LocalBudgetStore, RedisBudgetStore  # noqa: E402
 from gateway.db import create_engine  # noqa: E402
 from gateway.migrate import upgrade  # noqa: E402
+from gateway.models import to_picousd  # noqa: E402
 from gateway.ratelimit import Limit, LocalRateLimiter, RedisRateLimiter  # noqa: E402
 from gateway.reports import spend  # noqa: E402
 

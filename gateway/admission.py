@@ -24,8 +24,8 @@ from gateway.budgets import (
     LocalBudgetStore,
     RedisBudgetStore,
     Seed,
-    to_picousd,
 )
+from gateway.models import to_picousd
 from gateway.ratelimit import Limit, LimiterUnavailableError, LocalRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.routing import RouteDecision
 from gateway.runtime import Runtime

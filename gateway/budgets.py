@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.models import PICO, UsageDaily
+from gateway.models import UsageDaily, to_picousd
 from gateway.ratelimit import Limit, refusal
 
 logger = logging.getLogger(__name__)
@@ -50,11 +50,6 @@ def period_bounds(period: Period, now: datetime) -> tuple[datetime, datetime | N
         )
         return start, following
     return _EPOCH, None
-
-
-def to_picousd(value: Decimal) -> int:
-    """Whole picodollars (rounded half-even, like the database column)."""
-    return int((value * PICO).to_integral_value())
 
 
 @dataclass(frozen=True)

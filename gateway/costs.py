@@ -63,13 +63,20 @@ def from_policy_price(price: Price) -> TokenPrice:
     )
 
 
+def litellm_file(*parts: str) -> Path | None:
+    """A data file inside litellm's installed package, found without importing litellm."""
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
+
+
 @lru_cache(maxsize=1)
 def cost_map() -> dict[str, Any]:
     """litellm's bundled model price map, read from its package without importing litellm."""
-    spec = importlib.util.find_spec("litellm")
-    if spec is None or not spec.submodule_search_locations:
+    path = litellm_file("model_prices_and_context_window_backup.json")
+    if path is None:
         return {}
-    path = Path(next(iter(spec.submodule_search_locations))) / "model_prices_and_context_window_backup.json"
     try:
         data: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -78,11 +85,17 @@ def cost_map() -> dict[str, Any]:
     return data
 
 
-def map_price(model: str) -> TokenPrice | None:
-    """litellm's price for a model name (`openai/gpt-4o-mini` or `gpt-4o-mini`), or None."""
+def _map_entry(model: str) -> dict[str, Any]:
+    """The map's entry for `openai/gpt-4o-mini` or `gpt-4o-mini` ({} when unknown)."""
     table = cost_map()
     entry = table.get(model) or table.get(model.split("/", 1)[-1])
-    if not isinstance(entry, dict) or entry.get("input_cost_per_token") is None:
+    return entry if isinstance(entry, dict) else {}
+
+
+def map_price(model: str) -> TokenPrice | None:
+    """litellm's price for a model name (`openai/gpt-4o-mini` or `gpt-4o-mini`), or None."""
+    entry = _map_entry(model)
+    if not entry or entry.get("input_cost_per_token") is None:
         return None
     input_ = _dec(entry["input_cost_per_token"])
     output = _dec(entry.get("output_cost_per_token") or 0)
@@ -92,9 +105,7 @@ def map_price(model: str) -> TokenPrice | None:
 
 def max_output_tokens(model: str) -> int | None:
     """The model's output cap from litellm's map, if it has one."""
-    table = cost_map()
-    entry = table.get(model) or table.get(model.split("/", 1)[-1]) or {}
-    cap = entry.get("max_output_tokens") if isinstance(entry, dict) else None
+    cap = _map_entry(model).get("max_output_tokens")
     return int(cap) if isinstance(cap, int | float) and cap > 0 else None
 
 

@@ -28,6 +28,11 @@ from sqlalchemy.types import TypeDecorator
 PICO = Decimal(10) ** 12
 
 
+def to_picousd(value: Decimal) -> int:
+    """Whole picodollars (rounded half-even): how money is stored, summed and counted."""
+    return int((value * PICO).to_integral_value())
+
+
 class Money(TypeDecorator[Decimal]):
     """USD as an exact Decimal, stored as whole picodollars (BIGINT) on every database.
 
@@ -39,7 +44,7 @@ class Money(TypeDecorator[Decimal]):
     cache_ok = True
 
     def process_bind_param(self, value: Decimal | None, dialect: Dialect) -> int | None:
-        return None if value is None else int((value * PICO).to_integral_value())
+        return None if value is None else to_picousd(value)
 
     def process_result_value(self, value: Any, dialect: Dialect) -> Decimal | None:
         return None if value is None else Decimal(int(value)) / PICO

@@ -9,12 +9,13 @@ counted here are marked `estimated` either way.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from gateway.costs import litellm_file
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,8 @@ _O200K_PREFIXES = ("gpt-4o", "gpt-4.1", "gpt-4.5", "gpt-5", "o1", "o3", "o4", "c
 
 @lru_cache(maxsize=2)
 def _encoding(name: str) -> Any:
-    spec = importlib.util.find_spec("litellm")
-    if spec is not None and spec.submodule_search_locations:
-        bundled = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    bundled = litellm_file("litellm_core_utils", "tokenizers")
+    if bundled is not None:
         os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(bundled))  # never fetch the BPE files
     import tiktoken
 
@@ -53,11 +53,8 @@ def count(text: str, model: str, tokenizer: str | None = None) -> int:
 
 
 def _bundled(name: str) -> str | None:
-    spec = importlib.util.find_spec("litellm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers" / name
-    return str(path) if path.is_file() else None
+    path = litellm_file("litellm_core_utils", "tokenizers", name)
+    return str(path) if path is not None and path.is_file() else None
 
 
 def tokenizer_exists(path: str) -> bool:

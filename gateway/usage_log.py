@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.models import PICO, RequestLog
+from gateway.models import RequestLog, to_picousd
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def _daily_totals(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 
 def _picousd(value: Decimal | None) -> int:
-    return 0 if value is None else int((value * PICO).to_integral_value())
+    return 0 if value is None else to_picousd(value)
 
 
 class LogRetention:

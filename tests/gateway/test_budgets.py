@@ -19,10 +19,10 @@ from gateway.budgets import (
     RedisBudgetStore,
     period_bounds,
     spend_seed,
-    to_picousd,
 )
 from gateway.db import create_engine
 from gateway.migrate import upgrade
+from gateway.models import to_picousd
 from gateway.usage_log import RequestLogWriter
 
 REDIS = "redis://127.0.0.1:6379/0"
