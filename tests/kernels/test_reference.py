@@ -2,47 +2,20 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from kernels import reference
+from tests.kernels.paged_cases import dense_attention, paged_cache
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
-    """q: (q_len, H, D); k, v: (ctx, KVH, D); query i sits at position q_offset + i."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / q.shape[-1] ** 0.5
-    pos_q = torch.arange(q.shape[0])[:, None] + q_offset
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos_q, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
+    return dense_attention(q, k, v, q_offset).to(q.dtype)
 
 
 def _paged(contexts: list[int], block_size: int, kv_heads: int, dim: int, seed: int):  # type: ignore[no-untyped-def]
-    """Random K/V per sequence scattered into shuffled blocks of a pool."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-c // block_size) for c in contexts]
-    num_blocks = sum(blocks_needed) + 5
-    order = list(range(num_blocks))
-    random.Random(seed).shuffle(order)
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
-    v_cache = torch.zeros_like(k_cache)
-    tables, ks, vs = [], [], []
-    for ctx, nb in zip(contexts, blocks_needed, strict=True):
-        ids = [order.pop() for _ in range(nb)]
-        k = torch.randn(ctx, kv_heads, dim, generator=gen)
-        v = torch.randn(ctx, kv_heads, dim, generator=gen)
-        slots = torch.tensor([ids[p // block_size] * block_size + p % block_size for p in range(ctx)])
-        reference.store_kv(k, v, k_cache, v_cache, slots)
-        tables.append(ids)
-        ks.append(k)
-        vs.append(v)
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return k_cache, v_cache, table, ks, vs
+    c = paged_cache(contexts, block_size, kv_heads, dim, seed=seed)
+    return c.k_cache, c.v_cache, c.block_tables, c.keys, c.values
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (7, 1)])
