@@ -327,3 +327,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(..., 2 * d) -> silu(x[..., :d]) * x[..., d:]."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dimension's halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX/HF RoPE, x * cos + rotate_half(x) * sin in q's dtype; returns new tensors.
+
+    positions: (num_tokens,) int; q: (num_tokens, num_heads, head_dim); k: (num_tokens,
+    num_kv_heads, head_dim); cos_cache, sin_cache: (max_positions, head_dim), cast to q's dtype
+    before the multiply (as HF does).
+    """
+    cos = cos_cache[positions].to(q.dtype).unsqueeze(1)  # (num_tokens, 1, head_dim)
+    sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
+    q_out = (q * cos) + (rotate_half(q) * sin)
+    k_out = (k * cos) + (rotate_half(k) * sin)
+    return q_out, k_out

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.backend import TORCH_BACKEND, KernelBackend
+
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies, (head_dim // 2,) float32, following HF's formulas bit for bit."""
@@ -33,19 +35,19 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dimension's halves."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key from a precomputed cos/sin table indexed by position."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        backend: KernelBackend = TORCH_BACKEND,
     ) -> None:
         super().__init__()
+        self.backend = backend
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
@@ -60,8 +62,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim)."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # (num_tokens, 1, head_dim)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        q_out = (q * cos) + (rotate_half(q) * sin)
-        k_out = (k * cos) + (rotate_half(k) * sin)
-        return q_out, k_out
+        return self.backend.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
