@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 
 from engine.config import EngineConfig
 
@@ -45,6 +46,16 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow results to depend on batch composition (slightly faster)",
     )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="kernels: auto = Triton on CUDA, the torch references on CPU; triton on CPU needs "
+        "TRITON_INTERPRET=1 (slow, for testing)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="never capture CUDA graphs for decode steps"
+    )
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling draws from it)")
 
 
@@ -62,6 +73,8 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         num_threads=args.num_threads,
         batch_invariant=not args.no_batch_invariant,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
     )
 
@@ -155,8 +168,20 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("SWITCHBOARD_ENGINE_API_KEY") or None,
         access_log=not args.no_access_log,
         log_level=args.log_level,
+        otlp_traces_endpoint=otlp_traces_endpoint(os.environ),
+        otel_service_name=os.environ.get("OTEL_SERVICE_NAME") or "switchboard-engine",
     )
     return run_server(_config(args), options)
+
+
+def otlp_traces_endpoint(environ: Mapping[str, str]) -> str | None:
+    """OpenTelemetry's own variables: the traces URL, else the base URL + /v1/traces; None: no tracing."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return base.rstrip("/") + "/v1/traces" if base else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     batch_invariant: bool = True
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -48,6 +51,10 @@ class EngineConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,12 +10,15 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.layers.attention import AttentionMetadata
+from engine.layers.backend import load_backend, resolve_backend_name
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.scheduler import ScheduledSeq
 from engine.weights import iter_weights
 from kernels.reference import ROW_MULTIPLE, plan_decode
+from kernels.split_kv import choose_num_splits
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +54,21 @@ class KVCacheLayout:
         return self.num_blocks * self.block_size
 
 
+def gpu_kv_budget(total: int, free: int, utilization: float, activation_peak: int) -> int:
+    """Bytes left for the KV pool: the allowed share of the device, less what is already in use
+    (weights, CUDA context, other processes: total - free) and the profiled activation peak."""
+    return int(total * utilization) - (total - free) - activation_peak
+
+
 def plan_kv_cache(
-    config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    activation_peak: int = 0,
 ) -> KVCacheLayout:
-    """Number of blocks that fit the memory budget (bytes on CPU, a fraction of free memory on GPU)."""
+    """Number of blocks that fit the memory budget: kv_cache_memory bytes when set, else 1 GiB on
+    CPU, else on GPU `gpu_memory_utilization` of the device less weights and the activation peak."""
     elem = torch.tensor([], dtype=dtype).element_size()
     per_block = (
         2
@@ -67,7 +82,7 @@ def plan_kv_cache(
         budget = config.kv_cache_memory
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - total * (1.0 - config.gpu_memory_utilization))
+        budget = gpu_kv_budget(total, free, config.gpu_memory_utilization, activation_peak)
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
     num_blocks = budget // per_block
@@ -88,14 +103,19 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
-        self.batch_invariant = config.batch_invariant
+        self.backend = load_backend(resolve_backend_name(config.attention_backend, self.device))
+        # bit-identical batching is a property of the torch CPU path (see kernels/reference.py)
+        self.batch_invariant = config.batch_invariant and not self.backend.is_triton
         self.model_config = model_config
+        self.config = config
+        self.max_model_len = max_model_len
         with torch.device(self.device):
-            model = build_model(model_config, max_positions=max_model_len)
+            model = build_model(model_config, max_positions=max_model_len, backend=self.backend)
         model.to(dtype=self.dtype)
         model.load_weights(iter_weights(model_dir, self.dtype))
         self.model = model.eval()
-        self.layout = plan_kv_cache(config, model_config, self.dtype, self.device)
+        peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
+        self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
         shape = (self.layout.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
             (
@@ -105,11 +125,63 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            "KV cache: %d blocks x %d tokens (%.1f MiB); kernels: %s",
             self.layout.num_blocks,
             config.block_size,
             self.layout.num_blocks * self.layout.bytes_per_block / 2**20,
+            self.backend.name,
         )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend.is_triton and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                graph_batch_sizes(config.max_num_seqs),
+                max_blocks_per_seq=-(-max_model_len // config.block_size),
+                num_kv_heads=model_config.num_kv_heads,
+                max_model_len=max_model_len,
+            )
+
+    @torch.inference_mode()
+    def profile_activation_peak(self) -> int:
+        """Peak bytes a full prefill step allocates beyond the weights (CUDA), found by running one
+        over dummy tokens: max_num_batched_tokens split into sequences of at most max_model_len,
+        against a one-block KV pool that nothing is written to (every slot is padding)."""
+        dev, mc = self.device, self.model_config
+        total = self.config.max_num_batched_tokens
+        seq_len = min(self.max_model_len, total)
+        lens = [seq_len] * (total // seq_len) + ([total % seq_len] if total % seq_len else [])
+        shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        block = torch.zeros(shape, dtype=self.dtype, device=dev)
+        dummy_kv = [(block, block) for _ in range(mc.num_layers)]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            num_actual_tokens=total,
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=torch.zeros(
+                (len(lens), -(-seq_len // self.block_size)), dtype=torch.int32, device=dev
+            ),
+            prefill_max_query_len=seq_len,
+        )
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, dummy_kv, meta)
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])  # the sampler's logits too
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        del hidden, dummy_kv
+        torch.cuda.empty_cache()
+        logger.info("profiled activation peak: %.1f MiB", peak / 2**20)
+        return int(peak)
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
@@ -154,7 +226,12 @@ class ModelRunner:
         dec_block_tables = _pad_tables(dec_tables, dev)
         dec_context_lens = torch.tensor(dec_lens, dtype=torch.int32, device=dev)
         plan = None
-        if num_decode:
+        num_splits = 1
+        if num_decode and self.backend.is_triton:
+            num_splits = choose_num_splits(
+                num_decode, self.model_config.num_kv_heads, max(dec_lens), self.device
+            )
+        elif num_decode:
             plan = plan_decode(
                 dec_block_tables,
                 dec_context_lens,
@@ -173,6 +250,8 @@ class ModelRunner:
             prefill_block_tables=_pad_tables(pre_tables, dev),
             batch_invariant=self.batch_invariant,
             decode_plan=plan,
+            decode_num_splits=num_splits,
+            prefill_max_query_len=max((b - a for a, b in itertools.pairwise(cu)), default=0),
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -184,6 +263,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; returns float32 logits (num_sampled, vocab) in scheduled order."""
+        if self.graphs is not None and self.graphs.can_run(scheduled):
+            hidden = self.graphs.run(scheduled, self.block_size)
+            if not all(s.samples for s in scheduled):  # a one-token prompt chunk samples nothing
+                keep = [i for i, s in enumerate(scheduled) if s.samples]
+                hidden = hidden[torch.tensor(keep, dtype=torch.int64, device=hidden.device)]
+            return self.model.compute_logits(hidden).float()
         input_ids, positions, meta, sample_idx = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         num_sampled = sample_idx.shape[0]

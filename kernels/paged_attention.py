@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_device, check_shape, check_tensor, interpreting
+from kernels.split_kv import MAX_SPLITS, choose_num_splits
 
 LOG2E = math.log2(math.e)
-MAX_SPLITS = 32
 
 
 @triton.jit
@@ -138,16 +138,6 @@ def _decode_reduce_kernel(
     out = acc / tl.where(wsum == 0.0, 1.0, wsum)[:, None]
     o_ptrs = out_ptr + seq * stride_os + offs_h[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """KV splits per sequence: enough programs to fill the GPU, never slices under 256 tokens."""
-    by_length = max(1, -(-max_context // 256))
-    if device.type != "cuda":  # the interpreter pays per program: split only long contexts
-        return min(by_length, 4)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = -(-2 * sms // max(1, num_seqs * num_kv_heads))
-    return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

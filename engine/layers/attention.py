@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.layers.backend import TORCH_BACKEND, KernelBackend
 from kernels import reference
 
 
@@ -19,27 +20,38 @@ class AttentionMetadata:
     """
 
     num_actual_tokens: int  # the batch may be padded past this (padding rows attend to nothing)
-    slot_mapping: torch.Tensor  # (num_actual_tokens,) int64
+    slot_mapping: torch.Tensor  # (num_actual_tokens,) int64; -1 for a padding token
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
-    decode_context_lens: torch.Tensor  # (num_decodes,) int32
+    decode_context_lens: torch.Tensor  # (num_decodes,) int32; 0 for a padding row
     prefill_cu_seqlens: torch.Tensor  # (num_prefills + 1,) int32, offsets into the prefill tokens
     prefill_context_lens: torch.Tensor  # (num_prefills,) int32
     prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
-    batch_invariant: bool = False  # bit-identical results whatever the batch and chunking (slower)
-    decode_plan: reference.DecodePlan | None = None  # decode layout shared by all layers
+    batch_invariant: bool = False  # bit-identical results whatever the batch and chunking (torch)
+    decode_plan: reference.DecodePlan | None = None  # torch: decode layout shared by all layers
+    decode_num_splits: int = 1  # triton: KV splits per decode sequence (fixed per CUDA graph)
+    prefill_max_query_len: int = 0  # triton: longest prefill chunk (sizes the grid)
 
 
 class PagedAttention(nn.Module):
     """Stores this step's K/V in the layer's paged pool, then attends through block tables."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, backend: KernelBackend = TORCH_BACKEND
+    ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.backend = backend
+        if backend.is_triton:  # imported only when asked for: the CPU path never loads Triton
+            from kernels.paged_attention import paged_decode_attention
+            from kernels.prefill_attention import paged_prefill_attention
+
+            self._triton_decode = paged_decode_attention
+            self._triton_prefill = paged_prefill_attention
 
     def forward(
         self,
@@ -66,33 +78,60 @@ class PagedAttention(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         parts = []
         if nd > 0:
-            parts.append(
-                reference.paged_decode_attention(
-                    q[:nd],
-                    k_cache,
-                    v_cache,
-                    meta.decode_block_tables,
-                    meta.decode_context_lens,
-                    self.scale,
-                    meta.batch_invariant,
-                    meta.decode_plan,
-                )
-            )
+            parts.append(self._decode(q[:nd], k_cache, v_cache, meta))
         if nd < q.shape[0]:
-            parts.append(
-                reference.paged_prefill_attention(
-                    q[nd:],
-                    k_cache,
-                    v_cache,
-                    meta.prefill_cu_seqlens,
-                    meta.prefill_context_lens,
-                    meta.prefill_block_tables,
-                    self.scale,
-                    meta.batch_invariant,
-                )
-            )
+            parts.append(self._prefill(q[nd:], k_cache, v_cache, meta))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.backend.is_triton:
+            return self._triton_decode(
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                num_splits=meta.decode_num_splits,
+            )
+        return reference.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.scale,
+            meta.batch_invariant,
+            meta.decode_plan,
+        )
+
+    def _prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.backend.is_triton:
+            return self._triton_prefill(
+                q,
+                k_cache,
+                v_cache,
+                meta.prefill_cu_seqlens,
+                meta.prefill_context_lens,
+                meta.prefill_block_tables,
+                self.scale,
+                max_query_len=meta.prefill_max_query_len or None,
+            )
+        return reference.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_cu_seqlens,
+            meta.prefill_context_lens,
+            meta.prefill_block_tables,
+            self.scale,
+            meta.batch_invariant,
+        )

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import AttentionMetadata, PagedAttention
+from engine.layers.backend import TORCH_BACKEND, KernelBackend
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
@@ -35,7 +36,7 @@ _LOGITS_CHUNK = 1024  # vocabulary rows per LM-head GEMM on CPU
 class Attention(nn.Module):
     """Self-attention with fused QKV projection, RoPE and paged KV."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: KernelBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -47,10 +48,10 @@ class Attention(nn.Module):
             else None
         )
         self.o_proj = _linear_weight(cfg.hidden_size, self.q_size)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -71,46 +72,59 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self.silu_and_mul = backend.silu_and_mul
         self.gate_up_proj = _linear_weight(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _linear_weight(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.split(F.linear(x, self.gate_up_proj), self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return F.linear(self.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block followed by pre-norm MLP block."""
+    """Pre-norm attention block followed by pre-norm MLP block.
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    The residual stream travels beside the block output, so each residual add is fused into the
+    next norm: (h, residual) -> (mlp output, residual before it).
+    """
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: KernelBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.self_attn = Attention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.mlp = MLP(cfg, backend)
 
     def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
-        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
-        return out
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # first layer: the embeddings are the residual stream
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_norm(h, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head; forward runs a flattened batch of tokens."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: KernelBackend = TORCH_BACKEND) -> None:
         super().__init__()
         self.cfg = cfg
+        self.backend = backend
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, backend)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -126,9 +140,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """(num_tokens,) ids and positions -> (num_tokens, hidden) final hidden states."""
         h = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(positions, h, kv_cache, meta)
-        out: torch.Tensor = self.norm(h)
+            h, residual = layer(positions, h, residual, kv_cache, meta)
+        if residual is None:  # no layers
+            normed: torch.Tensor = self.norm(h)
+            return normed
+        out, _ = self.norm.add_norm(h, residual)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

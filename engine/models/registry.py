@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.layers.backend import TORCH_BACKEND, KernelBackend
 from engine.models.config import ModelConfig, UnsupportedModelError
 from engine.models.llama import LlamaForCausalLM
 
@@ -14,9 +15,11 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(cfg: ModelConfig, max_positions: int) -> LlamaForCausalLM:
+def build_model(
+    cfg: ModelConfig, max_positions: int, backend: KernelBackend = TORCH_BACKEND
+) -> LlamaForCausalLM:
     """An uninitialised model of the config's architecture (weights are loaded afterwards)."""
     cls = _MODELS.get(cfg.architecture)
     if cls is None:
         raise UnsupportedModelError(f"no model class for architecture {cfg.architecture!r}")
-    return cls(cfg, max_positions)
+    return cls(cfg, max_positions, backend)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.paged_attention import choose_num_splits, paged_decode_attention
+from kernels.paged_attention import paged_decode_attention
+from kernels.split_kv import choose_num_splits
 from tests.kernels.paged_cases import dense_attention, paged_cache
 
 GQA = [(4, 4), (8, 2), (7, 1)]  # (query heads, KV heads): ratios 1, 4 and 7
