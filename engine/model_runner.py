@@ -228,9 +228,10 @@ class ModelRunner:
         plan = None
         num_splits = 1
         if num_decode and self.backend.is_triton:
-            num_splits = choose_num_splits(
-                num_decode, self.model_config.num_kv_heads, max(dec_lens), self.device
-            )
+            # on the GPU from the longest possible context, as the CUDA graphs do, so eager and
+            # graph steps split alike; the interpreter pays per program, so there the actual one
+            longest = self.max_model_len if self.device.type == "cuda" else max(dec_lens)
+            num_splits = choose_num_splits(num_decode, self.model_config.num_kv_heads, longest, self.device)
         elif num_decode:
             plan = plan_decode(
                 dec_block_tables,

@@ -1,0 +1,111 @@
+"""Kernel backend selection, and the Triton path end to end against the torch path.
+
+Without CUDA the Triton kernels run through Triton's CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1): slow, so the models are tiny and the generations short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+from engine.layers.backend import resolve_backend_name
+from engine.model_runner import gpu_kv_budget
+
+CUDA = torch.cuda.is_available()
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU interpreter path; on CUDA the gpu tests cover it")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_triton_backend_gives_the_same_greedy_tokens_as_torch(
+    tiny_model_factory: Callable[..., Path], arch: str
+) -> None:
+    path = str(tiny_model_factory(arch))
+    # a shared prefix (prefix-cache hits), prompts longer than the step budget (chunked prefill
+    # attending to its own cached chunks), lengths off the block size, decodes mixed with prefills
+    shared = list(range(3, 40))
+    prompts = [shared + [7, 8, 9], list(range(50, 61)), shared + [11], [5] * 3]
+    options = dict(max_model_len=256, block_size=16, max_num_batched_tokens=32, kv_cache_memory=1 << 22)
+    expected = _greedy(LLM(path, attention_backend="torch", **options), prompts, 6)
+    triton_llm = LLM(path, attention_backend="triton", **options)
+    assert triton_llm.engine.runner.backend.name == "triton"
+    assert _greedy(triton_llm, prompts, 6) == expected
+
+
+def test_backend_auto_picks_triton_on_cuda_and_torch_on_cpu() -> None:
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend_name("torch", torch.device("cuda")) == "torch"
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_backend_name("triton", torch.device("cpu"))
+
+
+def test_unknown_backend_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_decode_graphs_cover_powers_of_two_up_to_max_num_seqs() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    sizes = graph_batch_sizes(48)
+    assert [padded_batch_size(sizes, n) for n in (1, 3, 5, 17, 33, 48)] == [1, 4, 8, 32, 48, 48]
+    assert padded_batch_size(sizes, 49) is None
+
+
+def test_gpu_kv_budget_leaves_room_for_weights_and_activations() -> None:
+    gib = 1 << 30
+    # 80 GiB device, 0.9 allowed, 2 GiB already used (weights, context), 3 GiB activation peak
+    assert gpu_kv_budget(80 * gib, 78 * gib, 0.9, 3 * gib) == int(72 * gib) - 5 * gib
+    # another process holding memory shrinks the pool instead of overcommitting
+    assert gpu_kv_budget(80 * gib, 40 * gib, 0.9, 3 * gib) == int(72 * gib) - 43 * gib
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_cuda_graphs_and_eager_agree(tiny_model_factory: Callable[..., Path], arch: str) -> None:
+    path = str(tiny_model_factory(arch))
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90)]
+    graphs = LLM(path, max_model_len=512, max_num_seqs=8)
+    assert graphs.engine.runner.graphs is not None
+    eager = LLM(path, max_model_len=512, max_num_seqs=8, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    # batch sizes 1, 2 and 4 are captured sizes: no padding, the same GEMM shapes
+    for batch in (prompts[:1], prompts[:2], prompts):
+        assert _greedy(graphs, batch, 24) == _greedy(eager, batch, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_triton_engine_matches_hf_transformers_on_gpu(
+    tiny_model_factory: Callable[..., Path], arch: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory(arch)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
+    ours = _greedy(LLM(str(path), dtype="float32", max_model_len=512), prompts, 16)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
+    for prompt, got in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
+        assert got == out[0, len(prompt) :].tolist()
