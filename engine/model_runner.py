@@ -147,6 +147,24 @@ class ModelRunner:
         """Peak bytes a full prefill step allocates beyond the weights (CUDA), found by running one
         over dummy tokens: max_num_batched_tokens split into sequences of at most max_model_len,
         against a one-block KV pool that nothing is written to (every slot is padding)."""
+        dev = self.device
+        input_ids, positions, dummy_kv, meta = self.dummy_prefill()
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        hidden = self.model(input_ids, positions, dummy_kv, meta)
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])  # the sampler's logits too
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        del hidden, dummy_kv
+        torch.cuda.empty_cache()
+        logger.info("profiled activation peak: %.1f MiB", peak / 2**20)
+        return int(peak)
+
+    def dummy_prefill(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata]:
+        """The largest prefill step: (input ids, positions, a one-block KV pool, metadata)."""
         dev, mc = self.device, self.model_config
         total = self.config.max_num_batched_tokens
         seq_len = min(self.max_model_len, total)
@@ -171,17 +189,7 @@ class ModelRunner:
             prefill_max_query_len=seq_len,
         )
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, dummy_kv, meta)
-        self.model.compute_logits(hidden[: self.config.max_num_seqs])  # the sampler's logits too
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - before
-        del hidden, dummy_kv
-        torch.cuda.empty_cache()
-        logger.info("profiled activation peak: %.1f MiB", peak / 2**20)
-        return int(peak)
+        return torch.zeros(total, dtype=torch.int64, device=dev), positions, dummy_kv, meta
 
     def prepare(
         self, scheduled: list[ScheduledSeq]

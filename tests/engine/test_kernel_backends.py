@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from engine.layers.backend import resolve_backend_name
 from engine.model_runner import gpu_kv_budget
 
@@ -41,6 +41,67 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(
     triton_llm = LLM(path, attention_backend="triton", **options)
     assert triton_llm.engine.runner.backend.name == "triton"
     assert _greedy(triton_llm, prompts, 6) == expected
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU interpreter path; on CUDA the gpu tests capture real graphs")
+def test_decode_graph_buffers_give_the_eager_tokens(tiny_model_factory: Callable[..., Path]) -> None:
+    # The graph path's static buffers and padding (slot -1, context 0), replayed eagerly on CPU:
+    # 3 sequences run in the size-4 buffers, then fewer as they finish.
+    path = str(tiny_model_factory("llama"))
+    prompts = [list(range(3, 3 + n)) for n in (5, 21, 9)]
+    llm = LLM(
+        path,
+        attention_backend="triton",
+        max_model_len=128,
+        kv_cache_memory=1 << 22,
+        enable_prefix_caching=False,
+    )
+    runner = llm.engine.runner
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 6, 4)]
+    eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    runner.graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_caches,
+        [1, 2, 4],
+        max_blocks_per_seq=128 // runner.block_size,
+        num_kv_heads=runner.model_config.num_kv_heads,
+        max_model_len=128,
+        capture=False,
+    )
+    replays = 0
+    original = runner.graphs.run
+
+    def counting_run(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal replays
+        replays += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    runner.graphs.run = counting_run  # type: ignore[method-assign]
+    graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert graphed == eager
+    assert replays >= 5  # every decode step went through the buffers
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_profiling_step_runs_through_the_model(
+    tiny_model_factory: Callable[..., Path], backend: str
+) -> None:
+    if backend == "triton" and CUDA:
+        pytest.skip("on CUDA the engine profiles at start-up")
+    llm = LLM(
+        str(tiny_model_factory("qwen3")),
+        attention_backend=backend,
+        max_model_len=96,
+        max_num_batched_tokens=200,  # two full sequences and a shorter one
+        kv_cache_memory=1 << 22,
+    )
+    runner = llm.engine.runner
+    ids, positions, kv, meta = runner.dummy_prefill()
+    assert ids.shape[0] == 200 and meta.prefill_context_lens.tolist() == [96, 96, 8]
+    with torch.inference_mode():
+        hidden = runner.model(ids, positions, kv, meta)
+    assert hidden.shape == (200, runner.model_config.hidden_size) and bool(hidden.isfinite().all())
+    assert bool(kv[0][0].eq(0).all())  # every slot was padding: nothing stored
 
 
 def test_backend_auto_picks_triton_on_cuda_and_torch_on_cpu() -> None:
