@@ -168,5 +168,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         PRECISION=dot_precision(query.dtype),
+        num_warps=4 if interpreting() else 8,  # a 128-row tile and its fp32 accumulator
     )
     return out
