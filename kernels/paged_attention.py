@@ -145,22 +145,39 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def check_paged_cache(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, num_seqs: int
-) -> None:
-    """Cache layout (num_blocks, block_size, num_kv_heads, head_dim) and int32 block tables."""
+def check_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> tuple[int, int]:
+    """Query (tokens, heads, dim) against a cache (num_blocks, block_size, kv_heads, dim) of its
+    dtype, int32 block tables and context lengths, one per sequence; returns (block_size, kv_heads)."""
+    check_tensor("query", query, ndim=3)
     check_tensor("k_cache", k_cache, ndim=4)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share dtype and strides")
-    if k_cache.stride(2) != k_cache.shape[3]:
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if k_cache.stride(2) != head_dim:
         raise ValueError(f"k_cache heads must be contiguous rows of head_dim, got strides {k_cache.stride()}")
-    block_size = k_cache.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+    num_heads = query.shape[1]
+    if query.shape[2] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query (heads {num_heads}, dim {query.shape[2]}) does not fit a cache of {num_kv_heads} KV "
+            f"heads of dim {head_dim}"
+        )
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} differs from the cache's {k_cache.dtype}")
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    num_seqs = context_lens.shape[0]
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must have {num_seqs} rows, got {block_tables.shape[0]}")
+    return block_size, num_kv_heads
 
 
 def paged_decode_attention(
@@ -182,18 +199,8 @@ def paged_decode_attention(
     Returns (num_seqs, num_heads, head_dim) in the query's dtype.
     """
     check_device(query, k_cache, v_cache, block_tables, context_lens)
-    check_tensor("query", query, ndim=3)
+    block_size, num_kv_heads = check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
-    check_paged_cache(k_cache, v_cache, block_tables, num_seqs)
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"query (heads {num_heads}, dim {head_dim}) does not fit a cache of {num_kv_heads} KV heads "
-            f"of dim {cache_head_dim}"
-        )
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} differs from the cache's {k_cache.dtype}")
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
     check_shape("context_lens", context_lens, (num_seqs,))
     out = torch.empty_like(query)
     if num_seqs == 0:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_device, check_shape, check_tensor, interpreting
-from kernels.paged_attention import LOG2E, check_paged_cache, dot_precision
+from kernels.paged_attention import LOG2E, check_paged_attention, dot_precision
 
 
 @triton.jit
@@ -113,19 +113,9 @@ def paged_prefill_attention(
     which syncs with the device). Returns (num_tokens, num_heads, head_dim) in the query's dtype.
     """
     check_device(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
-    check_tensor("query", query, ndim=3)
+    block_size, num_kv_heads = check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
-    check_paged_cache(k_cache, v_cache, block_tables, num_seqs)
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"query (heads {num_heads}, dim {head_dim}) does not fit a cache of {num_kv_heads} KV heads "
-            f"of dim {cache_head_dim}"
-        )
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} differs from the cache's {k_cache.dtype}")
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
     check_shape("cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,))
     out = torch.empty_like(query)

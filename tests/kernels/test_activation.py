@@ -9,20 +9,7 @@ import torch
 
 from kernels import reference
 from kernels.activation import silu_and_mul
-
-CUDA = torch.cuda.is_available()
-_ON_CPU = pytest.mark.skipif(CUDA, reason="the Triton interpreter is off when CUDA is present")
-_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
-# (device, dtype); the interpreter computes bf16 wrongly, so bf16 runs on CUDA only
-TARGETS = [
-    pytest.param("cpu", torch.float32, id="cpu-fp32", marks=_ON_CPU),
-    pytest.param("cpu", torch.float16, id="cpu-fp16", marks=_ON_CPU),
-    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=_ON_GPU),
-    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=_ON_GPU),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=_ON_GPU),
-]
-DEVICE = "cuda" if CUDA else "cpu"
-
+from tests.kernels.devices import DEVICE, TARGETS
 
 _TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}  # atol = rtol
 

@@ -11,6 +11,7 @@ import torch
 
 from kernels import reference
 from kernels.prefill_attention import paged_prefill_attention
+from tests.kernels.devices import CUDA, DEVICE
 from tests.kernels.paged_cases import dense_attention, paged_cache
 
 GQA = [(4, 4), (8, 2), (7, 1)]
@@ -18,8 +19,6 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # every GQA ratio with both head dims and both block sizes, without the full product
 FLOAT32_CASES = [(h, kvh, 64, 16) for h, kvh in GQA] + [(h, kvh, 128, 32) for h, kvh in GQA]
 FLOAT32_CASES += [(8, 2, 64, 32), (7, 1, 128, 16)]
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 # (cached prefix, new tokens)
 SHAPES = [(0, 37), (5, 3), (130, 1), (70, 90)]
 

@@ -9,19 +9,8 @@ import torch
 
 from kernels import reference
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from tests.kernels.devices import DEVICE, TARGETS
 
-CUDA = torch.cuda.is_available()
-_ON_CPU = pytest.mark.skipif(CUDA, reason="the Triton interpreter is off when CUDA is present")
-_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
-# (device, dtype); the interpreter computes bf16 wrongly, so bf16 runs on CUDA only
-TARGETS = [
-    pytest.param("cpu", torch.float32, id="cpu-fp32", marks=_ON_CPU),
-    pytest.param("cpu", torch.float16, id="cpu-fp16", marks=_ON_CPU),
-    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=_ON_GPU),
-    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=_ON_GPU),
-    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=_ON_GPU),
-]
-DEVICE = "cuda" if CUDA else "cpu"
 EPS = 1e-6
 
 

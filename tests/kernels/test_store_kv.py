@@ -7,9 +7,8 @@ import torch
 
 from kernels import reference
 from kernels.store_kv import store_kv
+from tests.kernels.devices import CUDA, DEVICE
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 
 
