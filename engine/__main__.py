@@ -59,24 +59,29 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling draws from it)")
 
 
+# flags whose meaning is the negation of an EngineConfig field
+_NEGATED = {"no_prefix_caching": "enable_prefix_caching", "no_batch_invariant": "batch_invariant"}
+
+
+def _given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, object]:
+    """EngineConfig fields set on the command line (flags left at their defaults are not)."""
+    fields = EngineConfig.field_names()
+    given: dict[str, object] = {}
+    for action in parser._actions:
+        name = action.dest
+        value = getattr(args, name, None)
+        if value == action.default:
+            continue
+        if name in _NEGATED:
+            given[_NEGATED[name]] = not value
+        elif name in fields:
+            given[name] = value
+    return given
+
+
 def _config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device=args.device,
-        num_threads=args.num_threads,
-        batch_invariant=not args.no_batch_invariant,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        seed=args.seed,
-    )
+    """Command-line flags, over SWITCHBOARD_ENGINE_<NAME> variables, over EngineConfig's defaults."""
+    return EngineConfig.from_env(**args.engine_options)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -184,8 +189,8 @@ def otlp_traces_endpoint(environ: Mapping[str, str]) -> str | None:
     return base.rstrip("/") + "/v1/traces" if base else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `engine_options`: the EngineConfig fields given as flags."""
     parser = argparse.ArgumentParser(prog="python -m engine", description="Switchboard inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare-model", help="convert the bundled SmolLM2 GGUF into an HF folder (once)")
@@ -208,6 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     args = parser.parse_args(argv)
+    commands = {"demo": demo, "serve": serve, "generate": gen}
+    if args.command in commands:
+        args.engine_options = _given_options(commands[args.command], args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "prepare-model":
         from engine.default_model import prepare_default_model

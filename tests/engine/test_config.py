@@ -54,3 +54,30 @@ def test_model_cache_dir_is_overridable(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.delenv("SWITCHBOARD_MODEL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert model_cache_dir() == tmp_path / "switchboard" / "models"
+
+
+def test_command_line_reads_engine_variables_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.__main__ import _config, parse_args
+
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_ATTENTION_BACKEND", "torch")
+    from_env = _config(parse_args(["serve"]))
+    assert (from_env.max_num_seqs, from_env.enable_prefix_caching, from_env.attention_backend) == (
+        7,
+        False,
+        "torch",
+    )
+    assert from_env.model == "default" and from_env.block_size == 16  # untouched defaults
+    flags = _config(parse_args(["serve", "--max-num-seqs", "9", "--model", "/m", "--enforce-eager"]))
+    assert (flags.max_num_seqs, flags.model, flags.enforce_eager) == (9, "/m", True)
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_ENABLE_PREFIX_CACHING", "true")
+    assert _config(parse_args(["generate", "hi", "--no-prefix-caching"])).enable_prefix_caching is False
+
+
+def test_bad_engine_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.__main__ import _config, parse_args
+
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_MAX_NUM_SEQS", "many")
+    with pytest.raises(ValueError, match="SWITCHBOARD_ENGINE_MAX_NUM_SEQS must be an integer"):
+        _config(parse_args(["serve"]))

@@ -164,7 +164,7 @@ def test_triton_engine_matches_hf_transformers_on_gpu(
     path = tiny_model_factory(arch)
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
     ours = _greedy(LLM(str(path), dtype="float32", max_model_len=512), prompts, 16)
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for prompt, got in zip(prompts, ours, strict=True):
         ids = torch.tensor([prompt], device="cuda")
         with torch.no_grad():
