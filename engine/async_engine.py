@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,7 @@ class RequestStream:
         self._event = asyncio.Event()
         self.finished = False  # the reader has seen the final output
         self.closed = False
+        self.on_final: Callable[[RequestOutput], None] | None = None  # e.g. tracing's phase spans
 
     def put(self, output: RequestOutput) -> None:
         """Replace the pending output (event-loop thread only)."""
@@ -115,6 +116,8 @@ class RequestStream:
             out = self._latest
             assert out is not None
             self.finished = out.finished
+            if self.finished and self.on_final is not None:
+                self.on_final(out)
             yield out
 
     def close(self) -> None:

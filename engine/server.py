@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
@@ -27,6 +27,9 @@ from engine.metrics import CONTENT_TYPE
 from engine.openai_format import dumps
 from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from engine.serving import OpenAIServing
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from engine.tracing import EngineTracing, RequestSpan
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class ServerOptions:
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
     access_log: bool = True
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL; None: tracing off
+    otel_service_name: str = "switchboard-engine"
 
 
 def served_names(config: EngineConfig, options: ServerOptions) -> list[str]:
@@ -59,9 +64,16 @@ def served_names(config: EngineConfig, options: ServerOptions) -> list[str]:
 
 
 def create_app(
-    engine: AsyncLLMEngine, names: list[str], enable_test_hooks: bool = False, api_key: str | None = None
+    engine: AsyncLLMEngine,
+    names: list[str],
+    enable_test_hooks: bool = False,
+    api_key: str | None = None,
+    tracing: EngineTracing | None = None,
 ) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine thread (the model loads in the background)."""
+    """The FastAPI app; its lifespan starts the engine thread (the model loads in the background).
+
+    `tracing`: spans for the completion routes (None: off, and no span is created).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,12 +82,14 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(engine.shutdown)
+            if tracing is not None:
+                tracing.shutdown()  # exports the spans still buffered
 
     app = FastAPI(title="Switchboard engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.serving = OpenAIServing(engine, names)
     _install_error_handlers(app)
-    _add_routes(app, engine, app.state.serving, _key_check(api_key))
+    _add_routes(app, engine, app.state.serving, _key_check(api_key), tracing)
     if enable_test_hooks:
         _add_test_hooks(app, engine)
     return app
@@ -100,18 +114,23 @@ def _add_routes(
     engine: AsyncLLMEngine,
     serving: OpenAIServing,
     key_check: Callable[[Request], Awaitable[None]],
+    tracing: EngineTracing | None,
 ) -> None:
     authorized = [Depends(key_check)]
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request) -> Response:
         """OpenAI chat completions (the model's chat template), streamed or whole."""
+        if tracing is not None:
+            return await _traced(request, tracing.start(request.headers, request.url.path), serving)
         req = await _parse(request, ChatCompletionRequest)
         return _respond(await _until_disconnect(request, serving.chat(req)))
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
         """OpenAI (legacy) text completions, streamed or whole."""
+        if tracing is not None:
+            return await _traced(request, tracing.start(request.headers, request.url.path), serving)
         req = await _parse(request, CompletionRequest)
         return _respond(await _until_disconnect(request, serving.completions(req)))
 
@@ -136,6 +155,40 @@ def _add_routes(
     async def metrics() -> Response:
         """Prometheus text format."""
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _traced(request: Request, span: RequestSpan, serving: OpenAIServing) -> Response:
+    """A completion route under its span: ended with the response, or with the stream it returns."""
+    try:
+        if request.url.path.endswith("/chat/completions"):
+            chat = await _parse(request, ChatCompletionRequest)
+            span.parsed(chat, serving.resolve_model(chat.model))
+            work = serving.chat(chat, span)
+        else:
+            text = await _parse(request, CompletionRequest)
+            span.parsed(text, serving.resolve_model(text.model))
+            work = serving.completions(text, span)
+        result = await _until_disconnect(request, work)
+    except BaseException as exc:
+        span.end(*_error_status(exc))
+        raise
+    if isinstance(result, dict):
+        span.end(200)
+        return _json(result)
+    return _respond(span.streaming(result))
+
+
+def _error_status(exc: BaseException) -> tuple[int, str]:
+    """The status and error type the error handlers below answer `exc` with."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.code or exc.type
+    if isinstance(exc, EngineUnavailableError):
+        return 503, exc.code
+    if isinstance(exc, (ClientDisconnectedError, asyncio.CancelledError)):
+        return 499, "client_disconnected"
+    if isinstance(exc, EngineDeadError):
+        return 500, "engine_dead"
+    return 500, type(exc).__name__
 
 
 def _add_test_hooks(app: FastAPI, engine: AsyncLLMEngine) -> None:
@@ -276,7 +329,13 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     names = served_names(config, options)
     engine = AsyncLLMEngine(config, names[0], stall_timeout=options.stall_timeout)
-    app = create_app(engine, names, options.enable_test_hooks, options.api_key)
+    tracing = None
+    if options.otlp_traces_endpoint is not None:  # the SDK is imported only then
+        from engine.tracing import otlp_tracing
+
+        logger.info("exporting traces to %s as %s", options.otlp_traces_endpoint, options.otel_service_name)
+        tracing = otlp_tracing(options.otlp_traces_endpoint, options.otel_service_name)
+    app = create_app(engine, names, options.enable_test_hooks, options.api_key, tracing)
     uv_config = uvicorn.Config(
         app,
         host=options.host,

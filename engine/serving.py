@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.async_engine import AsyncLLMEngine, RequestStream
 from engine.errors import InvalidRequestError
@@ -34,6 +34,9 @@ from engine.protocol import (
     load_generation_defaults,
 )
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from engine.tracing import RequestSpan
 
 
 class OpenAIServing:
@@ -101,11 +104,20 @@ class OpenAIServing:
         return tokenizer
 
     async def _start(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool,
+        span: RequestSpan | None = None,
     ) -> RequestStream:
         """Admit the request (admission errors become 400s); the caller closes the stream."""
         try:
-            return await self.engine.add_request(request_id, prompt, params, add_special_tokens)
+            stream = await self.engine.add_request(request_id, prompt, params, add_special_tokens)
+            if span is not None:
+                span.admitted(request_id)
+                stream.on_final = span.finished
+            return stream
         except InvalidRequestError as exc:
             text = str(exc)
             if "max_tokens" in text or "requested" in text:
@@ -127,7 +139,9 @@ class OpenAIServing:
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
         return str(text)
 
-    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+    async def chat(
+        self, req: ChatCompletionRequest, span: RequestSpan | None = None
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A chat completion: the whole response, or an SSE byte stream when `stream` is set."""
         model = self.resolve_model(req.model)
         prompt = self.render_chat(req)
@@ -135,7 +149,7 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, top)
         call = Call(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion")
-        stream = await self._start(call.id, prompt, params, add_special_tokens=False)
+        stream = await self._start(call.id, prompt, params, False, span)
         if req.stream:
             return _closing(self._chat_events(call, stream, params, top, req.include_usage), [stream])
         try:
@@ -196,7 +210,9 @@ class OpenAIServing:
         yield SSE_DONE
 
     # ------------------------------------------------------------ completions
-    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+    async def completions(
+        self, req: CompletionRequest, span: RequestSpan | None = None
+    ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A text completion for one or several prompts (choices indexed prompt-major)."""
         model = self.resolve_model(req.model)
         prompts = completion_prompts(req.prompt)
@@ -206,7 +222,7 @@ class OpenAIServing:
         try:
             for k, prompt in enumerate(prompts):
                 request_id = call.id if len(prompts) == 1 else f"{call.id}-{k}"
-                streams.append(await self._start(request_id, prompt, params, add_special_tokens=True))
+                streams.append(await self._start(request_id, prompt, params, True, span))
             echo = [self._echo_text(p) for p in prompts] if req.echo else None
         except BaseException:
             _close_all(streams)

@@ -94,7 +94,12 @@ class ServerProcess(ManagedServer):
     """`python -m engine serve` with the given model and options."""
 
     def __init__(
-        self, model: str | Path, *args: str, ready_timeout: float = 180.0, port: int | None = None
+        self,
+        model: str | Path,
+        *args: str,
+        ready_timeout: float = 180.0,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         def command(port: int) -> list[str]:
             return [
@@ -109,7 +114,7 @@ class ServerProcess(ManagedServer):
                 *args,
             ]
 
-        super().__init__(command, ready_timeout, port=port)
+        super().__init__(command, ready_timeout, env, port=port)
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {series: value}, labels dropped (one model per server)."""
