@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
+from gateway.access_log import log_config
 from gateway.auth import KeyHasher, KeyStore
 from gateway.db import create_engine, session_factory
 from gateway.migrate import (
@@ -90,9 +91,11 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ["GATEWAY_POLICY_PATH"] = str(args.policy)  # worker processes read their settings anew
     settings = GatewaySettings()
     load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
+    logging_config = log_config(uvicorn.config.LOGGING_CONFIG, enabled=not args.no_access_log)
     options: dict[str, Any] = dict(
-        factory=True, host=args.host, port=args.port, log_level=args.log_level, access_log=False
-    )
+        factory=True, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        log_config=logging_config,
+    )  # fmt: skip
     if args.workers > 1:  # uvicorn's supervisor forwards signals to the workers
         uvicorn.run("gateway.main:app_from_env", workers=args.workers, **options)
         return 0
@@ -114,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="worker processes")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--no-access-log", action="store_true", help="no JSON line per request on stdout (switchboard.access)"
+    )
     dev = sub.add_parser("dev", help="run the engine and the gateway together in dev mode (make run)")
     dev.add_argument("--model", default="default", help="engine model: 'default' or a local HF folder")
     dev.add_argument("--port", type=int, default=8000, help="gateway port")

@@ -14,7 +14,7 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -27,6 +27,9 @@ from gateway.backends.base import (
 )
 from gateway.policy import Policy, Retries
 from gateway.routing import RouteDecision
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from gateway.tracing import RequestTrace
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 NEXT_MODEL_STATUSES = frozenset({429})
@@ -45,6 +48,19 @@ class Attempt:
     def describe(self) -> str:
         where = f"{self.model}@{self.deployment}" if self.deployment else self.model
         return f"{where}={self.outcome}"
+
+    @property
+    def reason(self) -> str:
+        """The outcome as a bounded label (metrics, traces): unavailable, unreachable, timeout,
+        first_token_timeout, stream_broke or status_<code>."""
+        outcome = self.outcome
+        if outcome.startswith("status "):
+            return "status_" + outcome[7:]
+        if outcome.startswith("unavailable"):
+            return "unavailable"
+        if outcome.startswith("stream broke"):
+            return "stream_broke"
+        return outcome.replace(" ", "_")
 
 
 @dataclass
@@ -87,16 +103,24 @@ class Failover:
         self.pools = pools
         self._rng = rng or random.Random()
 
-    async def send(self, decision: RouteDecision, path: str, body: dict[str, Any]) -> Served:
+    async def send(
+        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: RequestTrace | None = None
+    ) -> Served:
         """A whole answer from the first model in the chain that gives one."""
-        return await self._walk(decision, path, body, stream=False)
+        return await self._walk(decision, path, body, False, trace)
 
-    async def stream(self, decision: RouteDecision, path: str, body: dict[str, Any]) -> Served:
-        """An open stream whose first token has arrived (or an error answer to pass through)."""
-        return await self._walk(decision, path, body, stream=True)
+    async def stream(
+        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: RequestTrace | None = None
+    ) -> Served:
+        """An open stream whose first token has arrived (or an error answer to pass through).
 
-    async def _walk(self, decision: RouteDecision, path: str, body: dict[str, Any], stream: bool) -> Served:
-        state = _State(decision)
+        With tracing, the served attempt's span stays open until the caller finishes the trace.
+        """
+        return await self._walk(decision, path, body, True, trace)
+
+    async def _walk(self, decision: RouteDecision, path: str, body: dict[str, Any], stream: bool,
+                    trace: RequestTrace | None) -> Served:  # fmt: skip
+        state = _State(decision, trace)
         for model, pool in self._candidates(decision, state):
             payload = self._payload(body, model)
             for round_ in range(1 + decision.retries.count):
@@ -115,8 +139,9 @@ class Failover:
         """Each replica of the pool once (another replica costs no backoff)."""
         avoid: set[str] = set()
         while state.budget():
+            headers = self._begin(state, model, pool, stream=False)
             try:
-                reply = await pool.send(path, payload, state.decision.timeouts, frozenset(avoid))
+                reply = await pool.send(path, payload, state.decision.timeouts, frozenset(avoid), headers)
             except UpstreamUnavailableError as exc:
                 if exc.deployment is None:  # nothing (left) to offer this round: not a call
                     state.no_deployment(model, pool.name, str(exc), tried_some=bool(avoid))
@@ -131,6 +156,8 @@ class Failover:
                 state.failed(model, pool.name, reply.url, f"status {reply.status}", reply)
                 avoid.add(reply.url)
                 continue
+            if state.trace is not None:
+                state.trace.end_attempt(reply.url, reply.status)
             return Served(model, pool.name, reply.url, state.attempts, reply=reply)
         return _NEXT
 
@@ -140,7 +167,8 @@ class Failover:
         avoid: set[str] = set()
         first_token = (state.decision.timeouts or pool.timeouts).first_token
         while state.budget():
-            context = pool.stream(path, payload, state.decision.timeouts, frozenset(avoid))
+            headers = self._begin(state, model, pool, stream=True)
+            context = pool.stream(path, payload, state.decision.timeouts, frozenset(avoid), headers)
             try:
                 upstream = await context.__aenter__()
             except UpstreamUnavailableError as exc:
@@ -192,9 +220,15 @@ class Failover:
             if reason is None:
                 usable.append((model, pool))
             else:
-                state.attempts.append(Attempt(model, pool.name, None, f"unavailable ({reason})"))
-                state.unavailable_reasons.append(f"{model}: {reason}")
+                state.skipped(model, pool.name, reason)
         return usable
+
+    def _begin(self, state: _State, model: str, pool: Upstream, stream: bool) -> dict[str, str] | None:
+        """Tracing only: the attempt's span, and the headers that carry it upstream (else None)."""
+        if state.trace is None:
+            return None
+        spec = self.policy.backends[pool.name]
+        return state.trace.begin_attempt(model, self.policy.upstream_model(model), pool.name, spec, stream)
 
     def _payload(self, body: dict[str, Any], model: str) -> bytes:
         return orjson.dumps({**body, "model": self.policy.upstream_model(model)})
@@ -203,8 +237,9 @@ class Failover:
 class _State:
     """What one request has tried so far."""
 
-    def __init__(self, decision: RouteDecision) -> None:
+    def __init__(self, decision: RouteDecision, trace: RequestTrace | None) -> None:
         self.decision = decision
+        self.trace = trace
         self.attempts: list[Attempt] = []
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None
@@ -224,7 +259,11 @@ class _State:
         timeout: bool = False,
     ) -> None:
         self.calls += 1
-        self.attempts.append(Attempt(model, backend, deployment, outcome))
+        attempt = Attempt(model, backend, deployment, outcome)
+        self.attempts.append(attempt)
+        if self.trace is not None:
+            status = cause.status if isinstance(cause, UpstreamReply) else None
+            self.trace.failed_over(model, backend, deployment, outcome, attempt.reason, status)
         if isinstance(cause, UpstreamReply):
             self.last, self.last_timeout = cause, False
         else:
@@ -233,9 +272,18 @@ class _State:
 
     def no_deployment(self, model: str, backend: str, reason: str, tried_some: bool) -> None:
         """The backend had nothing to offer: noted (unless this round already tried its replicas)."""
+        if self.trace is not None:
+            self.trace.no_call(model, backend, f"unavailable ({reason})", noted=not tried_some)
         if not tried_some:
             self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
             self.unavailable_reasons.append(f"{model}: {reason}")
+
+    def skipped(self, model: str, backend: str, reason: str) -> None:
+        """A model whose backend cannot be called now: noted, never called."""
+        self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
+        self.unavailable_reasons.append(f"{model}: {reason}")
+        if self.trace is not None:
+            self.trace.failed_over(model, backend, None, f"unavailable ({reason})", "unavailable")
 
     def exhausted(self) -> ChainExhaustedError:
         tried = ", ".join(a.describe() for a in self.attempts) or "nothing"

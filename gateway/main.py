@@ -6,11 +6,12 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint, Receive, Scope, Send
@@ -19,6 +20,7 @@ from gateway.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spe
 from gateway.complexity import ComplexityModel
 from gateway.db import create_engine, session_factory
 from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics
 from gateway.migrate import ensure_schema
 from gateway.policy import parse_policy, policy_version, read_policy_text
 from gateway.proxy import Proxy
@@ -27,6 +29,9 @@ from gateway.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
 from gateway.usage_log import LogRetention, RequestLogWriter
+
+if TYPE_CHECKING:
+    from gateway.tracing import GatewayTracing
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +55,11 @@ class GatewayApp:
             await self.api(scope, receive, send)
 
 
-def create_app(settings: GatewaySettings) -> GatewayApp:
-    """The app; the database schema is checked (dev mode: upgraded) when it starts."""
+def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None) -> GatewayApp:
+    """The app; the database schema is checked (dev mode: upgraded) when it starts.
+
+    `tracing`: where spans go instead of the configured OTLP endpoint (tests pass an in-memory one).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,7 +95,10 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             else LocalBudgetStore()
         )
         admission = Admission(limiter, budgets, spend_seed(engine))
-        app.state.proxy = Proxy(holder, log, admission)
+        tracer = tracing or _tracing(settings)
+        metrics = GatewayMetrics(registry, holder)
+        access = AccessLog()
+        app.state.proxy = Proxy(holder, log, admission, metrics, access, tracer)
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
         try:
             yield
@@ -96,10 +107,13 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
             if retention is not None:
                 await retention.stop()
             await log.stop()
+            access.flush()
             await admission.close()
             for pool in holder.runtime.pools.values():
                 await pool.close()
             await engine.dispose()
+            if tracer is not None:
+                tracer.shutdown()  # exports the spans still buffered
 
     app = FastAPI(title="Switchboard gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -116,10 +130,21 @@ def create_app(settings: GatewaySettings) -> GatewayApp:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text format (the observability issue adds request metrics)."""
+        """Prometheus text format: requests, latency, tokens, cost, failovers, replicas, log writer."""
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return GatewayApp(app)
+
+
+def _tracing(settings: GatewaySettings) -> GatewayTracing | None:
+    """OTLP tracing when an endpoint is configured; otherwise None, and the SDK is never imported."""
+    endpoint = settings.traces_endpoint
+    if endpoint is None:
+        return None
+    from gateway.tracing import otlp_tracing
+
+    logger.info("exporting traces to %s as %s", endpoint, settings.otel_service_name)
+    return otlp_tracing(endpoint, settings.otel_service_name)
 
 
 def app_from_env() -> GatewayApp:

@@ -6,33 +6,38 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway import tokens
-from gateway.admission import Admission, Ticket
+from gateway.access_log import AccessLog
+from gateway.admission import Admission
 from gateway.auth import AuthError, KeyInfo
 from gateway.backends.base import UpstreamStreamError
 from gateway.budgets import (
     BudgetExceededError,
     BudgetUnavailableError,
 )
-from gateway.costs import PriceBook
+from gateway.call import Call, refused_row
 from gateway.errors import GatewayError, auth_error_type, error_body
 from gateway.failover import Attempt, ChainExhaustedError, Served
+from gateway.metrics import UNKNOWN, GatewayMetrics
 from gateway.policy import EngineBackend, Policy
 from gateway.ratelimit import (
     LimiterUnavailableError,
     RateLimitedError,
     retry_after_header,
 )
-from gateway.routing import NoRouteError, RouteDecision
+from gateway.routing import NoRouteError
 from gateway.runtime import Runtime, RuntimeHolder
 from gateway.usage_log import RequestLogWriter
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from gateway.tracing import GatewayTracing, RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -61,43 +66,24 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no
                 (b"x-accel-buffering", b"no")]  # fmt: skip
 
 
-@dataclass
-class _Call:
-    """What one request accumulates for its headers and its log row."""
-
-    id: str
-    key: KeyInfo
-    started: float  # perf_counter
-    created_at: datetime
-    model: str | None = None
-    backend: str | None = None
-    deployment: str | None = None
-    upstream_seconds: float = 0.0
-    ttft: float | None = None
-    usage: dict[str, Any] = field(default_factory=dict)
-    request_body: bytes | None = None
-    response_body: bytes | None = None
-    decision: RouteDecision | None = None
-    attempts: list[Attempt] = field(default_factory=list)
-    prices: PriceBook | None = None
-    ticket: Ticket | None = None  # rate-limit and budget reservations, released with the log row
-    body: dict[str, Any] | None = None  # the parsed request (to count tokens if no usage comes back)
-    reply_body: bytes | None = None  # a whole answer (same reason)
-    lines: list[str] = field(default_factory=list)  # a stream's data lines (same reason)
-
-    def overhead_ms(self) -> float:
-        return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
-
-
 class Proxy:
     """Routes chat and text completions along the policy's chains and logs every request."""
 
     def __init__(
-        self, holder: RuntimeHolder, log: RequestLogWriter, admission: Admission | None = None
+        self,
+        holder: RuntimeHolder,
+        log: RequestLogWriter,
+        admission: Admission | None = None,
+        metrics: GatewayMetrics | None = None,
+        access: AccessLog | None = None,
+        tracing: GatewayTracing | None = None,
     ) -> None:
         self.holder = holder
         self.log = log
         self.admission = admission or Admission()
+        self.metrics = metrics
+        self.access = access
+        self.tracing = tracing  # None: tracing off, no span is ever created
 
     @property
     def runtime(self) -> Runtime:
@@ -123,17 +109,19 @@ class Proxy:
             )
         return listed
 
-    async def handle(self, path: str, raw: bytes, key: KeyInfo) -> Reply:
+    async def handle(self, path: str, raw: bytes, key: KeyInfo, trace: RequestTrace | None = None) -> Reply:
         """Forward one request; every outcome, errors and client disconnects included, gets a log row."""
-        call = _Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC))
+        call = Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC), trace=trace)
         rt = self.runtime  # one policy version for the whole request, even if a reload lands meanwhile
         call.prices = rt.prices
         try:
             body, wants_usage = self._prepare(rt, call, raw)
             call.body = body
             call.decision = rt.router.decide(call.model or "", body, key)
+            if trace is not None:
+                trace.routed(call.decision)
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
-            if body.get("stream"):
+            if call.stream:
                 return await self._stream(rt, call, path, body, wants_usage)
             return await self._whole(rt, call, path, body)
         except GatewayError as exc:
@@ -164,7 +152,17 @@ class Proxy:
             self._log(call, 499, "client_disconnected")
             raise
 
-    def _estimated_usage(self, call: _Call) -> dict[str, Any]:
+    def refuse(self, started: float, status: int, message: str, type_: str, code: str | None,
+               trace: RequestTrace | None) -> Reply:  # fmt: skip
+        """An answer given before a request reaches `handle` (method, key, body): counted and logged,
+        not written to the request log (there is no key to charge it to)."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        self._observe(refused_row(request_id, started, status, code), None, False, [], trace)
+        reply = error_reply(status, message, type_, None, code)
+        reply.headers.append((b"x-request-id", request_id.encode()))
+        return reply
+
+    def _estimated_usage(self, call: Call) -> dict[str, Any]:
         """No usage came back (an answer without it, a stream the client left): count it ourselves."""
         model = call.deployment if call.deployment and not call.deployment.startswith("http") else call.model
         spec = self.runtime.policy.backends.get(call.backend or "")
@@ -181,7 +179,7 @@ class Proxy:
         completion = tokens.count(tokens.completion_text(chunks), model or "", tokenizer)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _exhausted(self, call: _Call, exc: ChainExhaustedError) -> Reply:
+    def _exhausted(self, call: Call, exc: ChainExhaustedError) -> Reply:
         """Every model failed: the last upstream error answer as it was, else 503/504/502."""
         call.attempts = exc.attempts
         if exc.last is not None:
@@ -197,12 +195,12 @@ class Proxy:
         return self._failed(call, 502, str(exc), "api_error", None, "upstream_unavailable")
 
     def _failed(
-        self, call: _Call, status: int, message: str, type_: str, param: str | None, code: str | None
+        self, call: Call, status: int, message: str, type_: str, param: str | None, code: str | None
     ) -> Reply:
         self._log(call, status, code)
         return self._with_headers(call, error_reply(status, message, type_, param, code))
 
-    def _prepare(self, rt: Runtime, call: _Call, raw: bytes) -> tuple[dict[str, Any], bool]:
+    def _prepare(self, rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
         if len(raw) > MAX_BODY_BYTES:
             raise GatewayError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
         try:
@@ -219,6 +217,9 @@ class Proxy:
                 400, "you must provide a model parameter", param="model", code="missing_required_parameter"
             )
         call.model = model
+        call.stream = bool(body.get("stream"))
+        if call.trace is not None:
+            call.trace.parsed(model, body)
         if model not in rt.policy.models and model not in rt.policy.routes:
             raise GatewayError(
                 404, f"The model '{model}' does not exist", param="model", code="model_not_found"
@@ -233,11 +234,11 @@ class Proxy:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         return body, wants_usage
 
-    async def _whole(self, rt: Runtime, call: _Call, path: str, body: dict[str, Any]) -> Reply:
+    async def _whole(self, rt: Runtime, call: Call, path: str, body: dict[str, Any]) -> Reply:
         assert call.decision is not None
         sent = time.perf_counter()
         try:
-            served = await rt.failover.send(call.decision, path, body)
+            served = await rt.failover.send(call.decision, path, body, call.trace)
         finally:
             call.upstream_seconds = time.perf_counter() - sent
         self._served(call, served)
@@ -245,7 +246,9 @@ class Proxy:
         assert reply is not None
         if reply.status == 200:
             try:
-                call.usage = orjson.loads(reply.body).get("usage") or {}
+                answer = orjson.loads(reply.body)
+                call.usage = answer.get("usage") or {}
+                call.response_model = answer.get("model")
             except (orjson.JSONDecodeError, AttributeError):
                 call.usage = {}
             if rt.policy.log_bodies:
@@ -255,16 +258,16 @@ class Proxy:
         return self._with_headers(call, Reply(reply.status, [_JSON], reply.body))
 
     @staticmethod
-    def _served(call: _Call, served: Served) -> None:
+    def _served(call: Call, served: Served) -> None:
         call.backend, call.deployment, call.attempts = served.backend, served.deployment, served.attempts
 
     async def _stream(
-        self, rt: Runtime, call: _Call, path: str, body: dict[str, Any], wants_usage: bool
+        self, rt: Runtime, call: Call, path: str, body: dict[str, Any], wants_usage: bool
     ) -> Reply:
         assert call.decision is not None
         sent = time.perf_counter()
         try:
-            served = await rt.failover.stream(call.decision, path, body)
+            served = await rt.failover.stream(call.decision, path, body, call.trace)
         finally:
             call.upstream_seconds = time.perf_counter() - sent  # up to the first token
         self._served(call, served)
@@ -313,7 +316,7 @@ class Proxy:
 
         return self._with_headers(call, Reply(200, list(_SSE_HEADERS), events=events()))
 
-    def _relay(self, call: _Call, line: str, wants_usage: bool) -> bytes | None:
+    def _relay(self, call: Call, line: str, wants_usage: bool) -> bytes | None:
         """One upstream SSE line as the client should see it (usage taken for the log)."""
         if not line:
             return None
@@ -324,6 +327,7 @@ class Proxy:
         if line.startswith("data: {") and '"usage":{' in line:
             chunk = orjson.loads(line[6:])
             call.usage = chunk.get("usage") or {}
+            call.response_model = chunk.get("model")
             if not wants_usage:
                 if not chunk.get("choices"):
                     return None  # the usage-only chunk the client did not ask for
@@ -333,7 +337,7 @@ class Proxy:
             line = line.replace(',"usage":null', "")
         return line.encode() + b"\n\n"
 
-    def _with_headers(self, call: _Call, reply: Reply) -> Reply:
+    def _with_headers(self, call: Call, reply: Reply) -> Reply:
         reply.headers.append((b"x-request-id", call.id.encode()))
         if call.backend:
             reply.headers.append((b"x-gateway-backend", call.backend.encode()))
@@ -345,53 +349,38 @@ class Proxy:
         reply.headers.append((b"x-gateway-overhead-ms", b"%.3f" % call.overhead_ms()))
         return reply
 
-    def _log(self, call: _Call, status: int, error: str | None) -> None:
+    def _log(self, call: Call, status: int, error: str | None) -> None:
         estimated = False
         served = status in (200, 499) and call.backend is not None
         if served and not isinstance((call.usage or {}).get("completion_tokens"), int):
             call.usage, estimated = self._estimated_usage(call), True
         usage = call.usage or {}
-        details = usage.get("prompt_tokens_details") or {}
-        latency = time.perf_counter() - call.started
         cost = reference = None
         if call.prices is not None and call.backend is not None and usage:
             cost, reference = call.prices.costs(call.backend, usage)
         if call.ticket is not None:
             self.admission.release(call.ticket, usage, cost)
             call.ticket = None
-        self.log.record(
-            {
-                "id": call.id,
-                "created_at": call.created_at,
-                "finished_at": datetime.now(UTC),
-                "key_id": call.key.id,
-                "team": call.key.team,
-                "requested_model": _clip(call.model, 200),
-                "backend": call.backend,
-                "deployment": _clip(call.deployment, 500),
-                "route_reason": _clip(call.decision.reason, 500) if call.decision else None,
-                "route_tier": _clip(call.decision.tier, 100) if call.decision else None,
-                "complexity_score": round(call.decision.score, 4)
-                if call.decision and call.decision.score is not None
-                else None,
-                "failover": ", ".join(a.describe() for a in call.attempts) or None,
-                "status": status,
-                "error_type": _clip(error, 100),
-                "prompt_tokens": usage.get("prompt_tokens"),
-                "completion_tokens": usage.get("completion_tokens"),
-                "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
-                "latency_ms": round(latency * 1e3, 3),
-                "ttft_ms": round(call.ttft * 1e3, 3) if call.ttft is not None else None,
-                "overhead_ms": round(call.overhead_ms(), 3),
-                "attempts": len([a for a in call.attempts if not a.outcome.startswith("unavailable")])
-                + (1 if call.backend and call.deployment else 0),
-                "cost_picousd": cost,
-                "reference_cost_picousd": reference,
-                "cost_estimated": estimated,
-                "request_body": call.request_body.decode(errors="replace") if call.request_body else None,
-                "response_body": call.response_body.decode(errors="replace") if call.response_body else None,
-            }
-        )
+        row = call.row(status, error, cost, reference, estimated)
+        self.log.record(row)
+        self._observe(row, call, call.stream, call.attempts, call.trace)
+
+    def _observe(self, row: Mapping[str, Any], call: Call | None, stream: bool, attempts: list[Attempt],
+                 trace: RequestTrace | None) -> None:  # fmt: skip
+        """Metrics, trace and access line of one finished request, all from its row."""
+        if self.metrics is not None:
+            self.metrics.observe(row, self._model_label(row["requested_model"]), attempts)
+        if trace is not None:
+            spec = self.runtime.policy.backends.get(row["backend"] or "")
+            trace.finish(row, call.response_model if call else None, spec, len(attempts))
+        if self.access is not None:
+            self.access.write(row, call.key.key_prefix if call else None, stream, len(attempts),
+                              trace.ids if trace is not None else None)  # fmt: skip
+
+    def _model_label(self, model: str | None) -> str:
+        """The requested model as a metric label: a name the policy knows, else "unknown"."""
+        policy = self.runtime.policy
+        return model if model is not None and (model in policy.models or model in policy.routes) else UNKNOWN
 
 
 def _error_code(body: bytes) -> str:
@@ -409,8 +398,3 @@ def _static_chain(policy: Policy, name: str) -> list[str]:
     route = policy.routes[name]
     tiers = [m for tier in route.tiers for m in tier.candidates]
     return list(dict.fromkeys([*route.candidates, *tiers, *route.fallbacks]))
-
-
-def _clip(text: str | None, limit: int) -> str | None:
-    """Column-sized text: PostgreSQL refuses a whole batch over one value that is too long."""
-    return text if text is None or len(text) <= limit else text[: limit - 1] + "…"

@@ -1,11 +1,11 @@
-"""GatewaySettings: the gateway's configuration, read from the environment (GATEWAY_*) only here."""
+"""GatewaySettings: the gateway's configuration, read from the environment (GATEWAY_*, OTEL_*) only here."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -31,6 +31,20 @@ class GatewaySettings(BaseSettings):
     budget_fail_open: bool = False  # Redis unreachable: budgets answer 503 (False) or admit (True)
     policy_path: Path = Path("policies/default.yaml")
     key_cache_ttl: float = Field(default=5.0, ge=0.0, le=60.0)  # seconds a looked-up key may be reused
+    # OpenTelemetry's own variable names (no GATEWAY_ prefix): traces are exported only when one is set
+    otlp_endpoint: str | None = Field(
+        default=None, validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT", "otlp_endpoint")
+    )
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "otlp_traces_endpoint"),
+    )
+    otel_service_name: str = Field(
+        default="switchboard-gateway", validation_alias=AliasChoices("OTEL_SERVICE_NAME", "otel_service_name")
+    )
+    otel_sdk_disabled: bool = Field(
+        default=False, validation_alias=AliasChoices("OTEL_SDK_DISABLED", "otel_sdk_disabled")
+    )
 
     @model_validator(mode="after")
     def _secrets_outside_dev_mode(self) -> GatewaySettings:
@@ -46,3 +60,14 @@ class GatewaySettings(BaseSettings):
     def resolved_database_url(self) -> str:
         """The configured URL, else a SQLite file in the data directory."""
         return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'gateway.db'}"
+
+    @property
+    def traces_endpoint(self) -> str | None:
+        """Where OTLP/HTTP traces go (None: tracing off): the traces URL, else the base URL + /v1/traces."""
+        if self.otel_sdk_disabled:
+            return None
+        if self.otlp_traces_endpoint:
+            return self.otlp_traces_endpoint
+        if self.otlp_endpoint:
+            return self.otlp_endpoint.rstrip("/") + "/v1/traces"
+        return None

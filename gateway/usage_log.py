@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -48,6 +48,10 @@ class RequestLogWriter:
             "Request-log rows lost (queue full or database error).",
             registry=registry,
         )
+        self.queue_depth = Gauge(
+            "gateway_request_log_queue_depth", "Request-log rows waiting to be written.", registry=registry
+        )
+        self.queue_depth.set_function(lambda: len(self._pending))  # read at scrape time only
 
     def start(self) -> None:
         """Start the writer task."""

@@ -9,12 +9,13 @@ on FastAPI. The endpoint only translates: bearer key -> KeyStore, body -> Proxy,
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth import AuthError, KeyStore
 from gateway.errors import GatewayError, auth_error_type
-from gateway.proxy import MAX_BODY_BYTES, Proxy, Reply, error_reply
+from gateway.proxy import MAX_BODY_BYTES, Proxy, Reply
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -35,27 +36,34 @@ class CompletionsEndpoint:
         self._services = services
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        keys, proxy = self._services()
+        trace = proxy.tracing.start(scope["path"], scope["headers"]) if proxy.tracing is not None else None
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here: use POST"
-            reply = error_reply(405, message, "invalid_request_error", code="method_not_allowed")
+            reply = proxy.refuse(started, 405, message, "invalid_request_error", "method_not_allowed", trace)
             reply.headers.append((b"allow", b"POST"))
             await _send_whole(reply, send)
             return
         authorization, declared = _headers(scope)
-        keys, proxy = self._services()
         try:
             key = await keys.authenticate(_bearer(authorization))
+            if trace is not None:
+                trace.authenticated(key)
             raw = await _read_body(receive, declared, MAX_BODY_BYTES)
         except AuthError as exc:
             kind = auth_error_type(exc.status)
-            await _send_whole(error_reply(exc.status, exc.message, kind, code=exc.code), send)
+            await _send_whole(proxy.refuse(started, exc.status, exc.message, kind, exc.code, trace), send)
             return
         except GatewayError as exc:
-            await _send_whole(error_reply(exc.status, exc.message, exc.type, exc.param, exc.code), send)
+            await _send_whole(proxy.refuse(started, exc.status, exc.message, exc.type, exc.code, trace), send)
             return
         except _ClientLeftError:
+            proxy.refuse(
+                started, 499, "the client left", "invalid_request_error", "client_disconnected", trace
+            )
             return
-        await _answer_until_disconnect(proxy.handle(scope["path"], raw, key), receive, send)
+        await _answer_until_disconnect(proxy.handle(scope["path"], raw, key, trace), receive, send)
 
 
 def _headers(scope: Scope) -> tuple[bytes, bytes | None]:

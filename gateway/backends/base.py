@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -71,13 +71,24 @@ class Upstream(Protocol):
         ...
 
     async def send(
-        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+        self,
+        path: str,
+        body: bytes,
+        timeouts: Timeouts | None = None,
+        avoid: frozenset[str] = frozenset(),
+        headers: Mapping[str, str] | None = None,
     ) -> UpstreamReply:
-        """One whole response (`avoid`: deployments this request already failed on)."""
+        """One whole response (`avoid`: deployments this request already failed on; `headers`:
+        extra request headers, the trace context when tracing is on)."""
         ...
 
     def stream(
-        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+        self,
+        path: str,
+        body: bytes,
+        timeouts: Timeouts | None = None,
+        avoid: frozenset[str] = frozenset(),
+        headers: Mapping[str, str] | None = None,
     ) -> AbstractAsyncContextManager[UpstreamStream]:
         """A streamed response; leaving the context releases the upstream."""
         ...

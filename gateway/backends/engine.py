@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -69,6 +69,9 @@ class EnginePool:
             cached = self._timeouts[t] = aiohttp.ClientTimeout(total=t.total, connect=t.connect)
         return cached
 
+    def _with(self, extra: Mapping[str, str] | None) -> Mapping[str, str]:
+        return self._headers if extra is None else {**self._headers, **extra}
+
     def _claim(self, avoid: frozenset[str]) -> Replica:
         """A replica for one call (claims the half-open probe if that is what it gets)."""
         tried: set[str] = set(avoid)
@@ -80,15 +83,20 @@ class EnginePool:
         raise UpstreamUnavailableError(reason, timeout=False)
 
     async def send(
-        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+        self,
+        path: str,
+        body: bytes,
+        timeouts: Timeouts | None = None,
+        avoid: frozenset[str] = frozenset(),
+        headers: Mapping[str, str] | None = None,
     ) -> UpstreamReply:
-        """POST and read the whole response."""
+        """POST and read the whole response (`headers`: the trace context, when tracing is on)."""
         replica = self._claim(avoid)
         replica.in_flight += 1
         verdict: bool | None = None
         try:
             post = self._client().post(
-                replica.url + path, data=body, headers=self._headers, timeout=self._timeout(timeouts)
+                replica.url + path, data=body, headers=self._with(headers), timeout=self._timeout(timeouts)
             )
             async with self._translated(replica), post as resp:
                 reply = UpstreamReply(resp.status, await resp.read(), replica.url)
@@ -103,7 +111,12 @@ class EnginePool:
 
     @asynccontextmanager
     async def stream(
-        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+        self,
+        path: str,
+        body: bytes,
+        timeouts: Timeouts | None = None,
+        avoid: frozenset[str] = frozenset(),
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[UpstreamStream]:
         """POST with a streamed response; leaving the block early closes the upstream connection."""
         replica = self._claim(avoid)
@@ -114,7 +127,10 @@ class EnginePool:
         try:
             async with self._translated(replica), asyncio.timeout(first_token):  # the response must start
                 resp = await self._client().post(
-                    replica.url + path, data=body, headers=self._headers, timeout=self._timeout(timeouts)
+                    replica.url + path,
+                    data=body,
+                    headers=self._with(headers),
+                    timeout=self._timeout(timeouts),
                 )
         except BaseException as exc:
             replica.in_flight -= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -76,9 +76,14 @@ class HostedModel:
         return params.pop("model"), params
 
     async def send(
-        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+        self,
+        path: str,
+        body: bytes,
+        timeouts: Timeouts | None = None,
+        avoid: frozenset[str] = frozenset(),
+        headers: Mapping[str, str] | None = None,
     ) -> UpstreamReply:
-        """One whole completion."""
+        """One whole completion (our trace context is not sent to providers: `headers` is unused)."""
         self._check_not_tried(avoid)
         model, params = self._kwargs(body, False, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
@@ -90,7 +95,12 @@ class HostedModel:
 
     @asynccontextmanager
     async def stream(
-        self, path: str, body: bytes, timeouts: Timeouts | None = None, avoid: frozenset[str] = frozenset()
+        self,
+        path: str,
+        body: bytes,
+        timeouts: Timeouts | None = None,
+        avoid: frozenset[str] = frozenset(),
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[UpstreamStream]:
         """A streamed completion, re-encoded as OpenAI SSE lines."""
         self._check_not_tried(avoid)

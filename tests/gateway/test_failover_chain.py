@@ -52,7 +52,7 @@ class ScriptedPool:
         return replica, outcomes.pop(0) if len(outcomes) > 1 else outcomes[0]
 
     async def send(self, path: str, body: bytes, timeouts: Timeouts | None = None,
-                   avoid: frozenset[str] = frozenset()) -> UpstreamReply:  # fmt: skip
+                   avoid: frozenset[str] = frozenset(), headers: Any = None) -> UpstreamReply:  # fmt: skip
         replica, outcome = self._next(avoid)
         if outcome in ("refused", "timeout"):
             raise UpstreamUnavailableError(
@@ -62,7 +62,8 @@ class ScriptedPool:
 
     @asynccontextmanager
     async def stream(self, path: str, body: bytes, timeouts: Timeouts | None = None,
-                     avoid: frozenset[str] = frozenset()) -> AsyncIterator[UpstreamStream]:  # fmt: skip
+                     avoid: frozenset[str] = frozenset(),
+                     headers: Any = None) -> AsyncIterator[UpstreamStream]:  # fmt: skip
         replica, outcome = self._next(avoid)
         if outcome == "refused":
             raise UpstreamUnavailableError(f"{replica} refused", timeout=False, deployment=replica)
