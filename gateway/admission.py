@@ -3,7 +3,9 @@
 `admit` builds the request's counters (key and team RPM/TPM, key and team budgets), spends them
 (RateLimitedError, BudgetExceededError or the stores' *UnavailableError when it cannot) and returns
 a Ticket. `release` replaces the ticket's reservations by what the request really used and cost,
-in the background: the answer never waits for it.
+in the background: the answer never waits for it. The limits and budgets are the key's as this
+process last read it (the KeyStore caches a KeyInfo for its TTL): an admin change applies from the
+next request after that.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gateway.budgets import (
     LocalBudgetStore,
     RedisBudgetStore,
     Seed,
+    SpendUnavailableError,
 )
 from gateway.models import to_picousd
 from gateway.ratelimit import Limit, LimiterUnavailableError, LocalRateLimiter, RateLimiter, RedisRateLimiter
@@ -71,30 +74,38 @@ class Admission:
             and isinstance(self.budgets, RedisBudgetStore)
             and isinstance(self.limiter, RedisRateLimiter)
         ):
-            await self._together(limits, charges)  # one round trip to Redis instead of two
-            ticket.charges = charges
+            if await self._together(limits, charges):  # one round trip to Redis instead of two
+                ticket.charges = charges
             return ticket
         if limits:
             await self.limiter.acquire(limits)
         if charges:
             try:
-                await self.budgets.reserve(charges, self._seed)
+                reserved = await self.budgets.reserve(charges, self._seed)
             except BaseException:
                 self._reconcile(ticket, 0)  # refused: give the tokens back (the request still counts)
                 raise
-            ticket.charges = charges
+            if reserved:  # not reserved (budgets failing open): nothing to settle
+                ticket.charges = charges
         return ticket
 
-    async def _together(self, limits: list[Limit], charges: list[Charge]) -> None:
+    async def _together(self, limits: list[Limit], charges: list[Charge]) -> bool:
+        """Limits and budgets in one script; False: admitted without the budgets (they fail open)."""
         assert isinstance(self.budgets, RedisBudgetStore) and isinstance(self.limiter, RedisRateLimiter)
         try:
             await self.budgets.admit(limits, self.limiter.prefix, charges, self._seed)
+        except SpendUnavailableError as exc:  # the database, not Redis: the limits can still be checked
+            self.budgets.unreachable(exc)  # budgets fail closed (raises) or open
+            await self.limiter.acquire(limits)
+            return False
         except self.budgets.errors as exc:
             self.budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
             if not self.limiter.fail_open:
                 raise LimiterUnavailableError(
                     f"rate limits cannot be checked: Redis is unreachable ({exc})"
                 ) from exc
+            return False
+        return True
 
     def release(self, ticket: Ticket, usage: dict[str, Any], cost: Decimal | None) -> None:
         """After the request: tokens and money reconciled with what it really used (background)."""

@@ -35,6 +35,22 @@ class KeyNotFoundError(LookupError):
     """No key with that id."""
 
 
+class InvalidKeyUpdateError(ValueError):
+    """A change the key's current state does not allow (answered as 400, naming `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+# What KeyStore.update may change (the admin API's PATCH fields)
+UPDATABLE = frozenset(
+    {"name", "team", "allowed_models", "expires_at", "metadata", "rpm_limit", "tpm_limit", "budget_usd",
+     "budget_period"}
+)  # fmt: skip
+
+
 def generate_key() -> str:
     """A new plaintext key: `sk-` and 43 URL-safe characters (256 random bits)."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
@@ -233,9 +249,14 @@ class KeyStore:
             return _info(row)
 
     async def update(self, key_id: str, **fields: Any) -> KeyInfo:
-        """Change name, team, allowed_models, expires_at or metadata."""
-        allowed = {"name", "team", "allowed_models", "expires_at", "metadata"}
-        assert set(fields) <= allowed, set(fields) - allowed
+        """Change the given UPDATABLE fields; None clears an optional one.
+
+        Rate limits and budget are read from the key at each admission: the change applies to this
+        process's next request at once, and on other replicas once their cached copy (`ttl`) expires.
+        A budget without a period gets `monthly`; removing the budget removes its period.
+        InvalidKeyUpdateError: a period for a key that has no budget.
+        """
+        assert set(fields) <= UPDATABLE, set(fields) - UPDATABLE
         return await self._modify(key_id, lambda row: _apply(row, fields))
 
     async def revoke(self, key_id: str) -> KeyInfo:
@@ -278,3 +299,11 @@ class KeyStore:
 def _apply(row: ApiKey, fields: dict[str, Any]) -> None:
     for name, value in fields.items():
         setattr(row, "metadata_" if name == "metadata" else name, value)
+    if row.budget_usd is None:
+        if fields.get("budget_period") is not None:
+            raise InvalidKeyUpdateError(
+                "budget_period", "the key has no budget to give a period: set budget_usd as well"
+            )
+        row.budget_period = None
+    elif row.budget_period is None:
+        row.budget_period = "monthly"  # the default, as when a key is created with a budget

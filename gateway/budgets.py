@@ -9,6 +9,11 @@ are named after their period's start, so a new period starts a new counter: the 
 automatic. A counter that does not exist yet (a new period, a restart, a flushed Redis) is seeded
 once from the daily aggregates, never from the raw log. With Redis the counters are shared by
 every replica and one Lua script reserves atomically.
+
+When budgets cannot be checked, because Redis is unreachable or because the database cannot give
+a new counter its seed, a store either refuses (BudgetUnavailableError, naming which of the two
+failed) or, with `fail_open`, admits the request without a budget and logs it; a request admitted
+that way reserved nothing, so nothing is settled for it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any, Literal, Protocol
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -89,17 +95,39 @@ class BudgetExceededError(Exception):
 
 
 class BudgetUnavailableError(Exception):
-    """Budgets cannot be checked (Redis unreachable) and they fail closed."""
+    """Budgets cannot be checked (Redis or the database unreachable) and they fail closed."""
 
 
-Seed = Callable[[Budget, datetime], Awaitable[int]]
+class SpendUnavailableError(Exception):
+    """A seed could not read what was spent so far: the database failed, not Redis."""
+
+
+Seed = Callable[[Budget, datetime], Awaitable[int]]  # raises SpendUnavailableError when it cannot
+
+
+def unchecked(fail_open: bool, exc: BaseException) -> None:
+    """Budgets cannot be checked because of `exc`: log and admit (fail open) or raise BudgetUnavailableError.
+
+    The message names the database for a SpendUnavailableError, Redis for anything else.
+    """
+    if isinstance(exc, SpendUnavailableError):
+        cause = f"the spend so far cannot be read from the database ({exc})"
+    else:
+        cause = f"Redis is unreachable ({exc})"
+    if fail_open:
+        logger.warning("budgets not enforced: %s", cause)
+        return
+    raise BudgetUnavailableError(f"budgets cannot be checked: {cause}") from exc
 
 
 class BudgetStore(Protocol):
     """Where the counters live."""
 
-    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> None:
-        """Reserve every charge or none (BudgetExceededError)."""
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
+        """Reserve every charge or none (BudgetExceededError).
+
+        False: the budgets could not be checked and fail open; nothing is reserved or to settle.
+        """
         ...
 
     async def settle(self, charge: Charge, actual: int) -> None:
@@ -114,19 +142,25 @@ class BudgetStore(Protocol):
 class LocalBudgetStore:
     """In-process counters: right for one gateway replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_open: bool = False) -> None:
         self._spent: dict[str, int] = {}
+        self.fail_open = fail_open  # the database cannot seed a counter: admit (True) or refuse
 
-    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> None:
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
         for charge in charges:
             if charge.counter not in self._spent:
-                value = await seed(charge.budget, charge.period_start)
+                try:
+                    value = await seed(charge.budget, charge.period_start)
+                except SpendUnavailableError as exc:
+                    unchecked(self.fail_open, exc)
+                    return False
                 self._spent.setdefault(charge.counter, value)
         for charge in charges:  # no await from here on: the check and the spend are atomic
             if self._spent[charge.counter] + charge.amount > to_picousd(charge.budget.limit_usd):
                 raise BudgetExceededError(charge.budget, charge.reset)
         for charge in charges:
             self._spent[charge.counter] += charge.amount
+        return True
 
     async def settle(self, charge: Charge, actual: int) -> None:
         self._spent[charge.counter] = self._spent.get(charge.counter, 0) + actual - charge.amount
@@ -184,26 +218,30 @@ class RedisBudgetStore:
         self.fail_open = fail_open
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
 
-    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> None:
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
         try:
             await self.admit([], "", charges, seed)
         except self._errors as exc:
             self.unreachable(exc)
+            return False
+        except SpendUnavailableError as exc:
+            self.unreachable(exc)
+            return False
+        return True
 
     def unreachable(self, exc: BaseException) -> None:
-        """Redis could not be reached: admit (fail open, logged) or raise BudgetUnavailableError."""
-        if self.fail_open:
-            logger.warning("budgets not enforced: Redis is unreachable (%s)", exc)
-            return
-        raise BudgetUnavailableError(f"budgets cannot be checked: Redis is unreachable ({exc})") from exc
+        """Redis (or, for a SpendUnavailableError, the database) failed: admit (fail open, logged)
+        or raise BudgetUnavailableError saying which."""
+        unchecked(self.fail_open, exc)
 
     async def admit(
         self, limits: Sequence[Limit], limit_prefix: str, charges: Sequence[Charge], seed: Seed
     ) -> None:
         """Rate limits (counters under `limit_prefix`) and budgets in one script, all or nothing.
 
-        Raises RateLimitedError or BudgetExceededError; redis errors propagate to the caller, which
-        applies its fail-open/closed settings.
+        Raises RateLimitedError or BudgetExceededError; redis errors (`errors`) and the seed's
+        SpendUnavailableError propagate to the caller, which applies its fail-open/closed settings.
+        Nothing is spent when one of them is raised.
         """
         keys = [limit_prefix + limit.name for limit in limits] + [self._prefix + c.counter for c in charges]
         args: list[float | int] = [len(limits), len(charges)]
@@ -248,8 +286,16 @@ class RedisBudgetStore:
         await self._redis.aclose()
 
 
+# What a failing database raises: a refused or broken connection is a bare OSError (asyncpg),
+# a timeout TimeoutError, a server-side refusal a DBAPIError, a full pool sqlalchemy's TimeoutError.
+_DATABASE_ERRORS = (OSError, TimeoutError, sa_exc.DBAPIError, sa_exc.TimeoutError)
+
+
 def spend_seed(engine: AsyncEngine) -> Seed:
-    """What a budget's subject has spent since `start`, from the daily aggregates (picodollars)."""
+    """What a budget's subject has spent since `start`, from the daily aggregates (picodollars).
+
+    A database failure becomes SpendUnavailableError, so that it is never mistaken for Redis's.
+    """
 
     async def seed(budget: Budget, start: datetime) -> int:
         column = UsageDaily.key_id if budget.scope == "key" else UsageDaily.team
@@ -257,8 +303,12 @@ def spend_seed(engine: AsyncEngine) -> Seed:
         query = select(func.sum(UsageDaily.cost_usd)).where(
             column == budget.subject, UsageDaily.day >= first_day
         )
-        async with engine.connect() as conn:
-            spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None for no rows
+        try:
+            async with engine.connect() as conn:
+                spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None: no rows
+        except _DATABASE_ERRORS as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            raise SpendUnavailableError(f"{type(exc).__name__}: {detail}") from exc
         return to_picousd(spent) if spent is not None else 0
 
     return seed

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.auth import AuthError, KeyNotFoundError
+from gateway.auth import AuthError, InvalidKeyUpdateError, KeyNotFoundError
 
 
 class GatewayError(Exception):
@@ -60,6 +60,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def not_found(_: Request, exc: Exception) -> Response:
         return error_response(404, f"no key with id {exc}", "invalid_request_error", code="key_not_found")
 
+    async def invalid_update(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, InvalidKeyUpdateError)
+        message = f"Invalid value for '{exc.param}': {exc.message}"
+        return error_response(400, message, "invalid_request_error", exc.param, "invalid_value")
+
     async def validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0]
@@ -75,5 +80,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(GatewayError, gateway_error)
     app.add_exception_handler(AuthError, auth_error)
     app.add_exception_handler(KeyNotFoundError, not_found)
+    app.add_exception_handler(InvalidKeyUpdateError, invalid_update)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)

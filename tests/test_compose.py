@@ -513,6 +513,11 @@ def test_secrets_come_from_the_environment_not_the_compose_file(raw: dict[str, A
         assert ":?" in value, f"{key} is required: compose must refuse to start without it"
 
 
+def test_git_ignores_the_env_file_compose_reads_the_secrets_from() -> None:
+    patterns = {line.strip() for line in (REPO / ".gitignore").read_text().splitlines()}
+    assert patterns & {".env", "/.env"}, ".env holds the deployment's secrets: .gitignore must list it"
+
+
 def test_migrate_service_runs_the_gateway_migration_command(
     services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

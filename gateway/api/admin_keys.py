@@ -5,12 +5,13 @@ from __future__ import annotations
 import hmac
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.auth import AuthError, KeyStore
+from gateway.budgets import Period
 
 router = APIRouter(prefix="/admin/keys")
 
@@ -35,6 +36,10 @@ async def key_store(request: Request) -> KeyStore:
 
 Keys = Annotated[KeyStore, Depends(key_store)]
 
+# What the columns hold: the limits are INTEGER, budgets BIGINT picodollars (at most ~9.2e18).
+PerMinute = Annotated[int, Field(ge=1, le=2**31 - 1)]
+BudgetUsd = Annotated[Decimal, Field(gt=0, le=Decimal(9_000_000), max_digits=20, decimal_places=12)]
+
 
 class KeyCreate(BaseModel):
     """POST /admin/keys."""
@@ -46,10 +51,10 @@ class KeyCreate(BaseModel):
     expires_at: datetime | None = None
     expires_in_days: float | None = Field(None, gt=0)
     metadata: dict[str, Any] = Field(default_factory=dict)
-    rpm_limit: int | None = Field(None, ge=1)
-    tpm_limit: int | None = Field(None, ge=1)
-    budget_usd: Decimal | None = Field(None, gt=0, max_digits=20, decimal_places=12)
-    budget_period: Literal["daily", "weekly", "monthly", "total"] = "monthly"
+    rpm_limit: PerMinute | None = None
+    tpm_limit: PerMinute | None = None
+    budget_usd: BudgetUsd | None = None
+    budget_period: Period = "monthly"
 
     def expiry(self) -> datetime | None:
         """Absolute expiry from either field."""
@@ -59,7 +64,12 @@ class KeyCreate(BaseModel):
 
 
 class KeyUpdate(BaseModel):
-    """PATCH /admin/keys/{id}: only the fields given change."""
+    """PATCH /admin/keys/{id}: only the fields given change; null clears an optional one.
+
+    Null lifts a limit (`rpm_limit`, `tpm_limit`), removes the budget (`budget_usd`, and its
+    period with it), the team, the model list (every model) or the expiry. `name`, `metadata` and
+    `budget_period` cannot be null.
+    """
 
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, min_length=1, max_length=200)
@@ -67,10 +77,18 @@ class KeyUpdate(BaseModel):
     allowed_models: list[str] | None = None
     expires_at: datetime | None = None
     metadata: dict[str, Any] | None = None
-    rpm_limit: int | None = Field(None, ge=1)
-    tpm_limit: int | None = Field(None, ge=1)
-    budget_usd: Decimal | None = Field(None, gt=0, max_digits=20, decimal_places=12)
-    budget_period: Literal["daily", "weekly", "monthly", "total"] | None = None
+    rpm_limit: PerMinute | None = None
+    tpm_limit: PerMinute | None = None
+    budget_usd: BudgetUsd | None = None
+    budget_period: Period | None = None
+
+    @field_validator("name", "metadata", "budget_period")
+    @classmethod
+    def _not_null(cls, value: object) -> object:
+        """Runs only on given values: an explicit null, not an absent field, is refused."""
+        if value is None:
+            raise ValueError("cannot be null (leave the field out to keep its value)")
+        return value
 
 
 admin = [Depends(require_master_key)]
@@ -107,7 +125,7 @@ async def get_key(key_id: str, keys: Keys) -> dict[str, Any]:
 
 @router.patch("/{key_id}", dependencies=admin)
 async def update_key(key_id: str, body: KeyUpdate, keys: Keys) -> dict[str, Any]:
-    """Change name, team, allowed models, expiry or metadata."""
+    """Change name, team, allowed models, expiry, metadata, rate limits or budget."""
     fields = body.model_dump(exclude_unset=True)
     return (await keys.update(key_id, **fields)).public()
 

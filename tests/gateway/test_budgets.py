@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,7 @@ from gateway.budgets import (
     Charge,
     LocalBudgetStore,
     RedisBudgetStore,
+    SpendUnavailableError,
     period_bounds,
     spend_seed,
 )
@@ -208,3 +210,51 @@ def test_one_redis_script_admits_limits_and_budgets_all_or_nothing() -> None:
         await store.close()
 
     asyncio.run(run())
+
+
+def test_spend_seed_reports_an_unreachable_database_as_the_database() -> None:
+    async def run() -> None:
+        engine = create_engine("postgresql+asyncpg://postgres@127.0.0.1:1/test")  # refuses connections
+        with pytest.raises(SpendUnavailableError, match="ConnectionRefusedError"):
+            await spend_seed(engine)(Budget("key", "k", Decimal(1), "daily"), datetime.now(UTC))
+        await engine.dispose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("redis_url", [None, REDIS])
+def test_a_database_gone_while_seeding_answers_503_naming_the_database(
+    postgres_url: str, tmp_path: Path, redis_url: str | None
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from gateway.main import create_app
+    from gateway.settings import GatewaySettings
+
+    async def drop_database() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+        await conn.execute(f'DROP DATABASE "{postgres_url.rsplit("/", 1)[1]}" WITH (FORCE)')
+        await conn.close()
+
+    upgrade(postgres_url)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        'backends:\n  gone: {type: engine, urls: ["http://127.0.0.1:9"], price: {input_per_mtok: 1, '
+        "output_per_mtok: 2}}\nmodels:\n  fast: {backend: gone}\n"
+    )
+    settings = GatewaySettings(master_key="m", key_secret="s", database_url=postgres_url, redis_url=redis_url,
+                               policy_path=policy, key_cache_ttl=60)  # fmt: skip
+    with TestClient(create_app(settings)) as client:
+        created = client.post("/admin/keys", json={"name": "b", "budget_usd": "5"},
+                              headers={"Authorization": "Bearer m"}).json()  # fmt: skip
+        # the key stays cached, but its budget counter has never been seeded: the database must answer
+        asyncio.run(drop_database())
+        body = {"model": "fast", "messages": [{"role": "user", "content": "x"}]}
+        r = client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {created['key']}"}
+        )
+    error = r.json()["error"]
+    assert (r.status_code, error["code"]) == (503, "budget_unavailable")
+    assert "database" in error["message"] and "Redis" not in error["message"], error["message"]

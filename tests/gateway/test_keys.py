@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -98,7 +100,15 @@ def test_a_virtual_key_is_not_an_admin_key(admin: TestClient) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [{}, {"name": ""}, {"name": "x", "expires_in_days": -1}, {"name": "x", "bogus": 1}, {"name": 5}],
+    [
+        {},
+        {"name": ""},
+        {"name": "x", "expires_in_days": -1},
+        {"name": "x", "bogus": 1},
+        {"name": 5},
+        {"name": "x", "rpm_limit": 2**31},  # past the column's INTEGER range
+        {"name": "x", "budget_usd": "10000000"},  # past BIGINT picodollars
+    ],
 )
 def test_bad_admin_bodies_are_400(admin: TestClient, body: dict[str, object]) -> None:
     r = admin.post("/admin/keys", json=body, headers=ADMIN)
@@ -215,3 +225,123 @@ def test_cli_migrates_and_creates_a_key_that_authenticates(database_url: str) ->
     assert created["allowed_models"] == ["fast", "smart"]
     info = asyncio.run(_store(database_url, FakeClock()).authenticate(created["key"]))
     assert info.id == created["id"] and info.team == "ops"
+
+
+# A backend nothing listens on: a request that passes admission fails over to 503, one refused
+# by a limit or a budget is 429, so the answers show what admission decided.
+UNREACHABLE_POLICY = """
+backends:
+  gone: {type: engine, urls: ["http://127.0.0.1:9"], timeouts: {connect: 1, total: 2},
+         price: {input_per_mtok: 1, output_per_mtok: 2}}
+models:
+  fast: {backend: gone}
+"""
+
+
+@pytest.fixture
+def gateway(migrated: str, tmp_path: Path) -> Iterator[TestClient]:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(UNREACHABLE_POLICY)
+    settings = GatewaySettings(
+        master_key=MASTER, key_secret="hmac-secret", database_url=migrated, policy_path=policy
+    )
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def _ask(client: TestClient, key: str) -> tuple[int, dict[str, Any]]:
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "fast", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    return r.status_code, r.json()["error"]
+
+
+def _patch(client: TestClient, key_id: str, **body: object) -> dict[str, Any]:
+    r = client.patch(f"/admin/keys/{key_id}", json=body, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_patched_limits_and_budget_are_stored_and_admission_applies_them_at_once(gateway: TestClient) -> None:
+    created = gateway.post("/admin/keys", json={"name": "app"}, headers=ADMIN).json()
+    key, key_id = created["key"], created["id"]
+    assert [_ask(gateway, key)[0] for _ in range(2)] == [503, 503]  # admitted, then no upstream
+
+    patched = _patch(gateway, key_id, rpm_limit=1, tpm_limit=100_000)
+    assert (patched["rpm_limit"], patched["tpm_limit"], patched["name"]) == (1, 100_000, "app")
+    stored = gateway.get(f"/admin/keys/{key_id}", headers=ADMIN).json()
+    assert (stored["rpm_limit"], stored["tpm_limit"]) == (1, 100_000)
+    assert _ask(gateway, key)[0] == 503
+    status, error = _ask(gateway, key)
+    assert (status, error["code"], error["type"]) == (429, "rate_limit_exceeded", "requests")
+
+    _patch(gateway, key_id, rpm_limit=None, tpm_limit=1)  # null lifts a limit
+    status, error = _ask(gateway, key)
+    assert (status, error["code"], error["type"]) == (429, "rate_limit_exceeded", "tokens")
+
+    patched = _patch(gateway, key_id, tpm_limit=None, budget_usd="0.000000000001")
+    assert Decimal(patched["budget_usd"]) == Decimal("1e-12") and patched["budget_period"] == "monthly"
+    status, error = _ask(gateway, key)
+    assert (status, error["code"]) == (429, "budget_exceeded") and "monthly budget" in error["message"]
+    patched = _patch(gateway, key_id, budget_period="daily")
+    assert Decimal(patched["budget_usd"]) == Decimal("1e-12") and patched["budget_period"] == "daily"
+    status, error = _ask(gateway, key)
+    assert (status, error["code"]) == (429, "budget_exceeded") and "daily budget" in error["message"]
+
+    _patch(gateway, key_id, budget_usd="100")  # a raised budget applies to the period's counter at once
+    assert _ask(gateway, key)[0] == 503
+    patched = _patch(gateway, key_id, budget_usd=None)  # null removes the budget and its period
+    assert (patched["budget_usd"], patched["budget_period"]) == (None, None)
+    stored = gateway.get(f"/admin/keys/{key_id}", headers=ADMIN).json()
+    assert (stored["rpm_limit"], stored["tpm_limit"], stored["budget_usd"]) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"rpm_limit": 0}, "rpm_limit"),
+        ({"tpm_limit": -5}, "tpm_limit"),
+        ({"rpm_limit": "many"}, "rpm_limit"),
+        ({"rpm_limit": 2**31}, "rpm_limit"),  # past the column's INTEGER range
+        ({"budget_usd": "0"}, "budget_usd"),
+        ({"budget_usd": "-1"}, "budget_usd"),
+        ({"budget_usd": "10000000"}, "budget_usd"),  # past BIGINT picodollars
+        ({"budget_period": "yearly"}, "budget_period"),
+        ({"budget_period": None}, "budget_period"),
+        ({"budget_period": "daily"}, "budget_period"),  # the key has no budget to give a period
+        ({"budget_usd": None, "budget_period": "daily"}, "budget_period"),
+        ({"name": None}, "name"),
+        ({"metadata": None}, "metadata"),
+    ],
+)
+def test_bad_limit_and_budget_patches_are_400_and_change_nothing(
+    admin: TestClient, body: dict[str, object], param: str
+) -> None:
+    created = admin.post("/admin/keys", json={"name": "app", "rpm_limit": 7}, headers=ADMIN).json()
+    r = admin.patch(f"/admin/keys/{created['id']}", json=body, headers=ADMIN)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, "invalid_value")
+    assert param in error["message"]
+    stored = admin.get(f"/admin/keys/{created['id']}", headers=ADMIN).json()
+    assert (stored["name"], stored["rpm_limit"], stored["budget_usd"]) == ("app", 7, None)
+
+
+def test_a_limit_change_reaches_another_replica_within_the_cache_ttl(migrated: str) -> None:
+    async def run() -> None:
+        clock = FakeClock()
+        a, b = _store(migrated, clock, ttl=5.0), _store(migrated, clock, ttl=5.0)
+        info, key = await a.create("shared", rpm_limit=10)
+        assert (await b.authenticate(key)).rpm_limit == 10  # replica B caches it
+        await a.update(info.id, rpm_limit=2, budget_usd=Decimal("3"), budget_period="weekly")
+        changed = await a.authenticate(key)  # at once where it was changed
+        assert (changed.rpm_limit, changed.budget_usd, changed.budget_period) == (2, Decimal(3), "weekly")
+        clock.now += 4.9
+        assert (await b.authenticate(key)).rpm_limit == 10  # B may use the old limits until its TTL ends
+        clock.now += 0.2
+        assert (await b.authenticate(key)).rpm_limit == 2
+
+    asyncio.run(run())
