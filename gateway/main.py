@@ -92,7 +92,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         budgets: BudgetStore = (
             RedisBudgetStore(settings.redis_url, settings.budget_fail_open)
             if settings.redis_url
-            else LocalBudgetStore()
+            else LocalBudgetStore(settings.budget_fail_open)
         )
         admission = Admission(limiter, budgets, spend_seed(engine))
         tracer = tracing or _tracing(settings)
