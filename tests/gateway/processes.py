@@ -106,12 +106,13 @@ class FailingPairStack:
     """A subprocess gateway in front of two fake upstreams, `ok` and `bad` (answers 500 to everything).
 
     Models: `fast` (ok, priced), `shaky` (bad, then `fast`), `broken` (bad only). The `bad`
-    replica's breaker opens after two failures and stays open for a minute.
+    replica's breaker opens after two failures and stays open for a minute. With `otlp_endpoint`
+    the gateway exports its spans there (batched every 50 ms).
     """
 
     MASTER = "sk-master-observed"
 
-    def __init__(self, root: Path, log_bodies: bool = False) -> None:
+    def __init__(self, root: Path, log_bodies: bool = False, otlp_endpoint: str | None = None) -> None:
         self.ok, self.bad = (
             ManagedServer(
                 lambda port: [sys.executable, "tests/fakes/openai_upstream.py", "--port", str(port)], 60
@@ -124,6 +125,8 @@ class FailingPairStack:
         self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         env = {"GATEWAY_MASTER_KEY": self.MASTER, "GATEWAY_KEY_SECRET": "observed-secret",
                "GATEWAY_DATABASE_URL": self.database_url}  # fmt: skip
+        if otlp_endpoint is not None:
+            env.update(OTEL_EXPORTER_OTLP_ENDPOINT=otlp_endpoint, OTEL_BSP_SCHEDULE_DELAY="50")
         self.gateway = start_gateway(self.policy, env)
         r = httpx.post(f"{self.gateway.base_url}/admin/keys", json={"name": "observed", "team": "search"},
                        headers={"Authorization": f"Bearer {self.MASTER}"})  # fmt: skip

@@ -1,7 +1,12 @@
-"""The gateway's /metrics after real traffic: successes, errors, a failover, an open breaker."""
+"""The gateway's /metrics after real traffic: successes, errors, a failover, an open breaker.
+
+The gateway also exports its spans over OTLP here (to a fake collector): metrics are the same with
+tracing on, and the settings' OTEL_* path is exercised end to end.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -9,6 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fakes.otlp_collector import OtlpCollector
 from tests.gateway.processes import FailingPairStack
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -28,8 +34,19 @@ def _value(series: Series, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FailingPairStack, dict[str, int]]]:
-    stack = FailingPairStack(tmp_path_factory.mktemp("metrics"))
+def collector() -> Iterator[OtlpCollector]:
+    c = OtlpCollector()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def traffic(
+    tmp_path_factory: pytest.TempPathFactory, collector: OtlpCollector
+) -> Iterator[tuple[FailingPairStack, dict[str, int]]]:
+    stack = FailingPairStack(tmp_path_factory.mktemp("metrics"), otlp_endpoint=collector.url)
     try:
         whole = stack.chat("fast", "one two three")
         streamed = stack.chat("fast", "four five", stream=True, stream_options={"include_usage": True})
@@ -117,3 +134,28 @@ def test_no_label_carries_a_key_or_a_request_id(traffic: tuple[FailingPairStack,
     text, _ = _scrape(stack)
     assert stack.key not in text and stack.key_prefix not in text
     assert "req-" not in text and "sk-not-a-key" not in text and "nope" not in text
+
+
+def test_with_an_otlp_endpoint_every_request_is_exported_as_a_span(
+    traffic: tuple[FailingPairStack, dict[str, int]], collector: OtlpCollector
+) -> None:
+    stack, _ = traffic
+    service = os.environ.get("OTEL_SERVICE_NAME", "switchboard-gateway")
+    spans = collector.wait_for(lambda got: sum(s.kind == 2 for s in got) >= 6)
+    requests = sorted((s for s in spans if s.kind == 2), key=lambda s: s.start_ns)
+    assert [s.name for s in requests] == [
+        "chat fast",
+        "chat fast",
+        "chat shaky",
+        "chat broken",
+        "chat nope",
+        "chat",
+    ]
+    assert {s.service for s in spans} == {service}
+    assert [s.attributes["http.response.status_code"] for s in requests] == [200, 200, 200, 500, 404, 401]
+    assert requests[3].status_code == 2 and requests[5].attributes["error.type"] == "invalid_api_key"
+    shaky = requests[2]
+    attempts = [s for s in spans if s.parent_span_id == shaky.span_id and s.kind == 3]
+    assert sorted(a.attributes["switchboard.backend"] for a in attempts) == ["bad", "ok"]
+    assert "failover" in shaky.events and shaky.attributes["switchboard.failover.count"] == 1
+    assert stack.key not in repr(spans)
