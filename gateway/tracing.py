@@ -96,6 +96,7 @@ class RequestTrace:
         self._operation = operation
         self._attempt: Span | None = None
         self._attempts = 0
+        self.recording = span.is_recording()  # False when sampled out: attributes are not even built
 
     @property
     def ids(self) -> tuple[str, str]:
@@ -104,11 +105,13 @@ class RequestTrace:
         return f"{context.trace_id:032x}", f"{context.span_id:016x}"
 
     def authenticated(self, key: KeyInfo) -> None:
-        """Event: the key was accepted (its id and team, never the key)."""
-        self.span.add_event("auth", {"switchboard.key.id": key.id, "switchboard.team": key.team or ""})
+        """Event: the key was accepted (its id and team go on the span at the end, never the key)."""
+        self.span.add_event("auth")
 
     def parsed(self, model: str, body: Mapping[str, Any]) -> None:
         """The request's model and sampling parameters (never its messages)."""
+        if not self.recording:
+            return
         self.span.update_name(f"{self._operation} {model}")
         self.span.set_attribute("gen_ai.request.model", model)
         self.span.set_attribute("gen_ai.request.stream", body.get("stream") is True)
@@ -123,18 +126,19 @@ class RequestTrace:
             )
 
     def routed(self, decision: RouteDecision) -> None:
-        """Event and attributes: the route, tier, complexity score and the chain to try."""
+        """Attributes: the route, tier and complexity score; event `route` with the chain to try."""
+        if not self.recording:
+            return
         attributes: dict[str, Any] = {
             "switchboard.route.alias": decision.alias,
             "switchboard.route.reason": decision.reason,
-            "switchboard.route.chain": list(decision.chain),
         }
         if decision.tier is not None:
             attributes["switchboard.route.tier"] = decision.tier
         if decision.score is not None:
             attributes["switchboard.route.complexity_score"] = round(decision.score, 4)
         self.span.set_attributes(attributes)
-        self.span.add_event("route", attributes)
+        self.span.add_event("route", {"switchboard.route.chain": list(decision.chain)})
 
     def begin_attempt(
         self, model: str, upstream_model: str, backend: str, spec: EngineBackend | HostedBackend, stream: bool
@@ -213,6 +217,9 @@ class RequestTrace:
         if self._attempt is not None:
             self.end_attempt(row["deployment"], status, error)
         span = self.span
+        if not self.recording:
+            span.end()
+            return
         attributes: dict[str, Any] = {
             "http.response.status_code": status,
             "switchboard.request_id": row["id"],

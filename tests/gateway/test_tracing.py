@@ -18,11 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
-from gateway.tracing import exporting_to
+from gateway.policy import EngineBackend
+from gateway.routing import RouteDecision
+from gateway.tracing import GatewayTracing, exporting_to
 from tests.engine.server_proc import ManagedServer, ServerProcess
 from tests.fakes.otlp_collector import CollectedSpan, OtlpCollector
 from tests.gateway.processes import InProcessGateway
@@ -213,3 +217,21 @@ def test_without_an_otlp_endpoint_no_span_is_made_and_the_sdk_is_never_imported(
     )
     assert done.returncode == 0, done.stderr
     assert "loaded: []" in done.stdout, done.stdout
+
+
+def test_a_request_sampled_out_exports_nothing_and_tells_the_engine_so() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace = GatewayTracing(provider).start("/v1/chat/completions")
+    assert not trace.recording
+    trace.parsed("auto", {"max_tokens": 3})
+    trace.routed(RouteDecision("auto", ("tiny",), "direct"))
+    headers = trace.begin_attempt(
+        "tiny", "tiny", "local", EngineBackend(type="engine", urls=["http://e"]), False
+    )
+    assert int(headers["traceparent"][-2:], 16) & 1 == 0  # not sampled: the engine records nothing either
+    trace.end_attempt("http://e", 200)
+    row = dict.fromkeys(("status", "error_type", "deployment"), None) | {"status": 200}
+    trace.finish(row, "tiny", None, 0)
+    assert exporter.get_finished_spans() == ()
