@@ -79,9 +79,12 @@ class RequestSpan:
         self._output_tokens = 0
         self._cached_tokens = 0
         self._finish_reasons: list[str] = []
+        self.recording = span.is_recording()  # False when sampled out (e.g. the caller's flag)
 
     def parsed(self, req: ChatCompletionRequest | CompletionRequest, model: str) -> None:
         """The request's model and sampling parameters (never its prompt)."""
+        if not self.recording:
+            return
         self.span.update_name(f"{self._operation} {model}")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         attributes: dict[str, Any] = {
@@ -107,6 +110,8 @@ class RequestSpan:
 
     def finished(self, out: RequestOutput) -> None:
         """An engine request ended: its queue, prefill and decode phases as child spans."""
+        if not self.recording:
+            return
         m = out.metrics
         offset = time.time_ns() - time.monotonic_ns()  # monotonic seconds -> epoch nanoseconds
 

@@ -136,3 +136,15 @@ def test_the_otlp_endpoint_comes_from_opentelemetrys_own_variables() -> None:
     }
     assert otlp_traces_endpoint(both) == "http://t/x"
     assert otlp_traces_endpoint({**both, "OTEL_SDK_DISABLED": "true"}) is None
+
+
+def test_a_caller_that_did_not_sample_gets_no_engine_spans(
+    traced: tuple[TestClient, InMemorySpanExporter],
+) -> None:
+    client, exporter = traced
+    trace_id, _, traceparent = _traceparent()
+    headers = {"traceparent": traceparent[:-2] + "00"}
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 1}, headers=headers
+    )
+    assert r.status_code == 200 and not _spans_of(exporter, trace_id)
