@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.db import DATABASE_ERRORS, translated_errors, unavailable
 from gateway.models import ApiKey
 
 KEY_PREFIX = "sk-"
@@ -146,6 +147,7 @@ class KeyStore:
     """Keys in the database; lookups are cached for `ttl` seconds so requests skip the database.
 
     A change made here updates this process's cache at once; other replicas see it within `ttl`.
+    The database failing raises DatabaseUnavailableError (gateway/db.py), answered as 503.
     """
 
     def __init__(
@@ -162,7 +164,7 @@ class KeyStore:
         self._cache: dict[str, tuple[float, KeyInfo | None]] = {}  # digest -> (fetched at, key)
 
     async def authenticate(self, presented: str | None) -> KeyInfo:
-        """The key behind an `Authorization` value; AuthError (401/403) otherwise."""
+        """The key behind an `Authorization` value; AuthError (401/403), or DatabaseUnavailableError."""
         if not presented:
             raise AuthError(401, "Missing API key: send 'Authorization: Bearer sk-...'", "missing_api_key")
         digest = self._hasher.digest(presented)
@@ -180,10 +182,13 @@ class KeyStore:
         hit = self._cache.get(digest)
         if hit is not None and now - hit[0] < self._ttl:
             return hit[1]
-        async with self._sessions() as session:
-            row = (
-                await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))
-            ).scalar_one_or_none()
+        try:  # a cache miss only: a cached key keeps working while the database is down
+            async with self._sessions() as session:
+                row = (
+                    await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))
+                ).scalar_one_or_none()
+        except DATABASE_ERRORS as exc:
+            raise unavailable("the API key cannot be checked", exc) from exc
         info = _info(row) if row is not None and hmac.compare_digest(row.key_hash, digest) else None
         if len(self._cache) > 100_000:  # a flood of random keys must not grow memory without bound
             self._cache.clear()
@@ -222,7 +227,7 @@ class KeyStore:
             budget_usd=budget_usd,
             budget_period=budget_period,
         )
-        async with self._sessions() as session:
+        async with translated_errors("the key cannot be created"), self._sessions() as session:
             session.add(row)
             await session.commit()
             await session.refresh(row)
@@ -237,12 +242,12 @@ class KeyStore:
             query = query.where(ApiKey.team == team)
         if not include_revoked:
             query = query.where(ApiKey.revoked_at.is_(None))
-        async with self._sessions() as session:
+        async with translated_errors("the keys cannot be listed"), self._sessions() as session:
             return [_info(r) for r in (await session.execute(query)).scalars()]
 
     async def get(self, key_id: str) -> KeyInfo:
         """One key by id (KeyNotFoundError if none)."""
-        async with self._sessions() as session:
+        async with translated_errors("the key cannot be read"), self._sessions() as session:
             row = await session.get(ApiKey, key_id)
             if row is None:
                 raise KeyNotFoundError(key_id)
@@ -282,7 +287,7 @@ class KeyStore:
         return await self._modify(key_id, rotate), plaintext
 
     async def _modify(self, key_id: str, change: Callable[[ApiKey], None]) -> KeyInfo:
-        async with self._sessions() as session:
+        async with translated_errors("the key cannot be changed"), self._sessions() as session:
             row = await session.get(ApiKey, key_id, with_for_update=True)
             if row is None:
                 raise KeyNotFoundError(key_id)

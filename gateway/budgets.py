@@ -25,10 +25,10 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any, Literal, Protocol
 
-from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.db import DATABASE_ERRORS
 from gateway.models import UsageDaily, to_picousd
 from gateway.ratelimit import Limit, refusal
 
@@ -286,11 +286,6 @@ class RedisBudgetStore:
         await self._redis.aclose()
 
 
-# What a failing database raises: a refused or broken connection is a bare OSError (asyncpg),
-# a timeout TimeoutError, a server-side refusal a DBAPIError, a full pool sqlalchemy's TimeoutError.
-_DATABASE_ERRORS = (OSError, TimeoutError, sa_exc.DBAPIError, sa_exc.TimeoutError)
-
-
 def spend_seed(engine: AsyncEngine) -> Seed:
     """What a budget's subject has spent since `start`, from the daily aggregates (picodollars).
 
@@ -306,7 +301,7 @@ def spend_seed(engine: AsyncEngine) -> Seed:
         try:
             async with engine.connect() as conn:
                 spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None: no rows
-        except _DATABASE_ERRORS as exc:
+        except DATABASE_ERRORS as exc:
             detail = str(exc).splitlines()[0] if str(exc) else ""
             raise SpendUnavailableError(f"{type(exc).__name__}: {detail}") from exc
         return to_picousd(spent) if spent is not None else 0

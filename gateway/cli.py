@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from gateway.access_log import log_config
 from gateway.auth import KeyHasher, KeyStore
-from gateway.db import create_engine, session_factory
+from gateway.db import DATABASE_ERRORS, DatabaseUnavailableError, create_engine, session_factory
 from gateway.migrate import (
     SchemaMismatchError,
     current_revision,
@@ -28,7 +28,7 @@ from gateway.migrate import (
 )
 from gateway.policy import EngineBackend, PolicyError, load_policy
 from gateway.reports import DIMENSIONS, render, spend
-from gateway.secrets_store import resolve_secrets
+from gateway.secrets_store import resolve_key_secret
 from gateway.settings import GatewaySettings
 
 
@@ -46,11 +46,12 @@ def _db(args: argparse.Namespace, settings: GatewaySettings) -> int:
 
 
 async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> dict[str, object]:
+    hasher = KeyHasher(resolve_key_secret(settings))  # before the database: a missing secret is named first
     url = settings.resolved_database_url
     await ensure_schema(url, auto_upgrade=settings.dev_mode)
     engine = create_engine(url)
     try:
-        store = KeyStore(session_factory(engine), KeyHasher(resolve_secrets(settings).key_secret), 0.0)
+        store = KeyStore(session_factory(engine), hasher, 0.0)
         expires = datetime.now(UTC) + timedelta(days=args.expires_in_days) if args.expires_in_days else None
         models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
         metadata = json.loads(args.metadata)
@@ -90,6 +91,7 @@ class _CleanExitServer(uvicorn.Server):
 def _serve(args: argparse.Namespace) -> int:
     os.environ["GATEWAY_POLICY_PATH"] = str(args.policy)  # worker processes read their settings anew
     settings = GatewaySettings()
+    settings.require_secrets()  # fail here, naming the missing variables, not in a worker
     load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
     logging_config = log_config(uvicorn.config.LOGGING_CONFIG, enabled=not args.no_access_log)
     options: dict[str, Any] = dict(
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             from gateway.devstack import run_dev_stack
 
             return run_dev_stack(args.model, args.port, args.engine_port)
-        settings = GatewaySettings()
+        settings = GatewaySettings()  # the secrets are checked by the commands that use them
         if args.command == "db":
             return _db(args, settings)
         if args.command == "report":
@@ -172,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(json.dumps(asyncio.run(_create_key(args, settings)), indent=2))
         return 0
-    except (ValidationError, SchemaMismatchError, PolicyError, ValueError, OSError) as exc:
+    except _ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+# What a command reports as `error: ...` (exit 2); the database failing included
+_ERRORS: tuple[type[Exception], ...] = (
+    ValidationError, SchemaMismatchError, PolicyError, ValueError, DatabaseUnavailableError, *DATABASE_ERRORS
+)  # fmt: skip
 
 
 def _positive(text: str) -> int:

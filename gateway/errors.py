@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import AuthError, InvalidKeyUpdateError, KeyNotFoundError
+from gateway.db import DatabaseUnavailableError
 
 
 class GatewayError(Exception):
@@ -73,6 +74,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
         return error_response(400, message, "invalid_request_error", param, "invalid_value")
 
+    async def database_unavailable(_: Request, exc: Exception) -> Response:
+        return error_response(503, str(exc), "api_error", code="database_unavailable")
+
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
@@ -81,5 +85,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(AuthError, auth_error)
     app.add_exception_handler(KeyNotFoundError, not_found)
     app.add_exception_handler(InvalidKeyUpdateError, invalid_update)
+    app.add_exception_handler(DatabaseUnavailableError, database_unavailable)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)

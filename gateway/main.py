@@ -59,7 +59,9 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
     """The app; the database schema is checked (dev mode: upgraded) when it starts.
 
     `tracing`: where spans go instead of the configured OTLP endpoint (tests pass an in-memory one).
+    MissingSecretsError without the master key and key secret (outside dev mode).
     """
+    settings.require_secrets()  # here, not in the lifespan: a worker without them never starts
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

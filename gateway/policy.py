@@ -226,7 +226,7 @@ class Policy(_Strict):
     health: Health = Health()
     costs: Costs = Costs()
     teams: dict[str, Team] = {}
-    log_bodies: bool = False  # store prompt and completion bodies in the request log
+    log_bodies: bool = False  # keep request and response bodies in the request log and the access log
 
     @model_validator(mode="after")
     def _references_resolve(self) -> Policy:
@@ -279,7 +279,8 @@ class Policy(_Strict):
         spec = self.backends[backend]
         if not isinstance(spec, EngineBackend):
             return self.health
-        changes = {k: v for k, v in spec.health.model_dump(exclude_none=True).items()}
+        # the fields themselves, not model_dump(): a `breaker` must stay a Breaker, not become a dict
+        changes = {k: v for k in HealthOverride.model_fields if (v := getattr(spec.health, k)) is not None}
         return self.health.model_copy(update=changes)
 
 

@@ -8,6 +8,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from gateway.settings import GatewaySettings
 
 _DEV_FILE = "dev-secrets.json"
@@ -22,14 +24,24 @@ class ServerSecrets:
 
 
 def resolve_secrets(settings: GatewaySettings) -> ServerSecrets:
-    """Settings first; in dev mode missing ones are generated and kept in the data directory."""
-    master = settings.master_key.get_secret_value() if settings.master_key else None
-    secret = settings.key_secret.get_secret_value() if settings.key_secret else None
+    """Both secrets (serving): from settings, else generated once in dev mode; MissingSecretsError."""
+    settings.require_secrets("master_key", "key_secret")
+    master, secret = _value(settings.master_key), _value(settings.key_secret)
     if master and secret:
         return ServerSecrets(master, secret.encode())
-    assert settings.dev_mode, "settings validation requires both outside dev mode"
     stored = _load_or_create(settings.data_dir / _DEV_FILE)
     return ServerSecrets(master or stored["master_key"], (secret or stored["key_secret"]).encode())
+
+
+def resolve_key_secret(settings: GatewaySettings) -> bytes:
+    """The key secret alone (creating keys needs no master key), as resolve_secrets finds it."""
+    settings.require_secrets("key_secret")
+    secret = _value(settings.key_secret)
+    return (secret or _load_or_create(settings.data_dir / _DEV_FILE)["key_secret"]).encode()
+
+
+def _value(secret: SecretStr | None) -> str | None:
+    return secret.get_secret_value() if secret is not None and secret.get_secret_value().strip() else None
 
 
 def _load_or_create(path: Path) -> dict[str, str]:

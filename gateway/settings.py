@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -15,13 +16,25 @@ def default_data_dir() -> Path:
     return Path(base) / "switchboard"
 
 
+class MissingSecretsError(ValueError):
+    """A command that needs the master key or the key secret runs without them outside dev mode."""
+
+
 class GatewaySettings(BaseSettings):
-    """Every gateway option; `GATEWAY_<NAME>` environment variables set them."""
+    """Every gateway option; `GATEWAY_<NAME>` environment variables set them.
 
-    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore", frozen=True)
+    An empty variable counts as unset (compose passes `${VAR:-}` for options left out), so an
+    optional setting takes its default and a secret given as "" is refused by `require_secrets`.
+    """
 
-    master_key: SecretStr | None = None  # admin API credential; required unless dev_mode
-    key_secret: SecretStr | None = None  # HMAC secret for virtual-key hashes; required unless dev_mode
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_", extra="ignore", frozen=True, env_ignore_empty=True
+    )
+
+    # The two secrets are checked by the commands that use them (serve, keys create), not here:
+    # `db upgrade`, reports and policy checks run without them.
+    master_key: SecretStr | None = None  # admin API credential; serving needs it unless dev_mode
+    key_secret: SecretStr | None = None  # HMAC secret for virtual-key hashes; serving and key creation
     dev_mode: bool = False  # generated secrets, automatic migrations: never in production
     data_dir: Path = Field(default_factory=default_data_dir)
     database_url: str | None = None  # default: SQLite file in data_dir
@@ -46,15 +59,16 @@ class GatewaySettings(BaseSettings):
         default=False, validation_alias=AliasChoices("OTEL_SDK_DISABLED", "otel_sdk_disabled")
     )
 
-    @model_validator(mode="after")
-    def _secrets_outside_dev_mode(self) -> GatewaySettings:
+    def require_secrets(self, *names: Literal["master_key", "key_secret"]) -> None:
+        """MissingSecretsError unless each named secret (default: both) is set and not blank, or dev_mode."""
         if self.dev_mode:
-            return self
-        missing = [n for n in ("master_key", "key_secret") if getattr(self, n) is None]
+            return
+        missing = [n for n in names or ("master_key", "key_secret") if not _given(getattr(self, n))]
         if missing:
-            names = ", ".join(f"GATEWAY_{n.upper()}" for n in missing)
-            raise ValueError(f"{names} must be set (or GATEWAY_DEV_MODE=1 for local development)")
-        return self
+            listed = ", ".join(f"GATEWAY_{n.upper()}" for n in missing)
+            raise MissingSecretsError(
+                f"{listed} must be set to a non-empty value (or GATEWAY_DEV_MODE=1 for local development)"
+            )
 
     @property
     def resolved_database_url(self) -> str:
@@ -71,3 +85,7 @@ class GatewaySettings(BaseSettings):
         if self.otlp_endpoint:
             return self.otlp_endpoint.rstrip("/") + "/v1/traces"
         return None
+
+
+def _given(secret: SecretStr | None) -> bool:
+    return secret is not None and bool(secret.get_secret_value().strip())

@@ -538,6 +538,35 @@ def test_migrate_service_runs_the_gateway_migration_command(
     assert upgrades == [(gateway_url, "head")], "migrate must upgrade the gateways' database to head"
 
 
+def test_migrate_service_gets_the_database_but_no_secrets(
+    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = environment(services["migrate"])
+    gateway_env = environment(services[gateway_services(services)[0]])
+    assert env["GATEWAY_DATABASE_URL"] == gateway_env["GATEWAY_DATABASE_URL"]
+    secrets = [k for k in env if k.endswith(("_KEY", "_SECRET"))]
+    assert not secrets, f"db upgrade needs no secrets: {secrets} need not be given to migrate"
+    settings = settings_of(services["migrate"], monkeypatch)  # they load without them
+    assert settings.master_key is None and settings.key_secret is None
+
+
+def test_gateway_settings_load_when_optional_variables_are_passed_empty(
+    raw: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an optional GATEWAY_* given as "" (`${VAR-}`, an override file) means unset: the gateway's default
+    service = {"environment": interpolate(raw["x-gateway"]["environment"])}
+    optional = [k for k, v in environment(raw["x-gateway"]).items()
+                if k.startswith("GATEWAY_") and _VAR.fullmatch(v) and ":?" not in v]  # fmt: skip
+    assert "GATEWAY_LOG_RETENTION_DAYS" in optional
+    service["environment"].update(dict.fromkeys(optional, ""))
+    settings = settings_of(service, monkeypatch)
+    default = GatewaySettings.model_construct()  # every field at its default, nothing read
+    for key in optional:
+        name = key.removeprefix("GATEWAY_").lower()
+        assert getattr(settings, name) == getattr(default, name), key
+    settings.require_secrets()  # the required ones are still there
+
+
 def test_gateway_policy_loads_and_its_engine_backend_points_at_the_engine_service(
     services: dict[str, dict[str, Any]], collector: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from gateway.api.admin_keys import require_master_key
+from gateway.db import DATABASE_ERRORS, unavailable
 from gateway.errors import GatewayError
 from gateway.reports import Dimension, render, spend
 
@@ -27,5 +28,7 @@ async def spend_report(
         rows = await spend(request.app.state.engine, start, end, by)
     except ValueError as exc:
         raise GatewayError(400, str(exc), param="to", code="invalid_value") from exc
+    except DATABASE_ERRORS as exc:
+        raise unavailable("the spend report cannot be read", exc) from exc
     media = "application/json" if format == "json" else "text/csv; charset=utf-8"
     return Response(render(rows, format, by), media_type=media)

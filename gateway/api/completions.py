@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth import AuthError, KeyStore
+from gateway.db import DatabaseUnavailableError
 from gateway.errors import GatewayError, auth_error_type
 from gateway.proxy import MAX_BODY_BYTES, Proxy, Reply
 
@@ -57,6 +58,10 @@ class CompletionsEndpoint:
             return
         except GatewayError as exc:
             await _send_whole(proxy.refuse(started, exc.status, exc.message, exc.type, exc.code, trace), send)
+            return
+        except DatabaseUnavailableError as exc:  # the key is not cached and the database cannot be asked
+            reply = proxy.refuse(started, 503, str(exc), "api_error", "database_unavailable", trace)
+            await _send_whole(reply, send)
             return
         except _ClientLeftError:
             proxy.refuse(

@@ -13,7 +13,7 @@ router = APIRouter()
 
 
 async def authenticated_key(request: Request) -> KeyInfo:
-    """Dependency: the virtual key in `Authorization: Bearer sk-...` (401/403 otherwise)."""
+    """Dependency: the key in `Authorization: Bearer sk-...` (else 401/403; 503 if the database is down)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     presented = token.strip() if scheme.lower() == "bearer" else None
     keys: KeyStore = request.app.state.keys

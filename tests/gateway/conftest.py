@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,16 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 def postgres_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database (dropped afterwards)."""
     yield from _fresh_postgres()
+
+
+@pytest.fixture
+def drop_database() -> Callable[[str], None]:
+    """Drops a PostgreSQL database by its URL, connections and all: the database gone under a gateway."""
+
+    def drop(url: str) -> None:
+        asyncio.run(_pg(f'DROP DATABASE "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
+
+    return drop
 
 
 def _fresh_postgres() -> Iterator[str]:

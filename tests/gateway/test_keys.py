@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from gateway.auth import AuthError, KeyHasher, KeyStore
-from gateway.db import create_engine, session_factory
+from gateway.db import DatabaseUnavailableError, create_engine, session_factory
 from gateway.main import create_app
 from gateway.migrate import upgrade
 from gateway.settings import GatewaySettings
@@ -345,3 +345,40 @@ def test_a_limit_change_reaches_another_replica_within_the_cache_ttl(migrated: s
         assert (await b.authenticate(key)).rpm_limit == 2
 
     asyncio.run(run())
+
+
+def test_every_key_operation_names_the_database_when_it_refuses_connections() -> None:
+    async def run() -> None:
+        clock = FakeClock()
+        store = _store("postgresql+asyncpg://postgres@127.0.0.1:1/test", clock)  # nothing listens on port 1
+        unavailable = r": the database is unavailable \(ConnectionRefusedError\)$"
+        with pytest.raises(DatabaseUnavailableError, match="^the API key cannot be checked" + unavailable):
+            await store.authenticate("sk-anything")
+        with pytest.raises(DatabaseUnavailableError, match="^the key cannot be created" + unavailable):
+            await store.create("app")
+        with pytest.raises(DatabaseUnavailableError, match="^the keys cannot be listed" + unavailable):
+            await store.list()
+        with pytest.raises(DatabaseUnavailableError, match="^the key cannot be read" + unavailable):
+            await store.get("some-id")
+        for change in (store.revoke("some-id"), store.rotate("some-id"), store.update("some-id", name="x")):
+            with pytest.raises(DatabaseUnavailableError, match="^the key cannot be changed" + unavailable):
+                await change
+
+    asyncio.run(run())
+
+
+def test_a_cached_key_keeps_working_while_the_database_is_gone_until_its_ttl_ends(
+    postgres_url: str, drop_database: Callable[[str], None]
+) -> None:
+    upgrade(postgres_url)
+    clock = FakeClock()
+    store = _store(postgres_url, clock, ttl=5.0)
+    info, key = asyncio.run(store.create("app"))  # the replica that created it has it cached
+    drop_database(postgres_url)
+    clock.now += 4.9
+    assert asyncio.run(store.authenticate(key)).id == info.id
+    with pytest.raises(DatabaseUnavailableError, match=r"^the API key cannot be checked: the database"):
+        asyncio.run(store.authenticate("sk-not-cached"))  # a key not cached needs the database
+    clock.now += 0.2
+    with pytest.raises(DatabaseUnavailableError, match=r"^the API key cannot be checked: the database"):
+        asyncio.run(store.authenticate(key))  # past the TTL: no stale entries

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import types
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-from gateway.policy import PolicyError, load_policy, parse_policy
+from gateway.health import BreakerState, CircuitBreaker
+from gateway.policy import Breaker, Policy, PolicyError, load_policy, parse_policy
 
 GOOD = """
 backends:
@@ -102,3 +107,51 @@ def test_invalid_policies_name_the_offending_path(text: str, message: str) -> No
 def test_missing_policy_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="cannot read policy"):
         load_policy(tmp_path / "none.yaml")
+
+
+def test_a_backends_breaker_override_gives_its_replicas_a_working_breaker() -> None:
+    policy = parse_policy("""
+backends:
+  local:
+    type: engine
+    urls: ["http://127.0.0.1:8001"]
+    health: {breaker: {cooldown: 9, consecutive_failures: 1}}
+models:
+  small: {backend: local}
+""")  # fmt: skip
+    breaker = policy.health_for("local").breaker
+    assert isinstance(breaker, Breaker)  # was a dict: its replicas failed on their first failure
+    assert (breaker.cooldown, breaker.consecutive_failures, breaker.window) == (9, 1, 10)  # unset: defaults
+    replica = CircuitBreaker(breaker, lambda: 0.0)
+    replica.record(False)
+    assert replica.state is BreakerState.OPEN
+
+
+def _schema_names(model: type[BaseModel], seen: set[type[BaseModel]]) -> set[str]:
+    """Every key of `model` and of the models inside it, and every allowed literal value."""
+    names: set[str] = set()
+    seen.add(model)
+    for name, field in model.model_fields.items():
+        names.add(name)
+        stack: list[object] = [field.annotation]
+        while stack:
+            tp = stack.pop()
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                if tp not in seen:
+                    names |= _schema_names(tp, seen)
+            elif typing.get_origin(tp) is typing.Literal:
+                names |= {str(v) for v in typing.get_args(tp)}
+            elif typing.get_origin(tp) is typing.Annotated:
+                stack.append(typing.get_args(tp)[0])
+            elif typing.get_origin(tp) in (list, dict, types.UnionType, typing.Union):
+                stack.extend(typing.get_args(tp))
+    return names
+
+
+def test_docs_policy_md_documents_every_key_and_value_of_the_schema() -> None:
+    text = re.sub(r"```.*?```", "", Path("docs/policy.md").read_text(), flags=re.DOTALL)  # no fenced blocks
+    code = re.findall(r"`([^`\n]+)`", text)  # `cooldown`, `type: engine`, ...
+    documented = {word for span in code for word in re.findall(r"[a-z_]+", span)}
+    names = _schema_names(Policy, set())
+    assert {"log_bodies", "cooldown", "tokenizer", "total", "self_hosted_only"} <= names  # the walk works
+    assert names - documented == set()
