@@ -115,7 +115,8 @@ class DecodeGraphs:
         size = padded_batch_size(self.sizes, n)
         assert size is not None
         ids, pos, slots, lens = [], [], [], []
-        width = 0
+        width = max(len(s.seq.block_table) for s in scheduled)
+        rows: list[list[int]] = []
         for s in scheduled:
             seq = s.seq
             p = seq.num_computed_tokens  # the one new token's position
@@ -124,12 +125,9 @@ class DecodeGraphs:
             pos.append(p)
             slots.append(table[p // block_size] * block_size + p % block_size)
             lens.append(p + 1)
-            width = max(width, len(table))
+            rows.append(table + [0] * (width - len(table)))
         pad = size - n
-        tables = torch.zeros((n, width), dtype=torch.int32)
-        for i, s in enumerate(scheduled):
-            table = s.seq.block_table
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        tables = torch.tensor(rows, dtype=torch.int32)
         # one host->device copy per buffer; padding rows store nothing and read nothing
         self.input_ids[:size].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         self.positions[:size].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)

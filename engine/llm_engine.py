@@ -69,7 +69,7 @@ class LLMEngine:
         layout = self.runner.layout
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.runner.device)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -162,7 +162,8 @@ class LLMEngine:
     ) -> Sequence:
         generator = None
         if params.seed is not None:
-            generator = torch.Generator().manual_seed((params.seed + index * 0x9E3779B9) % (1 << 63))
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed((params.seed + index * 0x9E3779B9) % (1 << 63))
         detok = None
         if self.tokenizer is not None:
             tok, skip = self.tokenizer, params.skip_special_tokens

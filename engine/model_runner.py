@@ -101,6 +101,8 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int
     ) -> None:
         self.device = resolve_device(config)
+        if self.device.type == "cuda":  # Triton and graph capture use the current device
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         self.backend = load_backend(resolve_backend_name(config.attention_backend, self.device))
@@ -109,8 +111,13 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.max_model_len = max_model_len
-        with torch.device(self.device):
-            model = build_model(model_config, max_positions=max_model_len, backend=self.backend)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # parameters born in their dtype: no fp32 copy on the GPU
+        try:
+            with torch.device(self.device):
+                model = build_model(model_config, max_positions=max_model_len, backend=self.backend)
+        finally:
+            torch.set_default_dtype(default_dtype)
         model.to(dtype=self.dtype)
         model.load_weights(iter_weights(model_dir, self.dtype))
         self.model = model.eval()
@@ -236,8 +243,8 @@ class ModelRunner:
         plan = None
         num_splits = 1
         if num_decode and self.backend.is_triton:
-            # on the GPU from the longest possible context, as the CUDA graphs do, so eager and
-            # graph steps split alike; the interpreter pays per program, so there the actual one
+            # on the GPU from the longest possible context, as the CUDA graphs do (a batch of a
+            # captured size splits alike either way); the interpreter pays per program: actual one
             longest = self.max_model_len if self.device.type == "cuda" else max(dec_lens)
             num_splits = choose_num_splits(num_decode, self.model_config.num_kv_heads, longest, self.device)
         elif num_decode:

@@ -26,8 +26,9 @@ class Sampler:
     gives the same tokens whatever else is in the batch.
     """
 
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device | None = None) -> None:
+        # on the logits' device: a CUDA tensor draws only from a CUDA generator
+        self.generator = torch.Generator(device=device or torch.device("cpu")).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: (num_seqs, vocab) float32, one row per sequence to sample."""

@@ -248,6 +248,7 @@ def paged_decode_attention(
         BLOCK_N=128 if interpreting() else 64,  # the interpreter pays per op, not per element
         NUM_SPLITS=num_splits,
         PRECISION=dot_precision(query.dtype),
+        num_warps=8,  # 4 warps need 255 registers and spill at head_dim 128 (ptxas, sm_90a)
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs,)](

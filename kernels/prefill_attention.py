@@ -67,7 +67,7 @@ def _prefill_kernel(
     )
     pos = prefix + tok  # absolute position of each row's token
     # keys up to the last real token of this tile (none when the tile starts past q_len)
-    kv_end = prefix + tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len)
+    kv_end = tl.where(m_block * BLOCK_M < q_len, prefix + tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len), 0)
 
     m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)

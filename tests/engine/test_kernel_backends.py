@@ -143,13 +143,16 @@ def test_gpu_kv_budget_leaves_room_for_weights_and_activations() -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cuda_graphs_and_eager_agree(tiny_model_factory: Callable[..., Path], arch: str) -> None:
     path = str(tiny_model_factory(arch))
-    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90)]
-    graphs = LLM(path, max_model_len=512, max_num_seqs=8)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90, 8, 33, 61, 2)]
+    # both engines in one process: a fixed KV pool each, not a share of whatever memory is free
+    options = dict(max_model_len=512, max_num_seqs=8, kv_cache_memory=1 << 28)
+    graphs = LLM(path, **options)
     assert graphs.engine.runner.graphs is not None
-    eager = LLM(path, max_model_len=512, max_num_seqs=8, enforce_eager=True)
+    eager = LLM(path, enforce_eager=True, **options)
     assert eager.engine.runner.graphs is None
-    # batch sizes 1, 2 and 4 are captured sizes: no padding, the same GEMM shapes
-    for batch in (prompts[:1], prompts[:2], prompts):
+    # 4 and 8 sequences: captured sizes that eager steps also pad to (rows to multiples of 4), so
+    # both paths run the same GEMM shapes and the same attention split count
+    for batch in (prompts[:4], prompts):
         assert _greedy(graphs, batch, 24) == _greedy(eager, batch, 24)
 
 
@@ -163,7 +166,7 @@ def test_triton_engine_matches_hf_transformers_on_gpu(
 
     path = tiny_model_factory(arch)
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
-    ours = _greedy(LLM(str(path), dtype="float32", max_model_len=512), prompts, 16)
+    ours = _greedy(LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory=1 << 28), prompts, 16)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for prompt, got in zip(prompts, ours, strict=True):
         ids = torch.tensor([prompt], device="cuda")

@@ -61,6 +61,11 @@ def paged_cache(
     return PagedCache(k_cache, v_cache, block_tables, keys, values)
 
 
+def past_32_bits(block_size: int, kv_heads: int, dim: int) -> int:
+    """A first block id whose offset (id x block stride) is just past 2**31 elements."""
+    return (1 << 31) // (block_size * kv_heads * dim) + 5
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
     """Float64 causal attention. q: (q_len, H, D); k, v: (ctx, KVH, D); query i sits at q_offset + i."""
     group = q.shape[1] // k.shape[1]

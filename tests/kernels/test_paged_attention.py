@@ -13,7 +13,7 @@ from kernels import reference
 from kernels.paged_attention import paged_decode_attention
 from kernels.split_kv import choose_num_splits
 from tests.kernels.devices import CUDA, DEVICE
-from tests.kernels.paged_cases import dense_attention, paged_cache
+from tests.kernels.paged_cases import dense_attention, paged_cache, past_32_bits
 
 GQA = [(4, 4), (8, 2), (7, 1)]  # (query heads, KV heads): ratios 1, 4 and 7
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -79,7 +79,7 @@ def test_split_kv_merge_is_exact_for_long_and_short_contexts(num_splits: int) ->
 
 def test_block_offsets_past_32_bits_are_addressed_correctly() -> None:
     # block stride 16 * 1 * 64 = 1024 elements: block ids from 2**21 put offsets past 2**31
-    _check_decode(4, 1, 64, 16, [40, 7], torch.float16, num_splits=2, first_block=(1 << 21) + 5)
+    _check_decode(4, 1, 64, 16, [40, 7], torch.float16, num_splits=2, first_block=past_32_bits(16, 1, 64))
 
 
 def test_padding_rows_with_no_context_give_zeros() -> None:
@@ -128,4 +128,6 @@ def test_split_count_depends_on_shape_only() -> None:
 @pytest.mark.parametrize("dim", [64, 128])
 def test_decode_on_gpu_in_half_precision(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
     _check_decode(heads, kv_heads, dim, 16, [1, 17, 500, 4100], dtype, num_splits=None)
-    _check_decode(heads, kv_heads, dim, 32, [3, 999], dtype, num_splits=7, first_block=(1 << 21) + 5)
+    _check_decode(
+        heads, kv_heads, dim, 32, [3, 999], dtype, num_splits=7, first_block=past_32_bits(32, kv_heads, dim)
+    )

@@ -12,7 +12,7 @@ import torch
 from kernels import reference
 from kernels.prefill_attention import paged_prefill_attention
 from tests.kernels.devices import CUDA, DEVICE
-from tests.kernels.paged_cases import dense_attention, paged_cache
+from tests.kernels.paged_cases import dense_attention, paged_cache, past_32_bits
 
 GQA = [(4, 4), (8, 2), (7, 1)]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -76,7 +76,7 @@ def test_long_cached_prefix_with_a_short_extension() -> None:
 
 
 def test_block_offsets_past_32_bits_are_addressed_correctly() -> None:
-    _check_prefill(4, 1, 64, 16, [(20, 13), (0, 9)], torch.float16, first_block=(1 << 21) + 5)
+    _check_prefill(4, 1, 64, 16, [(20, 13), (0, 9)], torch.float16, first_block=past_32_bits(16, 1, 64))
 
 
 def test_launcher_rejects_bad_arguments() -> None:
@@ -102,4 +102,6 @@ def test_launcher_rejects_bad_arguments() -> None:
 @pytest.mark.parametrize("dim", [64, 128])
 def test_prefill_on_gpu_in_half_precision(heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
     _check_prefill(heads, kv_heads, dim, 16, [*SHAPES, (3000, 700)], dtype)
-    _check_prefill(heads, kv_heads, dim, 32, [(20, 13), (0, 300)], dtype, first_block=(1 << 21) + 5)
+    _check_prefill(
+        heads, kv_heads, dim, 32, [(20, 13), (0, 300)], dtype, first_block=past_32_bits(32, kv_heads, dim)
+    )
