@@ -77,15 +77,13 @@ def paged_pool(
     return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device=device)
 
 
+def _shape(args: argparse.Namespace) -> tuple[int, int, int, int, torch.dtype, str]:
+    """(query heads, KV heads, head dim, block size 16, dtype, device) of this run."""
+    return args.heads, args.kv_heads, args.head_dim, 16, args.dtype, args.device
+
+
 def bench_decode(args: argparse.Namespace, peak_gbps: float | None) -> None:
-    heads, kv_heads, dim, bs, dtype, device = (
-        args.heads,
-        args.kv_heads,
-        args.head_dim,
-        16,
-        args.dtype,
-        args.device,
-    )
+    heads, kv_heads, dim, bs, dtype, device = _shape(args)
     elem = torch.tensor([], dtype=dtype).element_size()
     print(f"\ndecode attention: {heads} query / {kv_heads} KV heads, head_dim {dim}, block {bs}, {dtype}")
     columns = ("batch", 6), ("context", 8), ("triton ms", 10), ("GB/s", 8), ("% peak", 7), ("torch ms", 9)
@@ -111,14 +109,7 @@ def bench_decode(args: argparse.Namespace, peak_gbps: float | None) -> None:
 
 
 def bench_prefill(args: argparse.Namespace, peak_tflops: float | None) -> None:
-    heads, kv_heads, dim, bs, dtype, device = (
-        args.heads,
-        args.kv_heads,
-        args.head_dim,
-        16,
-        args.dtype,
-        args.device,
-    )
+    heads, kv_heads, dim, bs, dtype, device = _shape(args)
     print(f"\nprefill attention (fresh causal prompts): {heads}/{kv_heads} heads, head_dim {dim}, {dtype}")
     columns = ("seqs", 5), ("length", 7), ("triton ms", 10), ("TFLOP/s", 8), ("% peak", 7), ("sdpa ms", 8)
     print(" ".join(f"{name:>{width}}" for name, width in columns), f"{'sdpa/ours':>9}")

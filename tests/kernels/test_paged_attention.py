@@ -114,11 +114,12 @@ def test_launcher_rejects_bad_arguments() -> None:
         paged_decode_attention(q, c.k_cache, c.v_cache, c.block_tables, lens, 0.1, num_splits=0)
 
 
-def test_split_count_depends_on_shape_only() -> None:
+def test_split_count_keeps_slices_of_at_least_256_tokens_and_caps_the_interpreter() -> None:
     cpu = torch.device("cpu")
     assert choose_num_splits(4, 2, 100, cpu) == 1
-    assert choose_num_splits(4, 2, 100_000, cpu) == 4
-    assert choose_num_splits(4, 2, 1000, cpu) == choose_num_splits(4, 2, 1000, cpu)
+    assert choose_num_splits(4, 2, 256, cpu) == 1
+    assert choose_num_splits(4, 2, 257, cpu) == 2
+    assert choose_num_splits(4, 2, 100_000, cpu) == 4  # the interpreter pays per program
 
 
 @pytest.mark.gpu
