@@ -57,6 +57,21 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="never capture CUDA graphs for decode steps"
     )
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling draws from it)")
+    caps = parser.add_argument_group("per-request caps (HTTP 400 naming the parameter when exceeded)")
+    caps.add_argument("--max-prompts", type=int, default=32, help="prompts in one /v1/completions list")
+    caps.add_argument("--max-n", type=int, default=16, help="completions per prompt (n)")
+    caps.add_argument("--max-choices", type=int, default=128, help="prompts x n in one request")
+    caps.add_argument("--max-stop-strings", type=int, default=16, help="entries in stop")
+    caps.add_argument("--max-stop-string-len", type=int, default=256, help="characters in one stop string")
+    caps.add_argument(
+        "--max-logprobs", type=int, default=20, help="top_logprobs (chat) and logprobs (completions), <= 20"
+    )
+    parser.add_argument(
+        "--max-consecutive-step-failures",
+        type=int,
+        default=3,
+        help="failed steps in a row after which the engine gives up and the server exits non-zero",
+    )
 
 
 # flags whose meaning is the negation of an EngineConfig field
@@ -156,13 +171,81 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
     parser.add_argument(
-        "--enable-test-hooks", action="store_true", help="expose POST /debug/stall (tests only)"
+        "--enable-test-hooks",
+        action="store_true",
+        help="expose POST /debug/stall and /debug/fail-steps (tests only)",
+    )
+    http = parser.add_argument_group(
+        "HTTP limits (each also read from SWITCHBOARD_ENGINE_<NAME>, e.g. SWITCHBOARD_ENGINE_MAX_BODY_BYTES)"
+    )
+    http.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_env("max_body_bytes", int, None),
+        help="request body limit, checked before parsing (413); unset: max(2 MiB, 32 x max_model_len)",
+    )
+    http.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=_env("max_header_bytes", int, 32 * 1024),
+        help="request line + headers limit (431)",
+    )
+    http.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=_env("header_read_timeout", float, 10.0),
+        help="seconds a client may take to send its request head; then the connection is closed",
+    )
+    http.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=_env("body_read_timeout", float, 30.0),
+        help="seconds a client may take to send its body after the head (408)",
+    )
+    http.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=_env("limit_concurrency", int, 1024),
+        help="requests in progress; past it, 503 (connections: twice it; 0: unlimited)",
+    )
+    http.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=_env("timeout_keep_alive", int, 75),
+        help="seconds an idle keep-alive connection stays open (keep it above the gateway's 60)",
+    )
+    http.add_argument(
+        "--timeout-graceful-shutdown",
+        type=int,
+        default=_env("timeout_graceful_shutdown", int, 5),
+        help="after draining, seconds open connections get before they are closed",
     )
 
 
+def _env(name: str, kind: type[int] | type[float], fallback: float | None) -> float | None:
+    """An HTTP limit's default from SWITCHBOARD_ENGINE_<NAME>, else `fallback`."""
+    raw = os.environ.get(f"SWITCHBOARD_ENGINE_{name.upper()}")
+    if raw is None or not raw.strip():
+        return fallback
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SystemExit(f"error: SWITCHBOARD_ENGINE_{name.upper()} must be a number, got {raw!r}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from engine.http_limits import HTTPLimits
     from engine.server import ServerOptions, run_server
 
+    limits = HTTPLimits(
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        header_read_timeout=args.header_read_timeout,
+        body_read_timeout=args.body_read_timeout,
+        limit_concurrency=args.limit_concurrency or None,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+    )
     options = ServerOptions(
         host=args.host,
         port=args.port,
@@ -175,6 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         otlp_traces_endpoint=otlp_traces_endpoint(os.environ),
         otel_service_name=os.environ.get("OTEL_SERVICE_NAME") or "switchboard-engine",
+        limits=limits,
     )
     return run_server(_config(args), options)
 

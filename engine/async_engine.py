@@ -4,6 +4,11 @@ The thread owns the LLMEngine: every add and abort travels to it through a comma
 is applied between steps, so a request that arrives while others run joins the next step.
 Outputs travel back through `loop.call_soon_threadsafe` into one RequestStream per request,
 which keeps only the latest cumulative output (a slow reader gets several tokens at once).
+
+Prompts are tokenized and length-checked in a small worker pool before they reach the thread:
+a 16 MiB prompt used to hold every running request for 25 s. An unexpected error in a step
+fails the requests of that step and the loop goes on; after `max_consecutive_step_failures`
+failed steps in a row the engine is dead, and the server exits non-zero for its supervisor.
 """
 
 from __future__ import annotations
@@ -11,66 +16,43 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import enum
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from engine.config import EngineConfig
+from engine.engine_state import (
+    EngineDeadError,
+    EngineState,
+    EngineUnavailableError,
+    Health,
+    RequestFailedError,
+)
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, Prompt
+from engine.llm_engine import LLMEngine, PreparedPrompt, Prompt
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT = 0.25  # seconds the idle loop sleeps between heartbeats
 _ABORT_GRACE = 5.0  # seconds aborted requests get to deliver their final output when draining
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot take requests now (loading, draining, stalled or dead)."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop failed; requests in flight cannot finish."""
-
-
-class EngineState(enum.Enum):
-    """Life cycle of the engine as /health reports it."""
-
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    DEAD = "dead"
-
-
-@dataclass(frozen=True)
-class Health:
-    """What /health answers."""
-
-    state: str  # loading | ready | draining | stalled | stopped | dead
-    healthy: bool
-    detail: str
-    seconds_since_progress: float
+# Tokenizer workers: the Rust tokenizer releases the GIL, so a long prompt in one worker leaves
+# the others (and the event loop, and the step loop) running.
+_TOKENIZER_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
 class _Add:
     request_id: str
-    prompt: Prompt
+    prepared: PreparedPrompt
     params: SamplingParams
-    add_special_tokens: bool
     arrival_time: float
     done: concurrent.futures.Future[None]
 
@@ -78,58 +60,6 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
-
-
-class RequestStream:
-    """The outputs of one request, handed from the engine thread to its handler.
-
-    Only the latest cumulative output is kept, so a slow reader gets several tokens at once.
-    `close()` (also on an early exit) aborts the request if it has not finished.
-    """
-
-    def __init__(self, request_id: str, owner: AsyncLLMEngine) -> None:
-        self.request_id = request_id
-        self._owner = owner
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-        self.finished = False  # the reader has seen the final output
-        self.closed = False
-        self.on_final: Callable[[RequestOutput], None] | None = None  # e.g. tracing's phase spans
-
-    def put(self, output: RequestOutput) -> None:
-        """Replace the pending output (event-loop thread only)."""
-        self._latest = output
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        """End the stream with an error (event-loop thread only)."""
-        self._error = error
-        self._event.set()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            await self._event.wait()
-            self._event.clear()
-            if self._error is not None:
-                raise self._error
-            out = self._latest
-            assert out is not None
-            self.finished = out.finished
-            if self.finished and self.on_final is not None:
-                self.on_final(out)
-            yield out
-
-    def close(self) -> None:
-        """Stop reading: an unfinished request is aborted and its KV blocks freed."""
-        if self.closed:
-            return
-        self.closed = True
-        self._owner._release(self.request_id, abort=not self.finished)
-
-    async def aclose(self) -> None:
-        """`close()`, for `contextlib.aclosing` and friends."""
-        self.close()
 
 
 class AsyncLLMEngine:
@@ -149,7 +79,10 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._heartbeat = time.monotonic()
         self._stall_until = 0.0
+        self._fail_steps = 0  # test hook: how many coming steps raise
+        self._failures = 0  # failed steps in a row
         self._stopping = False
+        self._tokenizers: concurrent.futures.ThreadPoolExecutor | None = None
         self._idle = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -158,6 +91,9 @@ class AsyncLLMEngine:
         assert self._thread is None, "start() once"
         self._loop = asyncio.get_running_loop()
         self._idle.set()
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(
+            _TOKENIZER_WORKERS, thread_name_prefix="engine-tokenize"
+        )
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -196,6 +132,8 @@ class AsyncLLMEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._tokenizers is not None:
+            self._tokenizers.shutdown(wait=False, cancel_futures=True)
         if self._state is not EngineState.DEAD:
             self._state = EngineState.STOPPED
 
@@ -215,17 +153,30 @@ class AsyncLLMEngine:
         self._check_accepting()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self._release)
         self._streams[request_id] = stream
         self._idle.clear()
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, add_special_tokens, time.monotonic(), done))
+        arrival = time.monotonic()
         try:
+            prepared = await self._prepare(prompt, params, add_special_tokens)
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._commands.put(_Add(request_id, prepared, params, arrival, done))
+            # A cancelled wait (the client left) cancels `done`; the engine thread then skips the add.
             await asyncio.wrap_future(done)
         except BaseException:
             stream.close()
             raise
         return stream
+
+    async def _prepare(
+        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool
+    ) -> PreparedPrompt:
+        """Tokenize and check lengths in a worker thread: off the event loop and off the step loop."""
+        engine = self.engine
+        assert engine is not None and self._tokenizers is not None and self._loop is not None
+        return await self._loop.run_in_executor(
+            self._tokenizers, engine.prepare, prompt, params, add_special_tokens
+        )
 
     async def generate(
         self,
@@ -262,7 +213,7 @@ class AsyncLLMEngine:
         if state is EngineState.DRAINING:
             raise EngineUnavailableError("the server is shutting down", "engine_draining")
         if state is EngineState.DEAD:
-            raise EngineUnavailableError(f"the engine failed: {self._error}", "engine_dead")
+            raise EngineUnavailableError("the engine failed and is restarting; retry shortly", "engine_dead")
         raise EngineUnavailableError("the engine is stopped", "engine_stopped")
 
     # -------------------------------------------------------------------- health
@@ -286,9 +237,18 @@ class AsyncLLMEngine:
             EngineState.LOADING: "loading the model",
             EngineState.DRAINING: "shutting down: finishing requests in flight",
             EngineState.STOPPED: "stopped",
-            EngineState.DEAD: f"the engine failed: {self._error}",
+            EngineState.DEAD: f"the engine failed ({self._error}); see the server log",
         }[state]
         return Health(state.value, False, detail, since)
+
+    def fail_steps(self, count: int) -> None:
+        """Test hook: make the next `count` steps raise (as a device error would)."""
+        self._fail_steps = count
+
+    @property
+    def is_dead(self) -> bool:
+        """The engine cannot serve any more: loading or the step loop failed, or its thread is gone."""
+        return self.health().state == "dead"
 
     def stall_for(self, seconds: float) -> None:
         """Test hook: make the step loop hang for `seconds` (as a stuck step would)."""
@@ -299,9 +259,9 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
-        except Exception as exc:
+        except Exception:
             logger.exception("loading the model failed")
-            self._error = f"loading failed: {exc}"
+            self._error = "loading failed"
             self._state = EngineState.DEAD
             return
         self._heartbeat = time.monotonic()
@@ -309,9 +269,9 @@ class AsyncLLMEngine:
         logger.info("engine ready: %s", self.model_name)
         try:
             self._loop_forever(self.engine)
-        except Exception as exc:
-            logger.exception("the engine step loop failed")
-            self._error = f"{type(exc).__name__}: {exc}"
+        except Exception:
+            logger.exception("the engine step loop failed; the engine is dead")
+            self._error = "the step loop failed"
             self._state = EngineState.DEAD
             self._fail_all(EngineDeadError(self._error))
             self._reject_until_stopped(EngineDeadError(self._error))
@@ -320,7 +280,7 @@ class AsyncLLMEngine:
         """A dead loop still answers the command queue, so that no caller waits forever."""
         while not self._stopping:
             cmd = self._commands.get()
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
                 cmd.done.set_exception(error)
             elif cmd is None:
                 self._stopping = True
@@ -333,14 +293,52 @@ class AsyncLLMEngine:
                 time.sleep(self._stall_until - time.monotonic())
                 continue
             if engine.has_unfinished_requests():
-                outputs = engine.step()
-                now = time.monotonic()
-                self.metrics.record_outputs(outputs, now)
-                self.metrics.record_stats(engine.stats())
-                if outputs:
-                    self._deliver(outputs)
+                self._step(engine)
         for request_id in engine.unfinished_request_ids():
             self._abort(engine, request_id)
+
+    def _step(self, engine: LLMEngine) -> None:
+        """One step; if it raises, its requests fail and the loop goes on, until too many in a row."""
+        engine.step_request_ids = []  # step() fills it once scheduled; still empty: fail them all
+        try:
+            if self._fail_steps > 0:
+                self._fail_steps -= 1
+                raise RuntimeError("test hook: failing this step")
+            outputs = engine.step()
+        except Exception:
+            self._failures += 1
+            if self._failures >= self.config.max_consecutive_step_failures:
+                raise  # _run marks the engine dead
+            logger.exception("a step failed (%d in a row); failing its requests", self._failures)
+            self._fail_step_requests(engine)
+            return
+        self._failures = 0
+        now = time.monotonic()
+        self.metrics.record_outputs(outputs, now)
+        self.metrics.record_stats(engine.stats())
+        if outputs:
+            self._deliver(outputs)
+
+    def _fail_step_requests(self, engine: LLMEngine) -> None:
+        """Drop the requests the failed step ran (all unfinished ones when scheduling itself failed)."""
+        request_ids = engine.step_request_ids or engine.unfinished_request_ids()
+        for request_id in request_ids:
+            out = engine.abort_request(request_id)  # frees its blocks
+            if out is not None:
+                self.metrics.record_aborted(out, time.monotonic())
+        self.metrics.record_stats(engine.stats())
+        error = RequestFailedError("a step of this request failed")
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._fail_in_loop, request_ids, error)
+
+    def _fail_in_loop(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.fail(error)
+        if not self._streams:
+            self._idle.set()
 
     def _apply_commands(self, engine: LLMEngine, block: bool) -> None:
         try:
@@ -361,11 +359,16 @@ class AsyncLLMEngine:
                 return
 
     def _add(self, engine: LLMEngine, cmd: _Add) -> None:
+        # False when the caller already gave up (its wait was cancelled): setting a result on a
+        # cancelled future raises InvalidStateError, which used to kill this loop.
+        if not cmd.done.set_running_or_notify_cancel():
+            return
         try:
-            engine.add_request(
-                cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.add_special_tokens
-            )
-        except ValueError as exc:
+            engine.add_prepared(cmd.request_id, cmd.prepared, cmd.params, cmd.arrival_time)
+        except Exception as exc:  # a ValueError is the request's fault; anything else fails just this add
+            if not isinstance(exc, ValueError):
+                logger.exception("adding request %s failed", cmd.request_id)
+                exc = RequestFailedError("the engine could not admit this request")
             cmd.done.set_exception(exc)
             return
         cmd.done.set_result(None)
@@ -405,13 +408,3 @@ class AsyncLLMEngine:
 
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(fail)
-
-
-def describe(health: Health) -> dict[str, Any]:
-    """Health as a JSON body."""
-    return {
-        "status": health.state,
-        "healthy": health.healthy,
-        "detail": health.detail,
-        "seconds_since_progress": round(health.seconds_since_progress, 3),
-    }

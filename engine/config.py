@@ -10,6 +10,14 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_POSITIVE = (
+    "max_prompts",
+    "max_n",
+    "max_choices",
+    "max_stop_strings",
+    "max_stop_string_len",
+    "max_consecutive_step_failures",
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,17 @@ class EngineConfig:
     batch_invariant: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Per-request caps, checked when a request is admitted (HTTP 400 naming the parameter).
+    # They bound the work and memory one request can claim; the defaults allow what OpenAI does
+    # for everything except `n` (OpenAI: 128) and `stop` (OpenAI: 4).
+    max_prompts: int = 32  # prompts in one /v1/completions `prompt` list
+    max_n: int = 16  # completions per prompt (`n`)
+    max_choices: int = 128  # prompts x n in one request
+    max_stop_strings: int = 16  # entries in `stop`
+    max_stop_string_len: int = 256  # characters in one stop string
+    max_logprobs: int = 20  # `top_logprobs` (chat) and `logprobs` (completions); OpenAI: 20 and 5
+    # Consecutive failed steps after which the engine gives up (the server then exits non-zero).
+    max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -57,6 +76,11 @@ class EngineConfig:
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in _POSITIVE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine.stop_strings import StopStringMatcher
+
 # Decoding a short window of earlier tokens with the new ones lets byte-level BPE pieces and
 # leading-space markers resolve exactly as a full decode would, at O(window) cost per token.
 _CONTEXT_TOKENS = 5
@@ -24,8 +26,8 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stop_strings = stop_strings
-        self._max_stop_len = max((len(s) for s in stop_strings), default=0)
+        # stop strings are matched as text arrives: work per new character, not per text length
+        self._stops = StopStringMatcher(stop_strings) if stop_strings else None
         self.text = ""
         self.stopped_on: str | None = None
 
@@ -54,20 +56,17 @@ class IncrementalDetokenizer:
     def _append(self, delta: str, check_stop: bool = True) -> str | None:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        start = max(0, len(self.text) - self._max_stop_len + 1)
+        before = len(self.text)
         self.text += delta
-        if not self._stop_strings or not check_stop:
+        if self._stops is None:
             return None
-        best: tuple[int, str] | None = None
-        for stop in self._stop_strings:
-            pos = self.text.find(stop, start)
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        if best is None:
+        match = self._stops.feed(delta, report=check_stop)
+        if match is None:
             return None
-        self.text = self.text[: best[0]]
-        self.stopped_on = best[1]
-        return best[1]
+        start, stop = match
+        self.text = self.text[: before + start]
+        self.stopped_on = stop
+        return stop
 
     @property
     def stable_text_len(self) -> int:
@@ -75,12 +74,6 @@ class IncrementalDetokenizer:
 
         A suffix that is the start of a stop string is held back until it is decided.
         """
-        if self.stopped_on is not None or not self._stop_strings:
+        if self.stopped_on is not None or self._stops is None:
             return len(self.text)
-        held = 0
-        for stop in self._stop_strings:
-            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:k]):
-                    held = k
-                    break
-        return len(self.text) - held
+        return len(self.text) - self._stops.held

@@ -18,6 +18,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCac
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.prompt_length import tokens_at_least
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -41,6 +42,15 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt that passed admission checks: its text, token ids and the completion's token bound."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    max_tokens: int
 
 
 @dataclass
@@ -76,6 +86,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
+        self.step_request_ids: list[str] = []  # requests the current (or last) step runs
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -91,16 +102,37 @@ class LLMEngine:
         `add_special_tokens=False` is for text that already holds them (a rendered chat template).
         """
         params = params or SamplingParams()
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.add_prepared(request_id, self.prepare(prompt, params, add_special_tokens), params, arrival_time)
+
+    def prepare(
+        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
+    ) -> PreparedPrompt:
+        """Tokenize and check lengths; raises an InvalidRequestError subclass when it cannot run.
+
+        Safe to call from any thread (it reads only what loading fixed), so the server runs it in a
+        worker: a long prompt never holds up the step loop.
+        """
         prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(prompt_ids), params)
+        return PreparedPrompt(prompt_text, prompt_ids, max_tokens)
+
+    def add_prepared(
+        self,
+        request_id: str,
+        prepared: PreparedPrompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request `prepare()` accepted (step-loop thread only)."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids, max_tokens = prepared.prompt_token_ids, prepared.max_tokens
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [
             self._new_sequence(request_id, i, prompt_ids, params, max_tokens, arrival)
             for i in range(params.n)
         ]
-        self._requests[request_id] = _Request(request_id, prompt_text, prompt_ids, seqs, arrival)
+        self._requests[request_id] = _Request(request_id, prepared.prompt, prompt_ids, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -108,12 +140,20 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
+            at_least = tokens_at_least(self.tokenizer, prompt, self.max_model_len)
+            if at_least is not None:
+                raise ContextLengthExceededError(
+                    f"This model's maximum context length is {self.max_model_len} tokens, "
+                    f"but the prompt has at least {at_least} tokens"
+                )
             ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
             text: str | None = prompt
         else:
             ids, text = list(prompt), None
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            return text, ids  # _check_lengths rejects it; no need to look at every id
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -225,7 +265,10 @@ class LLMEngine:
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of requests that made progress."""
+        self.step_request_ids = []
         sched = self.scheduler.schedule()
+        # the requests this step runs: if the step raises, they are the ones to fail
+        self.step_request_ids = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
         if sched.is_empty:
             return []
         logits = self.runner.execute(sched.scheduled)

@@ -13,6 +13,13 @@ from engine.sequence import Logprob
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
+# A slow reader gets many tokens at once; they go out as several events of at most this much, so
+# no SSE line grows without bound (clients cap lines: aiohttp, under the gateway, at 512 KiB).
+# Worst case per event: 8192 characters escaped to 6 bytes each, plus 16 tokens x 21 logprob
+# entries of a long token: well under 256 KiB.
+MAX_EVENT_TOKENS = 16
+MAX_EVENT_CHARS = 8192
+
 
 def dumps(obj: Any) -> bytes:
     """Compact JSON, UTF-8, non-ASCII kept as is."""
@@ -25,6 +32,37 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def event_pieces(text: str, num_tokens: int) -> list[tuple[str, int, int]]:
+    """A delta of `text` and `num_tokens` tokens cut into events: (text piece, first token, end token).
+
+    Empty when there is nothing to send. Token ranges index the delta's tokens (for logprobs).
+    """
+    count = max(-(-len(text) // MAX_EVENT_CHARS), -(-num_tokens // MAX_EVENT_TOKENS))
+    return [
+        (
+            text[i * MAX_EVENT_CHARS : (i + 1) * MAX_EVENT_CHARS],
+            min(i * MAX_EVENT_TOKENS, num_tokens),
+            min((i + 1) * MAX_EVENT_TOKENS, num_tokens),
+        )
+        for i in range(count)
+    ]
+
+
+def text_pieces(text: str) -> list[str]:
+    """`text` in pieces of at most MAX_EVENT_CHARS (at least one piece)."""
+    return [text[i : i + MAX_EVENT_CHARS] for i in range(0, len(text), MAX_EVENT_CHARS)] or [text]
+
+
+def slice_completion_logprobs(logprobs: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+    """Tokens [start:end) of legacy completions logprobs (every list is per token)."""
+    return {key: values[start:end] for key, values in logprobs.items()}
+
+
+def error_event(error: APIError) -> bytes:
+    """The SSE event that ends a stream with an error, in OpenAI's error format."""
+    return sse(error.body())
 
 
 @dataclass

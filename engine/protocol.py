@@ -34,6 +34,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Errors whose text is fixed: the client learns what happened, never an internal detail (that goes
+# to the server log).
+REQUEST_FAILED = APIError(
+    500, "The engine failed while running this request; retry it", "server_error", code="engine_error"
+)
+ENGINE_DEAD = APIError(
+    503, "The engine failed and is restarting; retry shortly", "service_unavailable", code="engine_dead"
+)
+INTERNAL_ERROR = APIError(500, "Internal server error", "server_error", code="internal_error")
+
+
 class StreamOptions(BaseModel):
     """`stream_options`: only `include_usage` changes anything."""
 

@@ -1,4 +1,4 @@
-"""The engine's OpenAI-compatible HTTP server: routes, error mapping, graceful shutdown."""
+"""The engine's OpenAI-compatible HTTP server: routes, error mapping, limits, graceful shutdown."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,12 +20,23 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineUnavailableError, describe
+from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
+from engine.engine_state import EngineDeadError, EngineUnavailableError, RequestFailedError, describe
+from engine.h11_protocol import limited_h11_protocol
+from engine.http_limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
 from engine.metrics import CONTENT_TYPE
 from engine.openai_format import dumps
-from engine.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from engine.protocol import (
+    ENGINE_DEAD,
+    INTERNAL_ERROR,
+    REQUEST_FAILED,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
 from engine.serving import OpenAIServing
 
 if TYPE_CHECKING:  # imported only when tracing is on
@@ -34,6 +45,10 @@ if TYPE_CHECKING:  # imported only when tracing is on
 logger = logging.getLogger(__name__)
 
 _Req = TypeVar("_Req", bound=BaseModel)
+
+# Bodies above this are parsed in a worker thread, so a few MiB of JSON do not hold the event loop.
+_PARSE_INLINE_BYTES = 64 * 1024
+_DEAD_CHECK_INTERVAL = 0.5  # seconds between checks that the engine can still serve
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,7 @@ class ServerOptions:
     log_level: str = "info"
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL; None: tracing off
     otel_service_name: str = "switchboard-engine"
+    limits: HTTPLimits = field(default_factory=HTTPLimits)
 
 
 def served_names(config: EngineConfig, options: ServerOptions) -> list[str]:
@@ -69,11 +85,15 @@ def create_app(
     enable_test_hooks: bool = False,
     api_key: str | None = None,
     tracing: EngineTracing | None = None,
+    limits: HTTPLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread (the model loads in the background).
 
     `tracing`: spans for the completion routes (None: off, and no span is created).
+    `limits`: body and header sizes and the body read timeout are enforced here (the rest in
+    `run_server`).
     """
+    limits = limits or HTTPLimits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +112,17 @@ def create_app(
     _add_routes(app, engine, app.state.serving, _key_check(api_key), tracing)
     if enable_test_hooks:
         _add_test_hooks(app, engine)
+
+    def body_limit() -> int:
+        return limits.body_limit(engine.engine.max_model_len if engine.engine is not None else None)
+
+    app.add_middleware(
+        RequestSizeMiddleware,
+        limit=body_limit,
+        read_timeout=limits.body_read_timeout,
+        max_header_bytes=limits.max_header_bytes,
+    )
+    app.add_middleware(ConcurrencyLimit, limit=limits.limit_concurrency)  # outermost: refuses unread
     return app
 
 
@@ -188,7 +219,7 @@ def _error_status(exc: BaseException) -> tuple[int, str]:
         return 499, "client_disconnected"
     if isinstance(exc, EngineDeadError):
         return 500, "engine_dead"
-    return 500, type(exc).__name__
+    return 500, "engine_error"
 
 
 def _add_test_hooks(app: FastAPI, engine: AsyncLLMEngine) -> None:
@@ -202,6 +233,16 @@ def _add_test_hooks(app: FastAPI, engine: AsyncLLMEngine) -> None:
         engine.stall_for(float(seconds))
         return _json({"stalled_for": seconds})
 
+    @app.post("/debug/fail-steps")
+    async def fail_steps(request: Request) -> Response:
+        """Test hook: make the next `steps` engine steps raise."""
+        body = await _json_body(request)
+        steps = body.get("steps") if isinstance(body, dict) else None
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= 1000:
+            raise APIError(400, "'steps' must be an integer in [0, 1000]", param="steps")
+        engine.fail_steps(steps)
+        return _json({"failing_steps": steps})
+
 
 async def _json_body(request: Request) -> Any:
     try:
@@ -213,9 +254,11 @@ async def _json_body(request: Request) -> Any:
 
 
 async def _parse(request: Request, model: type[_Req]) -> _Req:
-    body = await request.body()
+    body = await request.body()  # already read, and bounded, by RequestSizeMiddleware
     try:
-        return model.model_validate_json(body)
+        if len(body) <= _PARSE_INLINE_BYTES:
+            return model.model_validate_json(body)
+        return await asyncio.to_thread(model.model_validate_json, body)
     except ValidationError as exc:
         raise validation_error(exc) from exc
 
@@ -248,12 +291,21 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        disconnected = watcher.done() and not watcher.cancelled()
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        watcher.cancel()
+            # cancel() only asks: wait until it lands (reading the result before raised
+            # InvalidStateError), then look at what the work ended with
+            await asyncio.wait({task})
     if task.cancelled():
         raise ClientDisconnectedError()
-    return task.result()
+    result = task.result()  # the work's own error, if any, propagates
+    if disconnected and not isinstance(result, dict):
+        # the work finished as the client left: nobody will read the stream, so close it now
+        await result.aclose()  # type: ignore[attr-defined]
+        raise ClientDisconnectedError()
+    return result
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -271,9 +323,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _json(APIError(503, str(exc), "service_unavailable", code=exc.code).body(), 503)
 
     async def dead(_: Request, exc: Exception) -> Response:
-        return _json(
-            APIError(500, f"the engine failed: {exc}", "server_error", code="engine_dead").body(), 500
-        )
+        return _json(ENGINE_DEAD.body(), ENGINE_DEAD.status)
+
+    async def failed(_: Request, exc: Exception) -> Response:
+        return _json(REQUEST_FAILED.body(), REQUEST_FAILED.status)
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette logs the traceback too; the client gets no internal text.
+        logger.error("unexpected error on %s: %s", request.url.path, type(exc).__name__)
+        return _json(INTERNAL_ERROR.body(), INTERNAL_ERROR.status)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -287,6 +345,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(EngineUnavailableError, unavailable)
     app.add_exception_handler(EngineDeadError, dead)
+    app.add_exception_handler(RequestFailedError, failed)
+    app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientDisconnectedError, disconnected)
 
@@ -294,7 +354,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 class DrainingServer(uvicorn.Server):
     """uvicorn, but SIGTERM/SIGINT first drains: 503 for new work, requests in flight finish, exit 0.
 
-    A second signal exits at once.
+    A second signal exits at once. If the engine dies (loading or the step loop failed, or its
+    thread is gone), the server stops and `engine_died` is set: the process exits non-zero so
+    that its supervisor restarts it; /health answers 503 until then.
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float) -> None:
@@ -303,11 +365,25 @@ class DrainingServer(uvicorn.Server):
         self._drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self.engine_died = False
 
     async def serve(self, sockets: Any = None) -> None:
-        """Remember the event loop so signal handlers can schedule the drain on it."""
+        """Remember the event loop so signal handlers can schedule the drain on it; watch the engine."""
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = asyncio.ensure_future(self._watch_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+
+    async def _watch_engine(self) -> None:
+        while not self.should_exit:
+            await asyncio.sleep(_DEAD_CHECK_INTERVAL)
+            if self._engine.is_dead:
+                logger.critical("the engine cannot serve any more: exiting for a restart")
+                self.engine_died = True
+                self.should_exit = True
+                return
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: drain. Second: exit now. (Not re-raised, so the exit code stays 0.)"""
@@ -335,15 +411,22 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
 
         logger.info("exporting traces to %s as %s", options.otlp_traces_endpoint, options.otel_service_name)
         tracing = otlp_tracing(options.otlp_traces_endpoint, options.otel_service_name)
-    app = create_app(engine, names, options.enable_test_hooks, options.api_key, tracing)
+    limits = options.limits
+    app = create_app(engine, names, options.enable_test_hooks, options.api_key, tracing, limits)
     uv_config = uvicorn.Config(
         app,
         host=options.host,
         port=options.port,
         log_level=options.log_level,
         access_log=options.access_log,
-        timeout_graceful_shutdown=5,
+        http=limited_h11_protocol(limits.header_read_timeout),
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        limit_concurrency=limits.connection_limit,
+        timeout_keep_alive=limits.timeout_keep_alive,
+        timeout_graceful_shutdown=limits.timeout_graceful_shutdown,
     )
     server = DrainingServer(uv_config, engine, options.shutdown_timeout)
     server.run()
+    if server.engine_died:
+        return 3
     return 0 if server.started else 1

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from engine.async_engine import AsyncLLMEngine, RequestStream
+from jinja2 import TemplateError
+
+from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
+from engine.event_stream import EventStream, close_all, last_output, merged
 from engine.openai_format import (
     SSE_DONE,
     Call,
     aborted_event,
     chat_logprobs,
     completion_logprobs,
+    event_pieces,
     raise_if_aborted,
     response_head,
+    slice_completion_logprobs,
     sse,
     text_choice,
+    text_pieces,
     usage,
 )
 from engine.outputs import CompletionOutput, RequestOutput
@@ -33,10 +40,19 @@ from engine.protocol import (
     completion_prompts,
     load_generation_defaults,
 )
+from engine.request_limits import check_request_limits
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported only when tracing is on
     from engine.tracing import RequestSpan
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's and vLLM's default for /v1/completions without max_tokens (chat: the rest of the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Chat text above this many characters is rendered in a worker thread, not on the event loop.
+_RENDER_INLINE_CHARS = 64 * 1024
 
 
 class OpenAIServing:
@@ -127,33 +143,33 @@ class OpenAIServing:
             raise APIError(400, text, param=param, code=exc.code) from exc
 
     # ------------------------------------------------------------------- chat
-    def render_chat(self, req: ChatCompletionRequest) -> str:
-        """The conversation through the model's own chat template."""
+    async def render_chat(self, req: ChatCompletionRequest) -> str:
+        """The conversation through the model's own chat template (long ones in a worker thread)."""
         messages = chat_messages(req.messages)
         tokenizer = self._tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # the template's own checks (e.g. role order) raise jinja errors
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return str(text)
+        if sum(len(m["content"]) for m in messages) <= _RENDER_INLINE_CHARS:
+            return _render(tokenizer, messages)
+        return await asyncio.to_thread(_render, tokenizer, messages)
 
     async def chat(
         self, req: ChatCompletionRequest, span: RequestSpan | None = None
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A chat completion: the whole response, or an SSE byte stream when `stream` is set."""
         model = self.resolve_model(req.model)
-        prompt = self.render_chat(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
+        check_request_limits(self.engine.config, 1, req.n or 1, req.stop_strings(), top, "top_logprobs")
+        prompt = await self.render_chat(req)
+        # absent: the rest of the context, as vLLM does for chat
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, top)
         call = Call(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion")
         stream = await self._start(call.id, prompt, params, False, span)
         if req.stream:
-            return _closing(self._chat_events(call, stream, params, top, req.include_usage), [stream])
+            return EventStream(self._chat_events(call, stream, params, top, req.include_usage), [stream])
         try:
-            final = await _last(stream)
+            final = await last_output(stream)
         finally:
             stream.close()
         raise_if_aborted(final)
@@ -200,8 +216,10 @@ class OpenAIServing:
                     return
                 text, first_token = sent.advance(c)
                 logprobs = chat_logprobs(c, first_token, top) if top is not None else None
-                if text or (logprobs and logprobs["content"]):
-                    yield chunk(c.index, {"content": text}, logprobs)
+                entries = logprobs["content"] if logprobs is not None else []
+                for piece, start, end in event_pieces(text, len(entries)):
+                    piece_logprobs = {"content": entries[start:end]} if logprobs is not None else None
+                    yield chunk(c.index, {"content": piece}, piece_logprobs)
                 if c.finish_reason is not None:
                     sent.finished[c.index] = True
                     yield chunk(c.index, {}, finish=c.finish_reason)
@@ -216,7 +234,12 @@ class OpenAIServing:
         """A text completion for one or several prompts (choices indexed prompt-major)."""
         model = self.resolve_model(req.model)
         prompts = completion_prompts(req.prompt)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        n = req.n or 1
+        check_request_limits(
+            self.engine.config, len(prompts), n, req.stop_strings(), req.logprobs, "logprobs"
+        )
+        max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        params = self.sampling_params(req, max_tokens, req.logprobs)
         call = Call(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, "text_completion")
         streams: list[RequestStream] = []
         try:
@@ -225,14 +248,16 @@ class OpenAIServing:
                 streams.append(await self._start(request_id, prompt, params, True, span))
             echo = [self._echo_text(p) for p in prompts] if req.echo else None
         except BaseException:
-            _close_all(streams)
+            close_all(streams)
             raise
         if req.stream:
-            return _closing(self._completion_events(call, streams, params, echo, req.include_usage), streams)
+            return EventStream(
+                self._completion_events(call, streams, params, echo, req.include_usage), streams
+            )
         try:
-            finals = list(await asyncio.gather(*(_last(s) for s in streams)))
+            finals = list(await asyncio.gather(*(last_output(s) for s in streams)))
         finally:
-            _close_all(streams)
+            close_all(streams)
         choices = []
         for k, final in enumerate(finals):
             raise_if_aborted(final)
@@ -273,8 +298,9 @@ class OpenAIServing:
         if echo is not None:
             for k, text in enumerate(echo):
                 for i in range(n):
-                    yield sse({**head, "choices": [text_choice(k * n + i, text, None, None)], **extra})
-        async for k, out in _merge(streams):
+                    for piece in text_pieces(text):
+                        yield sse({**head, "choices": [text_choice(k * n + i, piece, None, None)], **extra})
+        async for k, out in merged(streams):
             finals[k] = out
             for c in out.outputs:
                 if sent[k].finished[c.index]:
@@ -288,8 +314,17 @@ class OpenAIServing:
                     logprobs = completion_logprobs(c, first_token, offsets[k][c.index], params.logprobs)
                     offsets[k][c.index] += len(text)
                 finish = c.finish_reason
-                if text or finish is not None or (logprobs and logprobs["tokens"]):
-                    choice = text_choice(k * n + c.index, text, logprobs, finish)
+                pieces = event_pieces(text, len(logprobs["tokens"]) if logprobs is not None else 0)
+                if not pieces and finish is not None:
+                    pieces = [("", 0, 0)]
+                for j, (piece, start, end) in enumerate(pieces):
+                    piece_logprobs = (
+                        slice_completion_logprobs(logprobs, start, end) if logprobs is not None else None
+                    )
+                    last_piece = j == len(pieces) - 1
+                    choice = text_choice(
+                        k * n + c.index, piece, piece_logprobs, finish if last_piece else None
+                    )
                     yield sse({**head, "choices": [choice], **extra})
                 if finish is not None:
                     sent[k].finished[c.index] = True
@@ -316,58 +351,9 @@ class _Progress:
         return text, first_token
 
 
-async def _closing(events: AsyncIterator[bytes], streams: list[RequestStream]) -> AsyncIterator[bytes]:
-    """Pass SSE events through; however the response ends, its requests are closed (aborted if unfinished)."""
+def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     try:
-        async for event in events:
-            yield event
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-        _close_all(streams)
-
-
-def _close_all(streams: list[RequestStream]) -> None:
-    for stream in streams:
-        stream.close()
-
-
-async def _last(outputs: RequestStream) -> RequestOutput:
-    last = None
-    async for out in outputs:
-        last = out
-    assert last is not None and last.finished
-    return last
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's position."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    q: asyncio.Queue[tuple[int, RequestOutput] | tuple[int, BaseException] | None] = asyncio.Queue()
-
-    async def pump(k: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                await q.put((k, out))
-        except Exception as exc:
-            await q.put((k, exc))
-        finally:
-            await q.put(None)
-
-    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await q.get()
-            if item is None:
-                remaining -= 1
-                continue
-            k, value = item
-            if isinstance(value, BaseException):
-                raise value
-            yield k, value
-    finally:
-        for t in tasks:
-            t.cancel()
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # the template's own checks (e.g. role order): the client's to fix
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    return str(text)

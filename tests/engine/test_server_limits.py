@@ -1,0 +1,317 @@
+"""The engine server as a hostile client meets it: body and header limits, slow clients, request caps,
+huge prompts, failing steps and disconnects at every phase (a live subprocess)."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.engine.server_proc import ServerProcess
+
+BODY_LIMIT = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(
+        tiny_chat_model,
+        "--enable-test-hooks",
+        "--kv-cache-memory",
+        str(64 << 20),
+        "--no-access-log",
+        "--max-body-bytes",
+        str(BODY_LIMIT),
+        "--max-header-bytes",
+        "8192",
+        "--header-read-timeout",
+        "1",
+        "--body-read-timeout",
+        "1",
+        "--max-prompts",
+        "4",
+        "--max-n",
+        "4",
+        "--max-choices",
+        "8",
+        "--max-stop-strings",
+        "3",
+        "--max-stop-string-len",
+        "10",
+        "--max-logprobs",
+        "5",
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _error(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return dict(body["error"])
+
+
+def _clean_log(server: ServerProcess, since: int) -> None:
+    out = server.output()[since:]
+    for bad in ("Traceback", "InvalidStateError", "Exception in ASGI", "ERROR"):
+        assert bad not in out, out[-3000:]
+
+
+def _reply(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """Read one HTTP response with a Content-Length as (status, JSON body)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _length(data):
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def _length(data: bytes) -> int:
+    for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
+
+
+@pytest.mark.parametrize(
+    "route", ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /debug/stall"]
+)
+def test_a_declared_body_over_the_limit_is_413_before_a_byte_is_read(
+    server: ServerProcess, route: str
+) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        # no body follows: the answer cannot depend on reading it
+        sock.sendall(f"{route} HTTP/1.1\r\nHost: x\r\nContent-Length: {BODY_LIMIT + 1}\r\n\r\n".encode())
+        status, body = _reply(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_chunked_body_is_counted_and_refused_at_the_limit(server: ServerProcess) -> None:
+    chunk = b" " * (64 << 10)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            while sent < 4 * BODY_LIMIT and not select.select([sock], [], [], 0)[0]:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, body = _reply(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert BODY_LIMIT <= sent < 4 * BODY_LIMIT  # answered before the whole body (socket buffers aside)
+
+
+def test_headers_over_the_limit_are_431_in_openai_format(server: ServerProcess) -> None:
+    r = httpx.get(f"{server.base_url}/health", headers={"x-padding": "a" * 10_000})
+    assert r.status_code == 431 and _error(r)["code"] == "request_header_fields_too_large"
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_a_request_head_sent_too_slowly_is_cut_off(server: ServerProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+        start = time.monotonic()
+        assert sock.recv(1024) == b""  # closed by the server
+        assert 0.5 < time.monotonic() - start < 4
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        start = time.monotonic()
+        assert sock.recv(1024) == b""  # a connection that sends nothing is closed too
+        assert time.monotonic() - start < 4
+
+
+def test_a_body_sent_too_slowly_is_408(server: ServerProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        status, body = _reply(sock)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param"),
+    [
+        ("completions", {"prompt": ["a", "b", "c", "d", "e"]}, "prompt"),
+        ("completions", {"prompt": "a", "n": 5}, "n"),
+        ("completions", {"prompt": ["a", "b", "c"], "n": 3}, "n"),
+        ("completions", {"prompt": "a", "stop": ["1", "2", "3", "4"]}, "stop"),
+        ("completions", {"prompt": "a", "stop": "x" * 11}, "stop"),
+        ("completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 5}, "n"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "stop": ["1"] * 4}, "stop"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 6},
+            "top_logprobs",
+        ),
+    ],
+)
+def test_requests_over_a_cap_are_400_naming_the_parameter(
+    server: ServerProcess, route: str, fields: dict[str, Any], param: str
+) -> None:
+    r = httpx.post(f"{server.base_url}/v1/{route}", json={"max_tokens": 2, **fields}, timeout=30)
+    assert r.status_code == 400
+    err = _error(r)
+    assert err["param"] == param and err["code"] == "limit_exceeded" and "at most" in err["message"]
+
+
+def test_requests_at_the_caps_are_served(server: ServerProcess) -> None:
+    body = {"prompt": ["a", "b"], "n": 4, "stop": ["1", "2", "x" * 10], "logprobs": 5, "max_tokens": 2}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+
+
+def test_completions_without_max_tokens_stop_at_16_tokens(server: ServerProcess) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "go", "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_a_huge_prompt_is_rejected_without_stalling_other_streams(server: ServerProcess) -> None:
+    gaps: list[tuple[float, float]] = []  # (previous event, this event) of the streams meanwhile
+    done = threading.Event()
+
+    def stream_meanwhile() -> None:
+        body = {"prompt": "count", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        while not done.is_set():
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+                last = None
+                for line in r.iter_lines():
+                    now = time.monotonic()
+                    if line and last is not None:
+                        gaps.append((last, now))
+                    last = now
+
+    streamer = threading.Thread(target=stream_meanwhile)
+    streamer.start()
+    try:
+        time.sleep(0.3)
+        huge = "lorem ipsum dolor sit amet, consectetur " * 90_000  # 3.6 MB: ~3 s to tokenize whole
+        start = time.monotonic()
+        r = httpx.post(
+            f"{server.base_url}/v1/completions", json={"prompt": huge, "max_tokens": 1}, timeout=60
+        )
+        took = time.monotonic() - start
+    finally:
+        done.set()
+        streamer.join(60)
+    assert r.status_code == 400 and _error(r)["code"] == "context_length_exceeded"
+    during = [b - a for a, b in gaps if b > start and a < start + took]  # gaps overlapping the huge one
+    assert during, "no stream ran while the huge prompt was handled"
+    # before: one gap as long as tokenizing all of it (~3 s here); the bound leaves room for a busy CI
+    assert max(during) < 1.5 and took < 1.5, (max(during), took)
+
+
+def test_a_failed_step_answers_generic_errors_and_the_server_goes_on(server: ServerProcess) -> None:
+    url = server.base_url
+    httpx.post(f"{url}/debug/fail-steps", json={"steps": 1}).raise_for_status()
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 500
+    err = _error(r)
+    assert err["code"] == "engine_error" and "hook" not in err["message"]
+    httpx.post(f"{url}/debug/fail-steps", json={"steps": 1}).raise_for_status()
+    body = {"prompt": "a", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as s:
+        events = [line for line in s.iter_lines() if line]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "engine_error"
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and httpx.get(f"{url}/health").status_code == 200
+
+
+def _idle(server: ServerProcess) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        m = server.metrics()
+        if m["engine:num_requests_running"] == 0 and m["engine:kv_cache_usage_perc"] == 0.0:
+            return
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("phase", ["queued_stream", "queued_whole", "mid_stream", "at_finish"])
+def test_a_client_leaving_at_any_phase_aborts_cleanly(server: ServerProcess, phase: str) -> None:
+    url = server.base_url
+    log_start = len(server.output())
+    body = {"prompt": "leave", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    if phase.startswith("queued"):
+        # the client leaves while its request waits for the (stalled) step loop to admit it
+        httpx.post(f"{url}/debug/stall", json={"seconds": 1.0}).raise_for_status()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{url}/v1/completions", json={**body, "stream": phase == "queued_stream"}, timeout=0.4
+            )
+        time.sleep(0.8)
+    else:
+        body = {**body, "max_tokens": 20} if phase == "at_finish" else body
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as s:
+            for n, line in enumerate(s.iter_lines()):
+                if phase == "mid_stream" and n >= 5:
+                    break
+                if phase == "at_finish" and '"finish_reason":"length"' in line:
+                    break  # leave before [DONE]
+    _idle(server)
+    assert httpx.get(f"{url}/health").status_code == 200
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+    _clean_log(server, log_start)
+
+
+def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model: Path) -> None:
+    proc = ServerProcess(
+        tiny_chat_model,
+        "--enable-test-hooks",
+        "--kv-cache-memory",
+        str(16 << 20),
+        "--max-consecutive-step-failures",
+        "1",
+        "--limit-concurrency",
+        "3",
+    )
+    try:
+        url = proc.base_url
+        # --limit-concurrency 3: three requests in progress, the fourth is 503 in OpenAI's format
+        httpx.post(f"{url}/debug/stall", json={"seconds": 2}).raise_for_status()
+        body = {"prompt": "a", "max_tokens": 2}
+        with ThreadPoolExecutor(3) as pool:
+            waiting = [
+                pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(3)
+            ]
+            time.sleep(0.5)
+            refused = httpx.get(f"{url}/health", timeout=5)
+            assert refused.status_code == 503 and _error(refused)["code"] == "server_overloaded"
+            assert [f.result().status_code for f in waiting] == [200, 200, 200]
+        # connections: uvicorn's backstop at twice the limit (idle keep-alive connections count)
+        held = [socket.create_connection(("127.0.0.1", proc.port)) for _ in range(6)]
+        try:
+            time.sleep(0.2)
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        httpx.post(f"{url}/debug/fail-steps", json={"steps": 1}).raise_for_status()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503 and _error(r)["code"] == "engine_dead" and "hook" not in r.text
+        assert proc.proc.wait(30) == 3
+        assert "the engine cannot serve any more" in proc.output()
+    finally:
+        if proc.proc.poll() is None:
+            proc.stop()
