@@ -32,6 +32,7 @@ from gateway.models import to_picousd
 from gateway.ratelimit import Limit, LimiterUnavailableError, LocalRateLimiter, RateLimiter, RedisRateLimiter
 from gateway.routing import RouteDecision
 from gateway.runtime import Runtime
+from gateway.usage import choices, max_output
 
 
 @dataclass
@@ -100,10 +101,8 @@ class Admission:
             return False
         except self.budgets.errors as exc:
             self.budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
-            if not self.limiter.fail_open:
-                raise LimiterUnavailableError(
-                    f"rate limits cannot be checked: Redis is unreachable ({exc})"
-                ) from exc
+            if not self.limiter.fail_open:  # the cause is in the server's log, not the client's answer
+                raise LimiterUnavailableError("rate limits cannot be checked: Redis is unreachable") from exc
             return False
         return True
 
@@ -129,7 +128,7 @@ class Admission:
     def _limits(
         rt: Runtime, key: KeyInfo, body: dict[str, Any], body_bytes: int, ticket: Ticket
     ) -> list[Limit]:
-        """The key's and its team's per-minute counters (tokens: body bytes / 4 + max_tokens, reserved)."""
+        """The key's and its team's per-minute counters (tokens reserved: body bytes / 4 + n x max_tokens)."""
         team = rt.policy.teams.get(key.team) if key.team else None
         rpm = [(f"key:{key.id}", key.rpm_limit, "for this key"),
                (f"team:{key.team}", team.rpm if team else None, f"for team {key.team}")]  # fmt: skip
@@ -137,8 +136,7 @@ class Admission:
                (f"team:{key.team}", team.tpm if team else None, f"for team {key.team}")]  # fmt: skip
         limits = [Limit(f"{n}:rpm", v, 1, f"requests per minute {w}") for n, v, w in rpm if v]
         if any(v for _, v, _ in tpm):
-            out = body.get("max_completion_tokens") or body.get("max_tokens")
-            ticket.reserved_tokens = body_bytes // 4 + (out if isinstance(out, int) and out > 0 else 0)
+            ticket.reserved_tokens = body_bytes // 4 + (max_output(body) or 0) * choices(body)
             ticket.token_limits = [
                 Limit(f"{n}:tpm", v, ticket.reserved_tokens, f"tokens per minute {w}") for n, v, w in tpm if v
             ]

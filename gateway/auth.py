@@ -4,32 +4,52 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.auth_failures import FailedAuthLimiter
 from gateway.db import DATABASE_ERRORS, translated_errors, unavailable
+from gateway.key_cache import KeyCache
 from gateway.models import ApiKey
+from gateway.ratelimit import retry_after_header
+from gateway.settings import GatewaySettings
+from gateway.singleflight import SingleFlight
+
+logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "sk-"
 _DISPLAY_CHARS = 8  # "sk-" and the first 5 random characters
 
 
 class AuthError(Exception):
-    """A request's key is missing, unknown, revoked or expired, or may not use a model."""
+    """A request's key is missing, unknown, revoked or expired, or may not use a model; or its
+    address failed too often (429, `retry_after` seconds)."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after = retry_after
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers the refusal needs (`Retry-After` for a 429)."""
+        return [] if self.retry_after is None else [(b"retry-after", retry_after_header(self.retry_after))]
+
+
+# One answer for every key that does not work: unknown, revoked or expired alike, so that nobody
+# holding a leaked key can tell whether it was ever real.
+_INVALID_KEY = ("Incorrect API key provided", "invalid_api_key")
 
 
 class KeyNotFoundError(LookupError):
@@ -67,6 +87,27 @@ class KeyHasher:
     def digest(self, key: str) -> str:
         """Hex digest of a presented key."""
         return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class AuthLimits:
+    """Bounds on what unauthenticated traffic can cost a replica (defaults: GatewaySettings's)."""
+
+    cache_size: int = 100_000  # keys kept per replica; least recently used go first
+    miss_ttl: float = 60.0  # seconds an unknown key is answered without the database
+    miss_cache_size: int = 50_000  # unknown keys kept (their own LRU: they never evict valid keys)
+    failures_per_minute: int = 30  # failed authentications per client address; 0: unlimited
+    tracked_addresses: int = 100_000  # client addresses whose failures are counted
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> AuthLimits:
+        """The limits set by GATEWAY_KEY_CACHE_SIZE, _KEY_MISS_CACHE_*, _AUTH_FAILURES_PER_MINUTE."""
+        return cls(
+            cache_size=settings.key_cache_size,
+            miss_ttl=settings.key_miss_cache_ttl,
+            miss_cache_size=settings.key_miss_cache_size,
+            failures_per_minute=settings.auth_failures_per_minute,
+        )
 
 
 @dataclass(frozen=True)
@@ -147,7 +188,9 @@ class KeyStore:
     """Keys in the database; lookups are cached for `ttl` seconds so requests skip the database.
 
     A change made here updates this process's cache at once; other replicas see it within `ttl`.
-    The database failing raises DatabaseUnavailableError (gateway/db.py), answered as 503.
+    Concurrent lookups of one key share one query; unknown keys are cached apart (AuthLimits) and
+    each costs its sender's address one failure. The database failing raises
+    DatabaseUnavailableError (gateway/db.py), answered as 503.
     """
 
     def __init__(
@@ -156,33 +199,74 @@ class KeyStore:
         hasher: KeyHasher,
         ttl: float,
         clock: Callable[[], float] = time.monotonic,
+        limits: AuthLimits = AuthLimits(),
     ) -> None:
         self._sessions = sessions
         self._hasher = hasher
         self._ttl = ttl
         self._clock = clock
-        self._cache: dict[str, tuple[float, KeyInfo | None]] = {}  # digest -> (fetched at, key)
+        self._cache: KeyCache[KeyInfo] = KeyCache(
+            ttl, limits.cache_size, limits.miss_ttl, limits.miss_cache_size, clock
+        )
+        self._lookups: SingleFlight[str, KeyInfo | None] = SingleFlight()
+        self._failures = FailedAuthLimiter(limits.failures_per_minute, limits.tracked_addresses, clock)
 
-    async def authenticate(self, presented: str | None) -> KeyInfo:
-        """The key behind an `Authorization` value; AuthError (401/403), or DatabaseUnavailableError."""
+    async def authenticate(self, presented: str | None, client: tuple[str, int] | None = None) -> KeyInfo:
+        """The key behind an `Authorization` value, sent from `client` (the ASGI scope's (host, port)).
+
+        AuthError: 401 for a missing key and, alike, for an unknown, revoked or expired one; 429 while
+        the client's address is over its failed-authentication limit. DatabaseUnavailableError.
+        """
         if not presented:
             raise AuthError(401, "Missing API key: send 'Authorization: Bearer sk-...'", "missing_api_key")
-        digest = self._hasher.digest(presented)
-        info = await self._lookup(digest)
-        if info is None:
-            raise AuthError(401, "Incorrect API key provided", "invalid_api_key")
-        if info.revoked_at is not None:
-            raise AuthError(403, "This API key has been revoked", "key_revoked")
-        if info.is_expired(datetime.now(UTC)):
-            raise AuthError(403, "This API key has expired", "key_expired")
-        return info
+        address = client[0] if client else None
+        wait = self._failures.blocked(address)
+        if wait is not None:
+            raise AuthError(429, "Too many failed authentication attempts from this address; retry later",
+                            "too_many_failed_authentications", retry_after=wait)  # fmt: skip
+        info = await self._lookup(self._hasher.digest(presented))
+        if info is not None and info.revoked_at is None and not info.is_expired(datetime.now(UTC)):
+            return info
+        self._failures.failed(address)
+        if info is not None:  # a real key that no longer works: worth an operator's look (leaked?)
+            state = "revoked" if info.revoked_at is not None else "expired"
+            logger.warning("%s key %s (%s) presented by %s", state, info.id, info.key_prefix, address)
+        raise AuthError(401, *_INVALID_KEY)
+
+    def check_master(self, presented: str, expected: str, client: tuple[str, int] | None) -> None:
+        """The admin API's check: `presented` must be the master key (compared in constant time).
+
+        A wrong master key counts against the client's address like a wrong virtual key, so the
+        master key cannot be guessed faster than the failed-authentication limit allows.
+        AuthError: 429 while the address is over that limit, 403 for a wrong key.
+        """
+        self.refuse_if_blocked(client)
+        if not hmac.compare_digest(presented.encode(), expected.encode()):
+            self.failed(client, "a wrong master key")
+            raise AuthError(403, "The admin API needs the master key", "not_master_key")
+
+    def refuse_if_blocked(self, client: tuple[str, int] | None) -> None:
+        """AuthError 429 (with Retry-After) while `client`'s address is over its failure limit."""
+        wait = self._failures.blocked(client[0] if client else None)
+        if wait is not None:
+            raise AuthError(429, "Too many failed authentication attempts from this address; retry later",
+                            "too_many_failed_authentications", retry_after=wait)  # fmt: skip
+
+    def failed(self, client: tuple[str, int] | None, what: str) -> None:
+        """A secret other than a virtual key (master key, metrics token) was wrong: counted, logged."""
+        address = client[0] if client else None
+        self._failures.failed(address)
+        logger.warning("%s was presented by %s", what, address)
 
     async def _lookup(self, digest: str) -> KeyInfo | None:
-        now = self._clock()
-        hit = self._cache.get(digest)
-        if hit is not None and now - hit[0] < self._ttl:
-            return hit[1]
-        try:  # a cache miss only: a cached key keeps working while the database is down
+        cached, info = self._cache.get(digest)
+        if cached:
+            return info
+        # a cache miss only: a cached key keeps working while the database is down
+        return await self._lookups.run(digest, partial(self._fetch, digest))
+
+    async def _fetch(self, digest: str) -> KeyInfo | None:
+        try:
             async with self._sessions() as session:
                 row = (
                     await session.execute(select(ApiKey).where(ApiKey.key_hash == digest))
@@ -190,13 +274,11 @@ class KeyStore:
         except DATABASE_ERRORS as exc:
             raise unavailable("the API key cannot be checked", exc) from exc
         info = _info(row) if row is not None and hmac.compare_digest(row.key_hash, digest) else None
-        if len(self._cache) > 100_000:  # a flood of random keys must not grow memory without bound
-            self._cache.clear()
-        self._cache[digest] = (now, info)
+        self._cache.put(digest, info)
         return info
 
     def _remember(self, digest: str, info: KeyInfo | None) -> None:
-        self._cache[digest] = (self._clock(), info)
+        self._cache.put(digest, info)
 
     # ------------------------------------------------------------------ admin
     async def create(
@@ -296,7 +378,7 @@ class KeyStore:
             await session.commit()
             await session.refresh(row)
         info = _info(row)
-        self._cache.pop(old_digest, None)
+        self._cache.forget(old_digest)
         self._remember(row.key_hash, info)
         return info
 

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from functools import partial
 from typing import Any, Literal, Protocol
 
 from sqlalchemy import func, select
@@ -31,6 +32,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.db import DATABASE_ERRORS
 from gateway.models import UsageDaily, to_picousd
 from gateway.ratelimit import Limit, refusal
+from gateway.redis_pool import DEFAULT_POOL, RedisPoolConfig
+from gateway.singleflight import SingleFlight
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,14 @@ class BudgetUnavailableError(Exception):
 
 
 class SpendUnavailableError(Exception):
-    """A seed could not read what was spent so far: the database failed, not Redis."""
+    """A seed could not read what was spent so far: the database failed, not Redis.
+
+    `kind` is the database error's class name (safe to show a client); the text is for the log.
+    """
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind or type(self).__name__
 
 
 Seed = Callable[[Budget, datetime], Awaitable[int]]  # raises SpendUnavailableError when it cannot
@@ -108,15 +118,18 @@ Seed = Callable[[Budget, datetime], Awaitable[int]]  # raises SpendUnavailableEr
 def unchecked(fail_open: bool, exc: BaseException) -> None:
     """Budgets cannot be checked because of `exc`: log and admit (fail open) or raise BudgetUnavailableError.
 
-    The message names the database for a SpendUnavailableError, Redis for anything else.
+    The message names the database for a SpendUnavailableError, Redis for anything else, and the
+    error's class only: the driver's text (hosts, ports, database names) goes to the log alone.
     """
     if isinstance(exc, SpendUnavailableError):
-        cause = f"the spend so far cannot be read from the database ({exc})"
+        cause = f"the spend so far cannot be read from the database ({exc.kind})"
     else:
-        cause = f"Redis is unreachable ({exc})"
+        cause = f"Redis is unreachable ({type(exc).__name__})"
+    detail = str(exc).splitlines()[0] if str(exc) else ""
     if fail_open:
-        logger.warning("budgets not enforced: %s", cause)
+        logger.warning("budgets not enforced: %s: %s", cause, detail)
         return
+    logger.error("budgets cannot be checked, requests refused: %s: %s", cause, detail)
     raise BudgetUnavailableError(f"budgets cannot be checked: {cause}") from exc
 
 
@@ -145,12 +158,15 @@ class LocalBudgetStore:
     def __init__(self, fail_open: bool = False) -> None:
         self._spent: dict[str, int] = {}
         self.fail_open = fail_open  # the database cannot seed a counter: admit (True) or refuse
+        self._seeding: SingleFlight[str, int] = SingleFlight()  # a cold burst: one query per counter
 
     async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
         for charge in charges:
             if charge.counter not in self._spent:
                 try:
-                    value = await seed(charge.budget, charge.period_start)
+                    value = await self._seeding.run(
+                        charge.counter, partial(seed, charge.budget, charge.period_start)
+                    )
                 except SpendUnavailableError as exc:
                     unchecked(self.fail_open, exc)
                     return False
@@ -207,12 +223,23 @@ return 'ok'
 
 
 class RedisBudgetStore:
-    """Counters in Redis (INCRBY on integers: exact), shared by every replica."""
+    """Counters in Redis (INCRBY on integers: exact), shared by every replica.
 
-    def __init__(self, url: str, fail_open: bool = False, prefix: str = "switchboard:") -> None:
+    Requests wait for a free connection rather than fail when the pool is busy (gateway/redis_pool.py);
+    a counter missing for a burst of requests is seeded by one database query per replica.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        fail_open: bool = False,
+        prefix: str = "switchboard:",
+        pool: RedisPoolConfig = DEFAULT_POOL,
+    ) -> None:
         import redis.asyncio as aioredis
 
-        self._redis: Any = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._redis: Any = pool.client(url)
+        self._seeding: SingleFlight[str, None] = SingleFlight()
         self._admit = self._redis.register_script(_ADMIT)
         self._prefix = prefix
         self.fail_open = fail_open
@@ -259,10 +286,12 @@ class RedisBudgetStore:
             charge = charges[int(rest[0]) - 1]
             if verdict == "over":
                 raise BudgetExceededError(charge.budget, charge.reset)
-            await self._seed_counter(charge, seed)
-        raise BudgetUnavailableError("budget counters could not be seeded")
+            await self._seeding.run(charge.counter, partial(self._seed_counter, charge, seed))
+        logger.error("budget counters %s could not be seeded in three tries", keys[len(limits) :])
+        raise BudgetUnavailableError("budgets cannot be checked: their counters could not be set up")
 
     async def _seed_counter(self, charge: Charge, seed: Seed) -> None:
+        """What was spent so far, from the database, set on the counter unless another request was first."""
         value = await seed(charge.budget, charge.period_start)
         ttl = (
             None if charge.reset is None else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
@@ -303,7 +332,7 @@ def spend_seed(engine: AsyncEngine) -> Seed:
                 spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None: no rows
         except DATABASE_ERRORS as exc:
             detail = str(exc).splitlines()[0] if str(exc) else ""
-            raise SpendUnavailableError(f"{type(exc).__name__}: {detail}") from exc
+            raise SpendUnavailableError(f"{type(exc).__name__}: {detail}", type(exc).__name__) from exc
         return to_picousd(spent) if spent is not None else 0
 
     return seed

@@ -48,6 +48,7 @@ class Call:
     stream: bool = False
     response_model: str | None = None  # the `model` the upstream answered with (for the trace)
     trace: RequestTrace | None = None  # None unless tracing is on
+    logged: bool = False  # the row is written (or being counted): exactly one per request
 
     def overhead_ms(self) -> float:
         """Milliseconds spent in the gateway so far: total minus waiting on the upstream."""

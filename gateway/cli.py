@@ -14,10 +14,12 @@ from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.supervisors import Multiprocess
 
 from gateway.access_log import log_config
 from gateway.auth import KeyHasher, KeyStore
 from gateway.db import DATABASE_ERRORS, DatabaseUnavailableError, create_engine, session_factory
+from gateway.http_protocol import LimitedConfig
 from gateway.migrate import (
     SchemaMismatchError,
     current_revision,
@@ -93,18 +95,27 @@ def _serve(args: argparse.Namespace) -> int:
     settings = GatewaySettings()
     settings.require_secrets()  # fail here, naming the missing variables, not in a worker
     load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
-    logging_config = log_config(uvicorn.config.LOGGING_CONFIG, enabled=not args.no_access_log)
-    options: dict[str, Any] = dict(
-        factory=True, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-        log_config=logging_config,
-    )  # fmt: skip
+    config = server_config(settings, args)
     if args.workers > 1:  # uvicorn's supervisor forwards signals to the workers
-        uvicorn.run("gateway.main:app_from_env", workers=args.workers, **options)
+        Multiprocess(config, sockets=[config.bind_socket()]).run()
         return 0
-    config = uvicorn.Config("gateway.main:app_from_env", **options)
     server = _CleanExitServer(config)
     server.run()
     return 0 if server.started else 1
+
+
+def server_config(settings: GatewaySettings, args: argparse.Namespace) -> LimitedConfig:
+    """uvicorn's configuration for `serve`: the app factory, the address and the connection limits."""
+    return LimitedConfig(
+        "gateway.main:app_from_env", factory=True, host=args.host, port=args.port, workers=args.workers,
+        log_level=args.log_level, access_log=False,
+        log_config=log_config(uvicorn.config.LOGGING_CONFIG, enabled=not args.no_access_log),
+        max_header_bytes=settings.max_header_bytes, header_timeout=settings.header_timeout,
+        limit_concurrency=settings.limit_concurrency, timeout_keep_alive=settings.keep_alive_timeout,
+        backlog=settings.backlog,
+        ws="none",  # no route speaks WebSocket: an upgrade request is answered as plain HTTP
+        server_header=False,  # no `server: uvicorn` in every answer
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,29 +61,60 @@ _WORD_RE = re.compile(f"[{_LETTERS}]+(?:['’\\-][{_LETTERS}]+)*", re.I)
 _CJK_RE = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 _PLAIN_ENTRY_RE = re.compile(f"[{_LETTERS}'’\\- ]+\\*?")
 _FENCE_RE = re.compile(r"```.*?(?:```|\Z)", re.S)
-_QUOTE_RE = re.compile(
-    r"\"[^\"]{60,}\"|“[^”]{60,}”|„[^“”]{60,}[“”]|«[^»]{60,}»|「[^」]{40,}」|『[^』]{40,}』"
-)
+# Long quotes: opener -> (closers, least characters between them). A quote ends at the first closer.
+_QUOTES: dict[str, tuple[str, int]] = {
+    '"': ('"', 60),
+    "“": ("”", 60),
+    "„": ("“”", 60),
+    "«": ("»", 60),
+    "「": ("」", 40),
+    "『": ("』", 40),
+}
+# opener -> an opener with no closer among the next `least` characters (bounded lookahead: linear)
+_OPENER_RE = {
+    kind: re.compile(f"{re.escape(kind)}(?=[^{re.escape(closers)}]{{{least}}})")
+    for kind, (closers, least) in _QUOTES.items()
+}
+_CLOSER_RE = {kind: re.compile(f"[{re.escape(closers)}]") for kind, (closers, _) in _QUOTES.items()}
 _PARA_RE = re.compile(r"\n\s*\n")
 _MATH_RE = re.compile(r"[²³⁴ⁿ≥≤≠≈∑∏∫√π∞∈∀∃⊂→×÷±^=]|\\(?:frac|sum|int|sqrt)")
+# A number starts at the first digit of its run of digits, commas and dots (the lookbehind and the
+# possessive quantifiers: what a retry inside the run or a backtrack could find is the same failure;
+# without them "1,1,1,..." over 5,000 characters took 2.5 s).
 _WORDS_ASKED_RE = re.compile(
-    r"(\d[\d,.]*)\s*(?:-\s*)?(words?|wörter|worte|palabras|mots|parole|字|語|pages?|seiten|páginas|minutes?)",
+    r"(?<![\d,.])[,.]*+(\d[\d,.]*+)\s*+(?:-\s*+)?(words?|wörter|worte|palabras|mots|parole|字|語|pages?|seiten|páginas|minutes?)",
     re.I,
 )
 _STEM_HEAD = 3  # stems are indexed by their first letters; shorter stems are rejected at load
 _MAX_SCAN = 20_000  # characters read for lengths; longer texts are extrapolated from this prefix
 _MAX_ASK = 5_000  # characters of the instruction matched against the lexicons
+# Characters of a final message split into instruction and pasted material; a longer one is split
+# on its head and tail and its middle counts as pasted. Bounds one request's scoring (on the event
+# loop) to a few milliseconds however large its body.
+_MAX_SPLIT = 100_000
+_MAX_ITEMS = 1_000  # messages, content parts or prompts read from one body (its first and last halves)
 
 
 def _cjk_count(text: str) -> int:
     return 0 if text.isascii() else len(_CJK_RE.findall(text))
 
 
-def approx_tokens(text: str) -> float:
-    """Approximate BPE tokens: 1.3 per Latin/Cyrillic word plus one per CJK character."""
+def approx_tokens(text: str, length: int | None = None) -> float:
+    """Approximate BPE tokens: 1.3 per Latin/Cyrillic word plus one per CJK character.
+
+    `length`: the characters `text` stands for when it is part of a longer text (default: its own).
+    """
     head = text[:_MAX_SCAN]
     estimate = 1.3 * len(_WORD_RE.findall(head)) + _cjk_count(head)
-    return estimate * len(text) / len(head) if head else 0.0
+    return estimate * (len(text) if length is None else length) / len(head) if head else 0.0
+
+
+def bounded(items: Sequence[Any]) -> Sequence[Any]:
+    """`items`, or only its first and last _MAX_ITEMS // 2 when longer: scoring time stays bounded."""
+    if len(items) <= _MAX_ITEMS:
+        return items
+    half = _MAX_ITEMS // 2
+    return [*items[:half], *items[-half:]]
 
 
 def content_text(content: Any) -> str:
@@ -91,7 +122,7 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, Sequence) and not isinstance(content, bytes | bytearray):
-        parts = [p.get("text") if isinstance(p, Mapping) else p for p in content]
+        parts = [p.get("text") if isinstance(p, Mapping) else p for p in bounded(content)]
         return "\n".join(p for p in parts if isinstance(p, str))
     return ""
 
@@ -106,6 +137,7 @@ class RequestText:
     pasted: str  # code blocks, long quotes and document-like paragraphs of the final message
     user_turns: int
     code_blocks: int
+    pasted_chars: int  # len(pasted), plus the middle of a final message too long to split whole
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> RequestText:
@@ -114,25 +146,74 @@ class RequestText:
         if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
             prompt = body.get("prompt") if isinstance(body, Mapping) else None
             if isinstance(prompt, list):
-                prompt = "\n".join(p for p in prompt if isinstance(p, str))
+                prompt = "\n".join(p for p in bounded(prompt) if isinstance(p, str))
             messages = [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}]
-        turns = [(m.get("role"), content_text(m.get("content"))) for m in messages if isinstance(m, Mapping)]
+        turns = [
+            (m.get("role"), content_text(m.get("content")))
+            for m in bounded(messages)
+            if isinstance(m, Mapping)
+        ]
         system = "\n".join(t for r, t in turns if r in ("system", "developer"))
         dialog = [(r, t) for r, t in turns if r not in ("system", "developer")]
         last = max((i for i, (r, _) in enumerate(dialog) if r == "user"), default=len(dialog) - 1)
         final = dialog[last][1] if dialog else ""
         history = "\n".join(t for i, (_, t) in enumerate(dialog) if i != last)
-        ask, pasted, blocks = split_pasted(final)
+        cut = len(final) - _MAX_SPLIT
+        if cut > 0:  # the instruction opens or closes a message: split head and tail, the middle is pasted
+            half = _MAX_SPLIT // 2
+            ask, pasted, blocks = split_pasted(final[:half] + "\n\n" + final[-half:])
+        else:
+            ask, pasted, blocks = split_pasted(final)
         user_turns = sum(1 for r, _ in dialog if r == "user")
-        return cls(system, history, ask, pasted, user_turns, blocks)
+        pasted_chars = len(pasted) + (cut + 1 if cut > 0 else 0)
+        return cls(system, history, ask, pasted, user_turns, blocks, pasted_chars)
+
+
+def quote_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each long quote, left to right, as the regex below would find them.
+
+    `"[^"]{60,}"|“[^”]{60,}”|„[^“”]{60,}[“”]|«[^»]{60,}»|「[^」]{40,}」|『[^』]{40,}』` is quadratic on
+    a run of openers without a closer (60 KB of `„` took 10-17 s); this scan is linear: per kind, an
+    opener followed by enough non-closers is found in C, and the first closer after it is remembered
+    until an opener lies past it, so no character is searched twice for the same kind.
+    """
+    spans: list[tuple[int, int]] = []
+    candidates: dict[str, tuple[int, int]] = {}  # kind -> (opener, closer) of its next quote at >= pos
+    closer_at: dict[str, int] = {}  # kind -> first closer after the last opener found
+    live = [c for c in _QUOTES if c in text]
+    pos = 0
+    while live:
+        for kind in list(live):
+            if kind in candidates and candidates[kind][0] >= pos:
+                continue
+            least = _QUOTES[kind][1]
+            found = _OPENER_RE[kind].search(text, pos)
+            end = closer_at.get(kind, -1)
+            if found is not None and end <= found.start():  # no remembered closer past this opener
+                closer = _CLOSER_RE[kind].search(text, found.start() + least + 1)
+                end = closer_at[kind] = closer.start() if closer is not None else -1
+            if found is None or end < 0:  # no quote of this kind from here on
+                live.remove(kind)
+                candidates.pop(kind, None)
+            else:
+                candidates[kind] = (found.start(), end)
+        if not live:
+            break
+        start, end = min(candidates[k] for k in live)
+        spans.append((start, end + 1))
+        pos = end + 1
+    return spans
 
 
 def split_pasted(text: str) -> tuple[str, str, int]:
-    """Final message -> (instruction, pasted material, number of code blocks)."""
+    """Final message -> (instruction, pasted material, number of code blocks); linear time."""
     blocks = _FENCE_RE.findall(text)
     rest = _FENCE_RE.sub("\n\n", text)
-    quotes = _QUOTE_RE.findall(rest)
-    rest = _QUOTE_RE.sub(" ", rest)
+    spans = quote_spans(rest)
+    quotes = [rest[a:b] for a, b in spans]
+    if spans:  # each quote becomes one space
+        starts, ends = [0, *(e for _, e in spans)], [*(s for s, _ in spans), len(rest)]
+        rest = " ".join(rest[a:b] for a, b in zip(starts, ends, strict=True))
     paragraphs = [p.strip() for p in _PARA_RE.split(rest) if p.strip()]
     if len(paragraphs) <= 1:
         return rest.strip(), "\n".join(blocks + quotes), len(blocks)
@@ -288,7 +369,7 @@ class FeatureExtractor:
         tokens = _WORD_RE.findall(ask)
         cjk = _cjk_count(ask)
         ask_tokens = (1.3 * len(tokens) + cjk) * len(req.ask) / len(ask) if ask else 0.0
-        pasted_tokens = approx_tokens(req.pasted)
+        pasted_tokens = approx_tokens(req.pasted, req.pasted_chars)
         history_tokens = approx_tokens(req.history)
         system_tokens = approx_tokens(req.system)
         letters = sum(len(t) for t in tokens)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.policy import EngineBackend, HostedBackend, Policy, Price
+from gateway.usage import choices, max_output
 
 logger = logging.getLogger(__name__)
 
@@ -135,15 +136,16 @@ class PriceBook:
         return self._prices.get(backend)
 
     def worst_case(self, chain: Sequence[str], body: dict[str, Any], body_bytes: int) -> Decimal:
-        """The most a request may cost anywhere on its chain: prompt ~ body bytes / 4, plus max_tokens
+        """The most a request may cost anywhere on its chain: prompt ~ body bytes / 4, plus n x max_tokens
         (or the dearest model's output cap, else DEFAULT_OUTPUT_CAP) at the dearest prices."""
         prices = [p for p in (self._prices.get(self._backend_of.get(m, "")) for m in chain) if p is not None]
         if not prices:
             return Decimal(0)
-        out = body.get("max_completion_tokens") or body.get("max_tokens")
-        if not isinstance(out, int) or out <= 0:
+        out = max_output(body)
+        if out is None:
             caps = [self._caps.get(m) for m in chain]
             out = max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
+        out *= choices(body)  # every one of n answers is billed
         return body_bytes // 4 * max(p.input for p in prices) + out * max(p.output for p in prices)
 
     def costs(self, backend: str, usage: dict[str, Any]) -> tuple[Decimal | None, Decimal | None]:

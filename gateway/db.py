@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from decimal import InvalidOperation
+from enum import Enum
 from pathlib import Path
 
+import asyncpg
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
@@ -18,12 +22,97 @@ logger = logging.getLogger(__name__)
 # OSError (asyncpg), a timeout TimeoutError, a server-side refusal (e.g. a dropped database) a
 # DBAPIError, a full pool sqlalchemy's TimeoutError.
 DATABASE_ERRORS: tuple[type[Exception], ...] = (OSError, TimeoutError, sa_exc.DBAPIError, sa_exc.TimeoutError)
-# ... except these, which say a statement's values were wrong, not that the database is away
-_STATEMENT_ERRORS = (sa_exc.IntegrityError, sa_exc.DataError)
+
+
+# Errors that say the values of a statement were wrong, wherever they are raised: the server
+# (SQLSTATE class 22 data exception, 23 integrity violation), the driver encoding a value (asyncpg's
+# client-side DataError, a str that is not UTF-8), or Python converting one (e.g. a Decimal NaN).
+_VALUE_ERRORS: tuple[type[BaseException], ...] = (
+    sa_exc.IntegrityError,
+    sa_exc.DataError,
+    asyncpg.exceptions.DataError,
+    asyncpg.exceptions.IntegrityConstraintViolationError,
+    asyncpg.exceptions._base.DataError,  # the client-side one ("invalid input for query argument")
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+    sqlite3.ProgrammingError,  # e.g. a parameter of a type sqlite3 cannot bind
+    UnicodeError,
+    InvalidOperation,
+    OverflowError,
+    TypeError,
+    ValueError,
+)
+# Errors that say the database is away or cannot work now: refused, reset or timed-out connections,
+# a server starting up or shutting down (57P), out of connections or disk (53), a database that
+# does not exist (3D000: dropped, or not created yet), a full pool, a locked or unreachable SQLite file.
+_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    sa_exc.TimeoutError,
+    sa_exc.DisconnectionError,
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InsufficientResourcesError,
+    asyncpg.exceptions.InvalidCatalogNameError,
+    asyncpg.exceptions.InterfaceError,  # "connection is closed", "another operation is in progress"
+    sqlite3.OperationalError,
+)
+
+
+class Failure(Enum):
+    """What a database error says: the statement's values were wrong, or the database is away."""
+
+    VALUES = "values"
+    OUTAGE = "outage"
+    UNKNOWN = "unknown"
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then what it wraps: SQLAlchemy's `orig`, then the `__cause__`/`__context__` chain."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        orig = getattr(current, "orig", None)
+        # explicit wrapping only: an implicit __context__ may be any error met while handling another
+        todo += [orig if isinstance(orig, BaseException) else None, current.__cause__]
+
+
+def classify(exc: BaseException) -> Failure:
+    """VALUES if anything in the chain names bad values, else OUTAGE if it names a lost database."""
+    chain = list(_causes(exc))
+    # values first: asyncpg's client-side DataError is also an InterfaceError (an outage class)
+    if any(isinstance(e, _VALUE_ERRORS) for e in chain):
+        return Failure.VALUES
+    if any(isinstance(e, _OUTAGE_ERRORS) for e in chain):
+        return Failure.OUTAGE
+    return Failure.UNKNOWN
 
 
 class DatabaseUnavailableError(Exception):
     """The database did not answer; the client gets 503 `database_unavailable` (OpenAI's format)."""
+
+
+class DatabaseValueError(Exception):
+    """The database refused a value of the request (e.g. a NUL character): 400 `invalid_value`.
+
+    The message names what was being done, never the driver's text (it may quote the value, the
+    table or the constraint); that goes to the gateway's log.
+    """
+
+
+def refused(doing: str, exc: BaseException) -> DatabaseValueError:
+    """The error to raise for `exc`, a value the database refused while `doing`, logged."""
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    logger.warning("%s: the database refused a value (%s: %s)", doing, type(exc).__name__, detail)
+    return DatabaseValueError(
+        f"{doing}: the database refused a value of the request "
+        "(e.g. a NUL character, invalid Unicode or a number out of range)"
+    )
 
 
 def unavailable(doing: str, exc: BaseException) -> DatabaseUnavailableError:
@@ -35,15 +124,22 @@ def unavailable(doing: str, exc: BaseException) -> DatabaseUnavailableError:
     return DatabaseUnavailableError(f"{doing}: the database is unavailable ({type(exc).__name__})")
 
 
+# StatementError: a value SQLAlchemy could not bind; UnicodeEncodeError: one sqlite3 could not
+_TRANSLATED: tuple[type[BaseException], ...] = (*DATABASE_ERRORS, sa_exc.StatementError, UnicodeEncodeError)
+
+
 @asynccontextmanager
 async def translated_errors(doing: str) -> AsyncIterator[None]:
-    """Turn the database failing inside the block into DatabaseUnavailableError (see `unavailable`)."""
+    """The database failing inside the block as DatabaseUnavailableError (see `unavailable`), or, when
+    it refused a value of the request, as DatabaseValueError (see `refused`)."""
     try:
         yield
-    except _STATEMENT_ERRORS:
+    except _TRANSLATED as exc:
+        if classify(exc) is Failure.VALUES:
+            raise refused(doing, exc) from exc
+        if isinstance(exc, DATABASE_ERRORS):
+            raise unavailable(doing, exc) from exc
         raise
-    except DATABASE_ERRORS as exc:
-        raise unavailable(doing, exc) from exc
 
 
 def create_engine(url: str) -> AsyncEngine:

@@ -17,6 +17,7 @@ import yaml
 from gateway.auth import AuthError, KeyHasher, KeyStore
 from gateway.db import create_engine, session_factory
 from gateway.migrate import ensure_schema
+from gateway.private_files import read_private, replace_private
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
 
@@ -45,16 +46,19 @@ async def _dev_key(settings: GatewaySettings) -> str:
     path = settings.data_dir / _DEV_KEY_FILE
     try:
         store = KeyStore(session_factory(engine), KeyHasher(resolve_secrets(settings).key_secret), 0.0)
-        if path.is_file():
-            key = str(json.loads(path.read_text()).get("key", ""))
+        text = read_private(path)  # PrivateFileError for a symlink: never followed
+        if text is not None:
+            try:
+                key = str(json.loads(text).get("key", ""))
+            except (ValueError, AttributeError):  # not our JSON: a new key replaces it
+                key = ""
             try:
                 await store.authenticate(key)
                 return key
             except AuthError:
                 pass
         _, key = await store.create("dev", metadata={"created_by": "python -m gateway dev"})
-        path.write_text(json.dumps({"key": key}))
-        path.chmod(0o600)
+        replace_private(path, json.dumps({"key": key}))  # mode 0600 from creation, then renamed in place
         return key
     finally:
         await engine.dispose()

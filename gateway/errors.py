@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -10,7 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import AuthError, InvalidKeyUpdateError, KeyNotFoundError
-from gateway.db import DatabaseUnavailableError
+from gateway.db import DatabaseUnavailableError, DatabaseValueError
+
+logger = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
@@ -44,7 +47,7 @@ def error_response(
 
 def auth_error_type(status: int) -> str:
     """OpenAI's error type for an AuthError's status."""
-    return "authentication_error" if status == 401 else "permission_error"
+    return {401: "authentication_error", 429: "requests"}.get(status, "permission_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -56,7 +59,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def auth_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, AuthError)
-        return error_response(exc.status, exc.message, auth_error_type(exc.status), code=exc.code)
+        response = error_response(exc.status, exc.message, auth_error_type(exc.status), code=exc.code)
+        response.raw_headers.extend(exc.headers())
+        return response
 
     async def not_found(_: Request, exc: Exception) -> Response:
         return error_response(404, f"no key with id {exc}", "invalid_request_error", code="key_not_found")
@@ -77,6 +82,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def database_unavailable(_: Request, exc: Exception) -> Response:
         return error_response(503, str(exc), "api_error", code="database_unavailable")
 
+    async def database_value(_: Request, exc: Exception) -> Response:
+        return error_response(400, str(exc), "invalid_request_error", code="invalid_value")
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # the exception's text (e.g. a driver's message quoting hosts or values) stays in our log
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        message = "The gateway failed to handle the request"
+        return error_response(500, message, "api_error", code="internal_error")
+
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
@@ -86,5 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(KeyNotFoundError, not_found)
     app.add_exception_handler(InvalidKeyUpdateError, invalid_update)
     app.add_exception_handler(DatabaseUnavailableError, database_unavailable)
+    app.add_exception_handler(DatabaseValueError, database_value)
+    app.add_exception_handler(Exception, unexpected)  # last resort: OpenAI's format, no raw text
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -46,8 +46,13 @@ class Attempt:
     outcome: str
 
     def describe(self) -> str:
+        """Everything known, replica URL and error text included: for the request log, never a client."""
         where = f"{self.model}@{self.deployment}" if self.deployment else self.model
         return f"{where}={self.outcome}"
+
+    def public(self) -> str:
+        """What a client may see (x-gateway-failover, error messages): the model and a bounded reason."""
+        return f"{self.model}={self.reason}"
 
     @property
     def reason(self) -> str:
@@ -82,8 +87,12 @@ class ChainExhaustedError(Exception):
 
     def __init__(self, message: str, attempts: list[Attempt], last: UpstreamReply | None, timeout: bool,
                  unavailable: bool) -> None:  # fmt: skip
-        super().__init__(message)
+        super().__init__(message)  # the client's message; `detail()` is the operator's
         self.attempts, self.last, self.timeout, self.unavailable = attempts, last, timeout, unavailable
+
+    def detail(self) -> str:
+        """Every attempt with its replica and error text: for the server log, never a client."""
+        return "; ".join(a.describe() for a in self.attempts) or "nothing tried"
 
 
 def backoff(retries: Retries, round_: int, rng: random.Random) -> float:
@@ -286,13 +295,16 @@ class _State:
             self.trace.failed_over(model, backend, None, f"unavailable ({reason})", "unavailable")
 
     def exhausted(self) -> ChainExhaustedError:
-        tried = ", ".join(a.describe() for a in self.attempts) or "nothing"
+        """The error for a chain that served nothing; its message is for the client (no URL, no
+        upstream error text: those stay in the log row's failover column)."""
+        tried = ", ".join(a.public() for a in self.attempts) or "nothing"
         called = any(not a.outcome.startswith("unavailable") for a in self.attempts)
         residency = (
             " (hosted models skipped: data must stay self-hosted)" if self.decision.self_hosted_only else ""
         )
         if not called and self.unavailable_reasons:
-            message = f"no model can serve '{self.decision.alias}' now: {'; '.join(self.unavailable_reasons)}"
+            models = ", ".join(dict.fromkeys(a.model for a in self.attempts))
+            message = f"no model can serve '{self.decision.alias}' now ({models}: unavailable)"
         else:
             message = f"every model for '{self.decision.alias}' failed; tried: {tried}"
         return ChainExhaustedError(
@@ -319,10 +331,15 @@ def _has_token(line: str) -> bool:
         return True
     if chunk.get("error") or chunk.get("usage"):
         return True
-    for choice in chunk.get("choices") or []:
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return True  # not a chunk we understand: not ours to judge either
+    for choice in choices:
         if not isinstance(choice, dict):
             return True
         delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            return True
         if (
             choice.get("finish_reason")
             or choice.get("text")

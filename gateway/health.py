@@ -189,8 +189,21 @@ class HealthChecker:
         self._task = asyncio.create_task(self._loop(), name=f"health-{self.name}")
 
     async def _loop(self) -> None:
+        # Nothing but cancellation (stop) may end this loop: a dead loop leaves every replica in its
+        # last state forever, the ones that died included. An unexpected error costs one round.
         while True:
-            await asyncio.gather(*(self.check(r) for r in self.replicas))
+            try:
+                outcomes = await asyncio.gather(
+                    *(self.check(r) for r in self.replicas), return_exceptions=True
+                )
+                for replica, outcome in zip(self.replicas, outcomes, strict=True):
+                    if isinstance(outcome, Exception):
+                        logger.error("%s replica %s: the health check failed unexpectedly", self.name,
+                                     replica.url, exc_info=outcome)  # fmt: skip
+                    elif isinstance(outcome, BaseException):
+                        raise outcome  # cancellation, KeyboardInterrupt: not ours to swallow
+            except Exception:
+                logger.exception("%s: a health check round failed; the next one runs as usual", self.name)
             await asyncio.sleep(self.health.interval)
 
     async def check(self, replica: Replica) -> None:
@@ -206,6 +219,11 @@ class HealthChecker:
                         self._read_gauges(replica, await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except Exception as exc:  # anything else talking to it: the replica is not known to be well
+            ok, error = False, type(exc).__name__
+            if error != replica.last_error:  # the traceback once, not every interval
+                logger.warning("%s replica %s: unexpected error in its health check", self.name,
+                               replica.url, exc_info=exc)  # fmt: skip
         if ok != replica.check_ok:
             level = logging.INFO if ok else logging.WARNING
             logger.log(level, "%s replica %s is %s%s", self.name, replica.url, "up" if ok else "down",
@@ -217,11 +235,15 @@ class HealthChecker:
     @staticmethod
     def _read_gauges(replica: Replica, text: bytes) -> None:
         waiting, usage = 0.0, 0.0
-        for name, value in _GAUGE.findall(text):
+        for name, raw in _GAUGE.findall(text):
+            try:
+                value = float(raw)
+            except ValueError:  # e.g. "1e" or "..": the pattern admits what float() does not
+                continue
             if name == b"engine:num_requests_waiting":
-                waiting += float(value)
+                waiting += value
             else:
-                usage = max(usage, float(value))
+                usage = max(usage, value)
         replica.queue_depth, replica.kv_usage = waiting, usage
 
     async def stop(self) -> None:

@@ -8,27 +8,33 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
-from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint, Receive, Scope, Send
-from gateway.auth import KeyHasher, KeyStore
+from gateway.api.admin_gate import AdminGate
+from gateway.api.asgi import Receive, Scope, Send
+from gateway.api.body_limit import BodyLimit
+from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint
+from gateway.api.metrics_auth import require_metrics_reader
+from gateway.auth import AuthLimits, KeyHasher, KeyStore
 from gateway.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spend_seed
 from gateway.complexity import ComplexityModel
 from gateway.db import create_engine, session_factory
 from gateway.errors import install_error_handlers
+from gateway.log_retention import LogRetention
 from gateway.metrics import GatewayMetrics
 from gateway.migrate import ensure_schema
 from gateway.policy import parse_policy, policy_version, read_policy_text
 from gateway.proxy import Proxy
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter
+from gateway.redis_pool import pool_config
 from gateway.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.secrets_store import resolve_secrets
 from gateway.settings import GatewaySettings
-from gateway.usage_log import LogRetention, RequestLogWriter
+from gateway.usage_log import RequestLogWriter
 
 if TYPE_CHECKING:
     from gateway.tracing import GatewayTracing
@@ -37,11 +43,20 @@ logger = logging.getLogger(__name__)
 
 
 class GatewayApp:
-    """The ASGI entry point: the completion paths go to the bare endpoint, the rest to FastAPI."""
+    """The ASGI entry point: the completion paths go to the bare endpoint, the rest to FastAPI.
 
-    def __init__(self, api: FastAPI) -> None:
+    Before FastAPI: /admin requests need the master key in their headers, then every body is read
+    at most `max_admin_body_bytes` (FastAPI would read any size, then parse it, before the route's
+    dependencies). The completion endpoint checks the key, then reads at most `max_body_bytes`.
+    """
+
+    def __init__(self, api: FastAPI, settings: GatewaySettings) -> None:
         self.api = api
-        self.completions = CompletionsEndpoint(lambda: (api.state.keys, api.state.proxy))
+        self.completions = CompletionsEndpoint(
+            lambda: (api.state.keys, api.state.proxy), settings.max_body_bytes
+        )
+        limited = BodyLimit(api, settings.max_admin_body_bytes)
+        self.guarded = AdminGate(limited, api, settings.max_admin_body_bytes)
 
     @property
     def state(self) -> Any:
@@ -52,7 +67,7 @@ class GatewayApp:
         if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
             await self.completions(scope, receive, send)
         else:
-            await self.api(scope, receive, send)
+            await self.guarded(scope, receive, send)
 
 
 def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None) -> GatewayApp:
@@ -73,7 +88,12 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         app.state.settings = settings
         app.state.secrets = secrets
         sessions = session_factory(engine)
-        app.state.keys = KeyStore(sessions, KeyHasher(secrets.key_secret), settings.key_cache_ttl)
+        app.state.keys = KeyStore(
+            sessions,
+            KeyHasher(secrets.key_secret),
+            settings.key_cache_ttl,
+            limits=AuthLimits.from_settings(settings),
+        )
         text = read_policy_text(settings.policy_path)
         policy = parse_policy(text, str(settings.policy_path))
         model = ComplexityModel.load()
@@ -81,18 +101,18 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         watcher = PolicyWatcher(settings.policy_path, holder, model, registry)
         watcher.start()
         app.state.policy_watcher = watcher
-        log = RequestLogWriter(engine, registry)
+        log = RequestLogWriter.from_settings(engine, registry, settings)
         log.start()
         retention = LogRetention(engine, settings.log_retention_days) if settings.log_retention_days else None
         if retention is not None:
             retention.start()
         limiter: RateLimiter = (
-            RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open)
+            RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open, pool=pool_config(settings))
             if settings.redis_url
             else LocalRateLimiter()
         )
         budgets: BudgetStore = (
-            RedisBudgetStore(settings.redis_url, settings.budget_fail_open)
+            RedisBudgetStore(settings.redis_url, settings.budget_fail_open, pool=pool_config(settings))
             if settings.redis_url
             else LocalBudgetStore(settings.budget_fail_open)
         )
@@ -108,6 +128,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
             await watcher.stop()
             if retention is not None:
                 await retention.stop()
+            await app.state.proxy.drain()  # rows still being counted go to the writer before it stops
             await log.stop()
             access.flush()
             await admission.close()
@@ -130,12 +151,12 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         """The gateway process is up."""
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_metrics_reader)])
     async def metrics() -> Response:
-        """Prometheus text format: requests, latency, tokens, cost, failovers, replicas, log writer."""
+        """Prometheus text format (metrics token or master key): requests, latency, tokens, cost, ..."""
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return GatewayApp(app)
+    return GatewayApp(app, settings)
 
 
 def _tracing(settings: GatewaySettings) -> GatewayTracing | None:

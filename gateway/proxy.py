@@ -7,7 +7,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -32,38 +31,17 @@ from gateway.ratelimit import (
     RateLimitedError,
     retry_after_header,
 )
+from gateway.reply import JSON_HEADER, SSE_HEADERS, Reply, error_reply
 from gateway.routing import NoRouteError
 from gateway.runtime import Runtime, RuntimeHolder
+from gateway.upstream_errors import error_code, error_event, is_openai_error
+from gateway.usage import ZERO_COUNTS, checked_usage, says_zero
 from gateway.usage_log import RequestLogWriter
 
 if TYPE_CHECKING:  # imported only when tracing is on
     from gateway.tracing import GatewayTracing, RequestTrace
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 8 << 20  # 8 MiB: far beyond any context these models take
-
-
-@dataclass
-class Reply:
-    """The gateway's answer, framework-free: a whole body, or SSE events when `events` is set."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes = b""
-    events: AsyncGenerator[bytes, None] | None = None
-
-
-def error_reply(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-) -> Reply:
-    """An OpenAI-format error answer."""
-    return Reply(status, [_JSON], error_body(message, type_, param, code))
-
-
-_JSON = (b"content-type", b"application/json")
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]  # fmt: skip
 
 
 class Proxy:
@@ -84,6 +62,7 @@ class Proxy:
         self.metrics = metrics
         self.access = access
         self.tracing = tracing  # None: tracing off, no span is ever created
+        self._pending: set[asyncio.Task[None]] = set()  # rows waiting for their token count
 
     @property
     def runtime(self) -> Runtime:
@@ -96,17 +75,18 @@ class Proxy:
         return self.runtime.policy
 
     def models_for(self, key: KeyInfo) -> list[tuple[str, str | None]]:
-        """The names this key may use, each with why it is unavailable (None: available)."""
+        """The names this key may use, each with why it is unavailable (None: available).
+
+        The reason is generic: the backends' own reasons name replica URLs and environment
+        variables, which are the operator's business (GET /admin/policy has them)."""
         rt = self.runtime
         listed = []
         for name in rt.policy.exposed():
             if not key.allows(name):
                 continue
             chain = _static_chain(rt.policy, name)
-            reasons = [rt.pools[rt.policy.models[m].backend].unavailable_reason for m in chain]
-            listed.append(
-                (name, None if any(r is None for r in reasons) else "; ".join(r or "" for r in reasons))
-            )
+            usable = any(rt.pools[rt.policy.models[m].backend].unavailable_reason is None for m in chain)
+            listed.append((name, None if usable else "no backend can serve this model now"))
         return listed
 
     async def handle(self, path: str, raw: bytes, key: KeyInfo, trace: RequestTrace | None = None) -> Reply:
@@ -151,6 +131,10 @@ class Proxy:
         except asyncio.CancelledError:  # the client left before the answer was ready
             self._log(call, 499, "client_disconnected")
             raise
+        except Exception:  # a fault nothing above names (an upstream's bytes nobody foresaw): 502, logged
+            logger.exception("request %s failed unexpectedly", call.id)
+            message = "the upstream's answer could not be processed"
+            return self._failed(call, 502, message, "api_error", None, "upstream_error")
 
     def refuse(self, started: float, status: int, message: str, type_: str, code: str | None,
                trace: RequestTrace | None) -> Reply:  # fmt: skip
@@ -182,10 +166,10 @@ class Proxy:
     def _exhausted(self, call: Call, exc: ChainExhaustedError) -> Reply:
         """Every model failed: the last upstream error answer as it was, else 503/504/502."""
         call.attempts = exc.attempts
+        logger.warning("request %s: %s (%s)", call.id, exc, exc.detail())
         if exc.last is not None:
             call.deployment = exc.last.url
-            self._log(call, exc.last.status, _error_code(exc.last.body))
-            return self._with_headers(call, Reply(exc.last.status, [_JSON], exc.last.body))
+            return self._passed_on(call, exc.last.status, exc.last.body)
         if exc.unavailable:
             return self._failed(call, 503, str(exc), "api_error", "model", "model_unavailable")
         if call.decision is not None and call.decision.self_hosted_only:  # never "try hosted": say so
@@ -194,6 +178,23 @@ class Proxy:
             return self._failed(call, 504, str(exc), "api_error", None, "upstream_timeout")
         return self._failed(call, 502, str(exc), "api_error", None, "upstream_unavailable")
 
+    def _passed_on(self, call: Call, status: int, body: bytes) -> Reply:
+        """An upstream's error answer as the client gets it: in OpenAI's format, a 4xx with its status,
+        a 503/504 as it is, any other status (500, 501, a 1xx-3xx that answers nothing) as 502.
+
+        The gateway is the server the client talks to: an upstream's 500 is a bad gateway, and a body
+        that is not an OpenAI error (an HTML page, plain text, a list) is replaced, never relayed.
+        """
+        client_status = status if 400 <= status < 500 or status in (502, 503, 504) else 502
+        if not is_openai_error(body):
+            logger.warning("request %s: %s answered HTTP %d without an OpenAI error: %r",
+                           call.id, call.backend or call.model, status, body[:200])  # fmt: skip
+            kind = "invalid_request_error" if client_status < 500 else "api_error"
+            body = error_body(f"the upstream for '{call.model}' answered HTTP {status}", kind, None,
+                              "upstream_error")  # fmt: skip
+        self._log(call, client_status, error_code(body))
+        return self._with_headers(call, Reply(client_status, [JSON_HEADER], body))
+
     def _failed(
         self, call: Call, status: int, message: str, type_: str, param: str | None, code: str | None
     ) -> Reply:
@@ -201,8 +202,6 @@ class Proxy:
         return self._with_headers(call, error_reply(status, message, type_, param, code))
 
     def _prepare(self, rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
-        if len(raw) > MAX_BODY_BYTES:
-            raise GatewayError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -244,18 +243,29 @@ class Proxy:
         self._served(call, served)
         reply = served.reply
         assert reply is not None
-        if reply.status == 200:
-            try:
-                answer = orjson.loads(reply.body)
-                call.usage = answer.get("usage") or {}
-                call.response_model = answer.get("model")
-            except (orjson.JSONDecodeError, AttributeError):
-                call.usage = {}
-            if rt.policy.log_bodies:
-                call.response_body = reply.body
-            call.reply_body = reply.body
-        self._log(call, reply.status, None if reply.status == 200 else _error_code(reply.body))
-        return self._with_headers(call, Reply(reply.status, [_JSON], reply.body))
+        if reply.status != 200:
+            return self._passed_on(call, reply.status, reply.body)
+        try:
+            answer = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            logger.warning("request %s: %s answered 200 with a body that is not a JSON object",
+                           call.id, call.backend)  # fmt: skip
+            message = f"the upstream ({call.backend}) sent an answer that is not a JSON object"
+            return self._failed(call, 502, message, "api_error", None, "upstream_invalid_response")
+        call.usage = checked_usage(answer.get("usage")) or {}
+        model = answer.get("model")
+        call.response_model = model if isinstance(model, str) else None
+        relayed = reply.body
+        if answer.get("usage") is not None and not call.usage:  # unbelievable: not relayed either
+            answer["usage"] = None
+            relayed = orjson.dumps(answer)
+        if rt.policy.log_bodies:
+            call.response_body = relayed
+        call.reply_body = relayed
+        self._log(call, reply.status, None)
+        return self._with_headers(call, Reply(reply.status, [JSON_HEADER], relayed))
 
     @staticmethod
     def _served(call: Call, served: Served) -> None:
@@ -275,12 +285,12 @@ class Proxy:
         assert upstream is not None and context is not None
         if upstream.status != 200:
             await context.__aexit__(None, None, None)
-            self._log(call, upstream.status, _error_code(upstream.error_body))
-            return self._with_headers(call, Reply(upstream.status, [_JSON], upstream.error_body))
+            return self._passed_on(call, upstream.status, upstream.error_body)
 
         async def events() -> AsyncGenerator[bytes, None]:
             status, error = 200, None
             lines = upstream.lines.__aiter__()
+            ended = "data: [DONE]" in served.head  # the upstream's end arrived (it may be in the head)
             try:
                 for line in served.head:  # read before committing to this upstream
                     event = self._relay(call, line, wants_usage)
@@ -296,25 +306,29 @@ class Proxy:
                         break
                     finally:
                         call.upstream_seconds += time.perf_counter() - waited
+                    ended = ended or line == "data: [DONE]"
                     event = self._relay(call, line, wants_usage)
                     if event is not None:
                         paused = time.perf_counter()
                         yield event
                         call.upstream_seconds += time.perf_counter() - paused  # the client reading
-            except UpstreamStreamError as exc:  # broke off mid-stream: tell the client, never switch silently
-                status, error = 502, "upstream_stream_error"
-                yield b"data: " + orjson.dumps(
-                    {"error": {"message": f"the upstream stream failed: {exc}", "type": "api_error",
-                               "param": None, "code": error}}
-                ) + b"\n\n"  # fmt: skip
-            except BaseException:
+                if not ended:  # the upstream closed the stream in the middle of the answer
+                    raise UpstreamStreamError("the stream ended before data: [DONE]")
+            except (asyncio.CancelledError, GeneratorExit):
                 status, error = 499, "client_disconnected"
                 raise
+            except Exception as exc:  # broke off mid-stream: tell the client, never switch silently
+                status, error = 502, "upstream_stream_error"
+                if isinstance(exc, UpstreamStreamError):
+                    logger.warning("request %s: the stream from %s broke: %s", call.id, call.backend, exc)
+                else:
+                    logger.exception("request %s: relaying %s's stream failed", call.id, call.backend)
+                yield error_event(f"the upstream stream ({call.backend}) failed", error)
             finally:
                 await context.__aexit__(None, None, None)
                 self._log(call, status, error)
 
-        return self._with_headers(call, Reply(200, list(_SSE_HEADERS), events=events()))
+        return self._with_headers(call, Reply(200, list(SSE_HEADERS), events=events()))
 
     def _relay(self, call: Call, line: str, wants_usage: bool) -> bytes | None:
         """One upstream SSE line as the client should see it (usage taken for the log)."""
@@ -322,18 +336,28 @@ class Proxy:
             return None
         if call.ttft is None:
             call.ttft = time.perf_counter() - call.started
-        if line.startswith("data: {"):
-            call.lines.append(line)  # a list append: parsed only if the stream ends without usage
-        if line.startswith("data: {") and '"usage":{' in line:
-            chunk = orjson.loads(line[6:])
-            call.usage = chunk.get("usage") or {}
-            call.response_model = chunk.get("model")
+        if not line.startswith("data:") or line == "data: [DONE]":
+            return line.encode() + b"\n\n"
+        # Every event is parsed (about a microsecond each): one that is not a JSON object would
+        # break the client's SDK mid-answer, so it ends the stream with an error event instead.
+        try:
+            chunk = orjson.loads(line[5:])
+        except orjson.JSONDecodeError:
+            raise UpstreamStreamError("the upstream sent an event that is not JSON") from None
+        if not isinstance(chunk, dict):
+            raise UpstreamStreamError("the upstream sent an event that is not a JSON object")
+        call.lines.append(line)  # kept for the token count if the stream ends without usage
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            call.usage = checked_usage(usage) or {}
+            model = chunk.get("model")
+            call.response_model = model if isinstance(model, str) else None
             if not wants_usage:
                 if not chunk.get("choices"):
                     return None  # the usage-only chunk the client did not ask for
                 chunk.pop("usage", None)
                 return b"data: " + orjson.dumps(chunk) + b"\n\n"
-        elif not wants_usage and line.startswith("data: {") and '"usage":null' in line:
+        elif not wants_usage and usage is None and '"usage":null' in line:  # text edit: no re-encoding
             line = line.replace(',"usage":null', "")
         return line.encode() + b"\n\n"
 
@@ -344,16 +368,43 @@ class Proxy:
         if call.decision is not None:
             reply.headers.append((b"x-gateway-route", call.decision.header().encode()))
         if call.attempts:
-            tried = ", ".join(a.describe() for a in call.attempts)
+            tried = ", ".join(a.public() for a in call.attempts)
             reply.headers.append((b"x-gateway-failover", tried.encode("ascii", "replace")))
         reply.headers.append((b"x-gateway-overhead-ms", b"%.3f" % call.overhead_ms()))
         return reply
 
     def _log(self, call: Call, status: int, error: str | None) -> None:
-        estimated = False
-        served = status in (200, 499) and call.backend is not None
-        if served and not isinstance((call.usage or {}).get("completion_tokens"), int):
-            call.usage, estimated = self._estimated_usage(call), True
+        """The request's one log row, and the release of what it reserved (a second call does nothing).
+
+        An answer without believable usage is counted with the tokenizer in a worker thread (seconds
+        for megabytes of text): the row follows when the count is done, never blocking the loop.
+        """
+        if call.logged:
+            return
+        call.logged = True
+        served = call.backend is not None and (status in (200, 499) or (status == 502 and bool(call.lines)))
+        if not served or (call.usage and not says_zero(call.usage)):
+            self._finish(call, status, error, False)
+            return
+        task = asyncio.get_running_loop().create_task(self._estimate_then_finish(call, status, error))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _estimate_then_finish(self, call: Call, status: int, error: str | None) -> None:
+        """Count the request's tokens; a reported zero stands only where the count finds none."""
+        reported = call.usage
+        try:
+            counted = await asyncio.to_thread(self._estimated_usage, call)
+        except Exception:  # the row matters more than its count: log it without usage
+            logger.exception("request %s: counting its tokens failed", call.id)
+            counted = {}
+        if reported and all(counted.get(n) == 0 for n in ZERO_COUNTS if reported[n] == 0):
+            self._finish(call, status, error, False)  # the zero was true: an empty prompt or answer
+            return
+        call.usage = counted
+        self._finish(call, status, error, True)
+
+    def _finish(self, call: Call, status: int, error: str | None, estimated: bool) -> None:
         usage = call.usage or {}
         cost = reference = None
         if call.prices is not None and call.backend is not None and usage:
@@ -364,6 +415,11 @@ class Proxy:
         row = call.row(status, error, cost, reference, estimated)
         self.log.record(row)
         self._observe(row, call, call.stream, call.attempts, call.trace)
+
+    async def drain(self) -> None:
+        """At shutdown: the rows still being counted are finished (before the log writer stops)."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
 
     def _observe(self, row: Mapping[str, Any], call: Call | None, stream: bool, attempts: list[Attempt],
                  trace: RequestTrace | None) -> None:  # fmt: skip
@@ -381,14 +437,6 @@ class Proxy:
         """The requested model as a metric label: a name the policy knows, else "unknown"."""
         policy = self.runtime.policy
         return model if model is not None and (model in policy.models or model in policy.routes) else UNKNOWN
-
-
-def _error_code(body: bytes) -> str:
-    try:
-        error = orjson.loads(body).get("error") or {}
-        return str(error.get("code") or error.get("type") or "upstream_error")
-    except (orjson.JSONDecodeError, AttributeError):
-        return "upstream_error"
 
 
 def _static_chain(policy: Policy, name: str) -> list[str]:

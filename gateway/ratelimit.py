@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway.redis_pool import DEFAULT_POOL, RedisPoolConfig
+
 logger = logging.getLogger(__name__)
 
 WINDOW = 60.0  # seconds: limits are per minute
@@ -45,7 +47,17 @@ class RateLimitedError(Exception):
 
 
 class LimiterUnavailableError(Exception):
-    """The shared store (Redis) cannot be reached and the limiter is configured to fail closed."""
+    """The shared store (Redis) cannot be reached and the limiter is configured to fail closed.
+
+    Its text is what the client reads, so it is always the same generic sentence; `detail` (the
+    Redis error) is for the server's log only: it may name hosts, ports or internal addresses.
+    """
+
+    PUBLIC = "rate limits cannot be checked: Redis is unreachable"
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(self.PUBLIC)
+        self.detail = detail
 
 
 class RateLimiter(Protocol):
@@ -149,13 +161,20 @@ class RedisRateLimiter:
     """Counters in Redis, updated by Lua scripts: every replica shares them.
 
     When Redis cannot be reached: `fail_open` admits the request (and logs), otherwise
-    LimiterUnavailableError (the gateway answers 503).
+    LimiterUnavailableError (the gateway answers 503). A busy pool is not "unreachable": callers
+    wait for a connection (gateway/redis_pool.py), so limits stay exact under any burst.
     """
 
-    def __init__(self, url: str, fail_open: bool = True, prefix: str = "switchboard:rl:") -> None:
+    def __init__(
+        self,
+        url: str,
+        fail_open: bool = True,
+        prefix: str = "switchboard:rl:",
+        pool: RedisPoolConfig = DEFAULT_POOL,
+    ) -> None:
         import redis.asyncio as aioredis
 
-        self._redis: Any = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._redis: Any = pool.client(url)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._adjust = self._redis.register_script(_ADJUST)
         self.fail_open = fail_open
@@ -187,10 +206,12 @@ class RedisRateLimiter:
             logger.warning("rate limit: could not adjust %s by %d: %s", limit.name, delta, exc)
 
     def _unreachable(self, exc: BaseException) -> None:
+        detail = f"{type(exc).__name__}: {exc}"
         if self.fail_open:
-            logger.warning("rate limits not enforced: Redis is unreachable (%s)", exc)
+            logger.warning("rate limits not enforced: Redis is unreachable (%s)", detail)
             return
-        raise LimiterUnavailableError(f"rate limits cannot be checked: Redis is unreachable ({exc})") from exc
+        logger.error("rate limits cannot be checked, requests refused: Redis is unreachable (%s)", detail)
+        raise LimiterUnavailableError(detail) from exc
 
     async def close(self) -> None:
         await self._redis.aclose()

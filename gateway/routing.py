@@ -1,9 +1,9 @@
 """Policy + request + key -> the ordered list of models to try, and why.
 
-A direct model name is its own first candidate, then its fallbacks. An alias (`routes`) has fixed
-candidates or complexity tiers (the request's score picks the tier), then fallbacks. Overrides for
-the key or its team may force a tier or the candidates; `self_hosted_only` drops every hosted
-model from the chain, so such a request never leaves our engines.
+A direct model name is its own first candidate, then those of its fallbacks the key may call. An
+alias (`routes`) has fixed candidates or complexity tiers (the request's score picks the tier), then
+fallbacks. Overrides for the key or its team may force a tier or the candidates; `self_hosted_only`
+drops every hosted model from the chain, so such a request never leaves our engines.
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ class Router:
                     403, f"'{name}' is a hosted model; this key's data must stay on self-hosted engines",
                     "data_residency",
                 )  # fmt: skip
-            decision = RouteDecision(name, (name, *self.policy.models[name].fallbacks), "direct")
+            # a key's allowed_models binds the fallbacks too: a model the key may not call is never
+            # reached through another's chain (an alias the key may use grants what its route lists)
+            fallbacks = [m for m in self.policy.models[name].fallbacks if key.allows(m)]
+            decision = RouteDecision(name, (name, *fallbacks), "direct")
         else:
             decision = self._alias(name, self.policy.routes[name], body, override)
         if residency:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import SecretStr
 
+from gateway.private_files import PrivateFileError, create_private, read_private
 from gateway.settings import GatewaySettings
 
 _DEV_FILE = "dev-secrets.json"
@@ -45,15 +45,24 @@ def _value(secret: SecretStr | None) -> str | None:
 
 
 def _load_or_create(path: Path) -> dict[str, str]:
-    if path.is_file():
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and {"master_key", "key_secret"} <= set(data):
-            return {k: str(v) for k, v in data.items()}
-    data = {"master_key": "sk-master-" + secrets.token_urlsafe(24), "key_secret": secrets.token_hex(32)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    tmp.replace(path)
-    return data
+    """The dev secrets kept at `path`, generated there (mode 0600 from creation) the first time.
+
+    Two processes starting at once agree: the second to create finds the first one's file and uses
+    it. A file that does not hold the two secrets, a symlink, or anything but a regular file is
+    never overwritten: PrivateFileError says to remove it.
+    """
+    text = read_private(path)
+    if text is None:
+        fresh = {"master_key": "sk-master-" + secrets.token_urlsafe(24), "key_secret": secrets.token_hex(32)}
+        if create_private(path, json.dumps(fresh)):
+            return fresh
+        text = read_private(path)  # another process created it first
+        assert text is not None, path
+    data: object
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not {"master_key", "key_secret"} <= set(data):
+        raise PrivateFileError(f"{path} does not hold the dev secrets; remove it to generate new ones")
+    return {k: str(v) for k, v in data.items()}

@@ -10,6 +10,7 @@ counted here are marked `estimated` either way.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +21,10 @@ from gateway.costs import litellm_file
 logger = logging.getLogger(__name__)
 
 _O200K_PREFIXES = ("gpt-4o", "gpt-4.1", "gpt-4.5", "gpt-5", "o1", "o3", "o4", "chatgpt-4o")
+# Characters counted exactly; the rest of a longer text is extrapolated at the same rate. BPE is
+# slow on long runs without spaces (1 MiB of one letter: ~0.7 s here), and megabytes of text must
+# not hold a worker thread for seconds.
+EXACT_CHARS = 1 << 18
 
 
 @lru_cache(maxsize=2)
@@ -39,9 +44,12 @@ def encoding_for(model: str) -> str:
 
 
 def count(text: str, model: str, tokenizer: str | None = None) -> int:
-    """Tokens in `text` for `model` (special-token text counted as plain text)."""
+    """Tokens in `text` for `model` (special-token text counted as plain text; past EXACT_CHARS,
+    extrapolated from the first EXACT_CHARS)."""
     if not text:
         return 0
+    if len(text) > EXACT_CHARS:
+        return math.ceil(count(text[:EXACT_CHARS], model, tokenizer) * len(text) / EXACT_CHARS)
     if tokenizer is None and "claude" in model.lower():
         tokenizer = _bundled("anthropic_tokenizer.json")  # litellm ships Anthropic's tokenizer too
     if tokenizer is not None:
@@ -75,7 +83,8 @@ def prompt_text(body: dict[str, Any]) -> str:
     """The text a chat or completions request sends (message contents, text parts, or the prompt)."""
     if "messages" in body:
         parts: list[str] = []
-        for message in body.get("messages") or []:
+        messages = body.get("messages")
+        for message in messages if isinstance(messages, list) else []:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, str):
                 parts.append(content)
@@ -92,10 +101,13 @@ def completion_text(chunks: list[dict[str, Any]]) -> str:
     """The text in whole responses' choices or in stream chunks' deltas."""
     parts: list[str] = []
     for chunk in chunks:
-        for choice in chunk.get("choices") or []:
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
             if not isinstance(choice, dict):
                 continue
             message = choice.get("message") or choice.get("delta") or {}
             text = message.get("content") if isinstance(message, dict) else None
-            parts.append(text if isinstance(text, str) else str(choice.get("text") or ""))
+            if not isinstance(text, str):
+                text = choice.get("text")
+            parts.append(text if isinstance(text, str) else "")
     return "".join(parts)

@@ -345,6 +345,57 @@ def test_published_host_ports_are_unique_valid_integers(services: dict[str, dict
             seen[int(host)] = name
 
 
+def published_addresses(service: dict[str, Any]) -> list[str]:
+    """The host address of every published port ('' when the port is published on every interface)."""
+    found = []
+    for port in service.get("ports") or []:
+        if isinstance(port, dict):
+            found.append(str(port.get("host_ip", "")))
+            continue
+        parts = str(port).split("/")[0].split(":")
+        found.append(":".join(parts[:-2]))
+    return found
+
+
+def test_every_published_port_is_bound_to_loopback_by_default(services: dict[str, dict[str, Any]]) -> None:
+    # the API, the engine and Prometheus are for a TLS proxy or an operator on the host, not the network
+    for name, service in services.items():
+        for address in published_addresses(service):
+            assert address in LOOPBACK, f"{name} publishes a port on {address or 'every interface'}"
+
+
+def test_prometheus_sends_the_metrics_token_the_gateways_accept(
+    raw: dict[str, Any], services: dict[str, dict[str, Any]], prometheus: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    gateways = set(gateway_services(services))
+    jobs = [
+        job for job in prometheus["scrape_configs"]
+        for static in job.get("static_configs") or [] for target in static["targets"]
+        if split_endpoint(target)[0] in gateways
+    ]  # fmt: skip
+    assert jobs, "no job scrapes the gateways"
+    prometheus_service = services[service_by_image(services, "prom/prometheus")]
+    for job in jobs:
+        auth = job.get("authorization") or {}
+        assert auth.get("type", "Bearer") == "Bearer", f"job {job['job_name']}: /metrics takes a bearer token"
+        path = PurePosixPath(auth["credentials_file"])
+        assert path.parent == PurePosixPath("/run/secrets"), "the token file is a compose secret"
+        assert path.name in (prometheus_service.get("secrets") or []), (
+            f"prometheus lacks the {path.name} secret"
+        )
+        variable = raw["secrets"][path.name]["environment"]
+        for name in gateways:
+            token = environment(raw["services"][name]).get("GATEWAY_METRICS_TOKEN", "")
+            match = _VAR.fullmatch(token)
+            assert match is not None and match.group("name") == variable, (
+                f"{name}: GATEWAY_METRICS_TOKEN must be ${{{variable}}}, the variable the secret is made of"
+            )
+            assert ":?" in token, "without the token Prometheus cannot scrape: compose must refuse to start"
+            settings = settings_of(services[name], monkeypatch)
+            assert settings.metrics_token is not None
+
+
 def test_published_container_ports_are_ports_the_services_listen_on(
     services: dict[str, dict[str, Any]], collector: dict[str, Any]
 ) -> None:
@@ -506,7 +557,7 @@ def test_gateways_start_after_migrations_and_healthy_dependencies(
 def test_secrets_come_from_the_environment_not_the_compose_file(raw: dict[str, Any]) -> None:
     for name, service in raw["services"].items():
         for key, value in environment(service).items():
-            if key.endswith(("_KEY", "_SECRET", "_PASSWORD")):
+            if key.endswith(("_KEY", "_SECRET", "_PASSWORD", "_TOKEN")):
                 assert _VAR.fullmatch(value), f"{name}: {key} must come from ${{{key}...}}, not the file"
     for key in ("GATEWAY_MASTER_KEY", "GATEWAY_KEY_SECRET"):
         value = environment(raw["x-gateway"])[key]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Any
@@ -24,8 +23,9 @@ async def require_master_key(request: Request) -> None:
         raise AuthError(
             401, "Missing master key: send 'Authorization: Bearer <master key>'", "missing_api_key"
         )
-    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise AuthError(403, "The admin API needs the master key", "not_master_key")
+    keys: KeyStore = request.app.state.keys
+    client = (request.client.host, request.client.port) if request.client else None
+    keys.check_master(token.strip(), expected, client)
 
 
 async def key_store(request: Request) -> KeyStore:
@@ -37,8 +37,12 @@ async def key_store(request: Request) -> KeyStore:
 Keys = Annotated[KeyStore, Depends(key_store)]
 
 # What the columns hold: the limits are INTEGER, budgets BIGINT picodollars (at most ~9.2e18).
+# Non-finite values (NaN, Infinity, which Python's JSON parser accepts) are refused explicitly.
 PerMinute = Annotated[int, Field(ge=1, le=2**31 - 1)]
-BudgetUsd = Annotated[Decimal, Field(gt=0, le=Decimal(9_000_000), max_digits=20, decimal_places=12)]
+BudgetUsd = Annotated[
+    Decimal, Field(gt=0, le=Decimal(9_000_000), max_digits=20, decimal_places=12, allow_inf_nan=False)
+]
+MAX_EXPIRY_DAYS = 36_500  # a hundred years: longer is "never", which is leaving the expiry out
 
 
 class KeyCreate(BaseModel):
@@ -49,7 +53,8 @@ class KeyCreate(BaseModel):
     team: str | None = Field(None, min_length=1, max_length=200)
     allowed_models: list[str] | None = None
     expires_at: datetime | None = None
-    expires_in_days: float | None = Field(None, gt=0)
+    # finite and bounded: 1e308 days or inf overflowed timedelta (a 500); NaN compares false to any bound
+    expires_in_days: float | None = Field(None, gt=0, le=MAX_EXPIRY_DAYS, allow_inf_nan=False)
     metadata: dict[str, Any] = Field(default_factory=dict)
     rpm_limit: PerMinute | None = None
     tpm_limit: PerMinute | None = None

@@ -9,32 +9,32 @@ on FastAPI. The endpoint only translates: bearer key -> KeyStore, body -> Proxy,
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
+from gateway.api.asgi import Receive, Scope, Send
+from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.auth import AuthError, KeyStore
 from gateway.db import DatabaseUnavailableError
 from gateway.errors import GatewayError, auth_error_type
-from gateway.proxy import MAX_BODY_BYTES, Proxy, Reply
+from gateway.proxy import Proxy
+from gateway.reply import Reply
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+logger = logging.getLogger(__name__)
 
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
-class _ClientLeftError(Exception):
-    """The client disconnected while sending its body: nobody is left to answer."""
-
-
 class CompletionsEndpoint:
-    """Answers the completion paths; `services()` gives the KeyStore and Proxy once the app started."""
+    """Answers the completion paths; `services()` gives the KeyStore and Proxy once the app started.
 
-    def __init__(self, services: Callable[[], tuple[KeyStore, Proxy]]) -> None:
+    The key is checked before the body is read, and the body is read at most `max_body_bytes`.
+    """
+
+    def __init__(self, services: Callable[[], tuple[KeyStore, Proxy]], max_body_bytes: int) -> None:
         self._services = services
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -47,63 +47,56 @@ class CompletionsEndpoint:
             await _send_whole(reply, send)
             return
         authorization, declared = _headers(scope)
+        close = may_exceed(declared, self.max_body_bytes)  # refused unread: do not read it to discard
         try:
-            key = await keys.authenticate(_bearer(authorization))
+            key = await keys.authenticate(_bearer(authorization), scope.get("client"))
             if trace is not None:
                 trace.authenticated(key)
-            raw = await _read_body(receive, declared, MAX_BODY_BYTES)
+            raw = await read_body(receive, declared, self.max_body_bytes)
         except AuthError as exc:
             kind = auth_error_type(exc.status)
-            await _send_whole(proxy.refuse(started, exc.status, exc.message, kind, exc.code, trace), send)
+            reply = proxy.refuse(started, exc.status, exc.message, kind, exc.code, trace)
+            reply.headers += exc.headers()  # Retry-After when the address failed too often
+            await _send_whole(reply, send, close)
             return
         except GatewayError as exc:
-            await _send_whole(proxy.refuse(started, exc.status, exc.message, exc.type, exc.code, trace), send)
+            reply = proxy.refuse(started, exc.status, exc.message, exc.type, exc.code, trace)
+            await _send_whole(reply, send, close or exc.status == 413)
             return
         except DatabaseUnavailableError as exc:  # the key is not cached and the database cannot be asked
             reply = proxy.refuse(started, 503, str(exc), "api_error", "database_unavailable", trace)
-            await _send_whole(reply, send)
+            await _send_whole(reply, send, close)
             return
-        except _ClientLeftError:
+        except ClientLeftError:
             proxy.refuse(
                 started, 499, "the client left", "invalid_request_error", "client_disconnected", trace
             )
+            return
+        except Exception:  # a fault nothing above names: an OpenAI-format 503, the traceback in our log
+            logger.exception("authenticating a request to %s failed", scope["path"])
+            message = "the request could not be authenticated now; retry later"
+            reply = proxy.refuse(started, 503, message, "api_error", "authentication_unavailable", trace)
+            await _send_whole(reply, send, close)
             return
         await _answer_until_disconnect(proxy.handle(scope["path"], raw, key, trace), receive, send)
 
 
 def _headers(scope: Scope) -> tuple[bytes, bytes | None]:
-    """(authorization, content-length) from the raw header list (names arrive lower-cased)."""
+    """(authorization, content-length or b"chunked") from the raw header list (names arrive lower-cased)."""
     authorization, length = b"", None
     for name, value in scope["headers"]:
         if name == b"authorization":
             authorization = value
         elif name == b"content-length":
             length = value
+        elif name == b"transfer-encoding":
+            length = b"chunked"
     return authorization, length
 
 
 def _bearer(authorization: bytes) -> str | None:
     scheme, _, token = authorization.decode("latin-1").partition(" ")
     return (token.strip() or None) if scheme.lower() == "bearer" else None
-
-
-async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it grows past `limit` bytes."""
-    too_large = GatewayError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientLeftError
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def _answer_until_disconnect(answer: Awaitable[Reply], receive: Receive, send: Send) -> None:
@@ -140,8 +133,10 @@ async def _answer_until_disconnect(answer: Awaitable[Reply], receive: Receive, s
         watcher.cancel()
 
 
-async def _send_whole(reply: Reply, send: Send) -> None:
+async def _send_whole(reply: Reply, send: Send, close: bool = False) -> None:
     headers = [*reply.headers, (b"content-length", b"%d" % len(reply.body))]
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     await send({"type": "http.response.body", "body": reply.body})
 

@@ -17,7 +17,7 @@ async def authenticated_key(request: Request) -> KeyInfo:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     presented = token.strip() if scheme.lower() == "bearer" else None
     keys: KeyStore = request.app.state.keys
-    return await keys.authenticate(presented or None)
+    return await keys.authenticate(presented or None, request.client)
 
 
 async def proxy(request: Request) -> Proxy:

@@ -9,6 +9,7 @@ reports its outcome to that replica's circuit breaker.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -19,6 +20,13 @@ import aiohttp
 from gateway.backends.base import UpstreamReply, UpstreamStream, UpstreamStreamError, UpstreamUnavailableError
 from gateway.health import HealthChecker, Replica, pick
 from gateway.policy import EngineBackend, Health, Timeouts
+
+logger = logging.getLogger(__name__)
+
+# Bounds on what a replica may send back. An honest engine's SSE event stays far below the line
+# bound (it splits big deltas); past it, or past the reply bound, the answer is a fault, not data.
+MAX_LINE_BYTES = 8 << 20
+MAX_REPLY_BYTES = 64 << 20
 
 
 class EnginePool:
@@ -99,7 +107,7 @@ class EnginePool:
                 replica.url + path, data=body, headers=self._with(headers), timeout=self._timeout(timeouts)
             )
             async with self._translated(replica), post as resp:
-                reply = UpstreamReply(resp.status, await resp.read(), replica.url)
+                reply = UpstreamReply(resp.status, await _bounded_read(resp, MAX_REPLY_BYTES), replica.url)
             verdict = reply.status < 500
             return reply
         except UpstreamUnavailableError:
@@ -143,18 +151,18 @@ class EnginePool:
         async def lines() -> AsyncIterator[str]:
             first = True
             try:
-                async for raw in resp.content:
+                async for line in sse_lines(resp.content, MAX_LINE_BYTES):
                     if first:
                         first = False
                         slo = self.health.first_token_slo
                         verdict(slo is None or time.perf_counter() - started <= slo)
-                    yield raw.decode().rstrip("\r\n")
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                    yield line
+            except (aiohttp.ClientError, TimeoutError, UpstreamStreamError) as exc:
                 verdict(False)
                 raise UpstreamStreamError(f"{self.name} ({replica.url}): {type(exc).__name__} {exc}") from exc
 
         try:
-            error = await resp.read() if resp.status != 200 else b""
+            error = await _bounded_read(resp, MAX_REPLY_BYTES) if resp.status != 200 else b""
             if resp.status != 200:
                 verdict(resp.status < 500)
             yield UpstreamStream(resp.status, lines(), error, replica.url, verdict)
@@ -183,6 +191,45 @@ class EnginePool:
         await self._checker.stop()
         if self._session is not None:
             await self._session.close()
+
+
+async def sse_lines(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[str]:
+    """The lines of a response body, each at most `limit` bytes (else UpstreamStreamError).
+
+    aiohttp's own line reader raises a bare ValueError past 512 KiB and decoding is strict; here a
+    long line has its own bound, and bytes that are not UTF-8 become U+FFFD, so a client never gets
+    invalid text from us.
+    """
+    buffer = bytearray()
+    scanned = 0  # bytes of `buffer` already searched for a newline
+    async for chunk in content.iter_any():
+        buffer += chunk
+        start = 0
+        while (end := buffer.find(b"\n", scanned)) != -1:
+            _within(end - start, limit)
+            yield buffer[start:end].decode("utf-8", "replace").rstrip("\r")
+            start = scanned = end + 1
+        del buffer[:start]
+        scanned = len(buffer)
+        _within(scanned, limit)  # a line still growing
+    if buffer:
+        yield buffer.decode("utf-8", "replace").rstrip("\r")
+
+
+def _within(line_bytes: int, limit: int) -> None:
+    if line_bytes > limit:
+        raise UpstreamStreamError(f"an SSE line longer than {limit} bytes")
+
+
+async def _bounded_read(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A whole body of at most `limit` bytes; a longer one is a fault of the upstream (502)."""
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            logger.warning("an upstream answer passed %d bytes: refused", limit)
+            raise aiohttp.ClientPayloadError(f"the answer is longer than {limit} bytes")
+    return bytes(body)
 
 
 def _settle(replica: Replica, verdict: bool | None) -> None:

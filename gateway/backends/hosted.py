@@ -18,6 +18,7 @@ from gateway.backends.base import (
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
+from gateway.backends.side_loop import SideLoop
 from gateway.policy import HostedBackend, Timeouts
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
@@ -28,6 +29,22 @@ logger = logging.getLogger(__name__)
 litellm.suppress_debug_info = True
 litellm.telemetry = False
 
+# The OpenAI request fields a client may send to a hosted model: an allow-list, because litellm
+# reads its own keyword arguments from the same dict (api_base, base_url, api_key, extra_headers,
+# mock_response, fallbacks, model_list, custom_llm_provider, num_retries, metadata, ...): one of
+# those in a client's body would send our provider key to the client's URL. `metadata` and `store`
+# are OpenAI fields too, but litellm reads `metadata` for itself, so they stay out.
+_COMMON_FIELDS = frozenset({
+    "model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
+    "seed", "stop", "temperature", "top_p", "user",
+})  # fmt: skip
+CHAT_FIELDS = _COMMON_FIELDS | frozenset({
+    "messages", "audio", "function_call", "functions", "max_completion_tokens", "modalities",
+    "parallel_tool_calls", "prediction", "reasoning_effort", "response_format", "service_tier",
+    "tool_choice", "tools", "top_logprobs", "web_search_options",
+})  # fmt: skip
+TEXT_FIELDS = _COMMON_FIELDS | frozenset({"prompt", "best_of", "echo", "suffix"})
+
 
 class HostedModel:
     """One hosted backend: litellm `acompletion` / `atext_completion`, streamed or whole."""
@@ -36,6 +53,7 @@ class HostedModel:
         self.name = name
         self.spec = spec
         self._api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+        self._side = SideLoop(f"litellm-{name}")  # litellm's per-call Python work runs there
 
     @property
     def timeouts(self) -> Timeouts:
@@ -50,25 +68,28 @@ class HostedModel:
         return None
 
     async def start(self) -> None:
-        """Nothing runs in the background for a hosted model."""
+        """Nothing runs in the background until the first call (which starts the side loop)."""
 
     def _check_not_tried(self, avoid: frozenset[str]) -> None:
         """One deployment: once it failed this round, there is nothing else to offer."""
         if self.spec.model in avoid:
             raise UpstreamUnavailableError(f"{self.spec.model} already failed this request", timeout=False)
 
-    def _kwargs(self, body: bytes, stream: bool, timeouts: Timeouts | None) -> tuple[Any, dict[str, Any]]:
+    def _kwargs(
+        self, path: str, body: bytes, stream: bool, timeouts: Timeouts | None
+    ) -> tuple[Any, dict[str, Any]]:
         reason = self.unavailable_reason
         if reason is not None:
             raise ModelUnavailableError(reason)
-        params: dict[str, Any] = orjson.loads(body)
-        params.pop("stream", None)
+        params = allowed_fields(orjson.loads(body), path)
         if stream:
             params["stream"] = True
             params["stream_options"] = {"include_usage": True}
         else:
             params.pop("stream_options", None)
-        params.update(timeout=(timeouts or self.spec.timeouts).total, api_key=self._api_key)
+        # max_retries=0: the provider's client would otherwise retry a timeout twice on its own (a
+        # stalled provider held a request 3x `total`); retries are gateway/failover.py's decision.
+        params.update(timeout=(timeouts or self.spec.timeouts).total, api_key=self._api_key, max_retries=0)
         if self.spec.base_url:
             params["base_url"] = self.spec.base_url
         if self.spec.api_version:
@@ -85,13 +106,18 @@ class HostedModel:
     ) -> UpstreamReply:
         """One whole completion (our trace context is not sent to providers: `headers` is unused)."""
         self._check_not_tried(avoid)
-        model, params = self._kwargs(body, False, timeouts)
+        model, params = self._kwargs(path, body, False, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
-        try:
+
+        async def whole() -> bytes:
             resp = await call(model=model, **params)
+            return resp.model_dump_json(exclude_none=True).encode()  # type: ignore[no-any-return]
+
+        try:
+            answer = await self._side.run(whole())
         except Exception as exc:
             return self._error(exc)
-        return UpstreamReply(200, resp.model_dump_json(exclude_none=True).encode(), self.spec.model)
+        return UpstreamReply(200, answer, self.spec.model)
 
     @asynccontextmanager
     async def stream(
@@ -104,11 +130,11 @@ class HostedModel:
     ) -> AsyncIterator[UpstreamStream]:
         """A streamed completion, re-encoded as OpenAI SSE lines."""
         self._check_not_tried(avoid)
-        model, params = self._kwargs(body, True, timeouts)
+        model, params = self._kwargs(path, body, True, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
         try:
             async with asyncio.timeout((timeouts or self.spec.timeouts).first_token):  # it must start by then
-                resp = await call(model=model, **params)
+                resp = await self._side.run(call(model=model, **params))
         except TimeoutError as exc:
             message = f"{self.spec.model} did not start answering in time"
             raise UpstreamUnavailableError(message, timeout=True, deployment=self.spec.model) from exc
@@ -117,18 +143,33 @@ class HostedModel:
             yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
             return
 
-        async def lines() -> AsyncIterator[str]:
+        async def next_line() -> str | None:  # runs on the side loop, where `resp` belongs
             try:
-                async for chunk in resp:
-                    yield "data: " + chunk.model_dump_json(exclude_none=True)
-            except Exception as exc:
-                raise UpstreamStreamError(f"{self.spec.model}: {exc}") from exc
+                chunk = await resp.__anext__()
+            except StopAsyncIteration:
+                return None
+            return "data: " + chunk.model_dump_json(exclude_none=True)  # type: ignore[no-any-return]
+
+        async def lines() -> AsyncIterator[str]:
+            while True:
+                try:
+                    line = await self._side.run(next_line())
+                except Exception as exc:
+                    raise UpstreamStreamError(f"{self.spec.model}: {exc}") from exc
+                if line is None:
+                    break
+                yield line
             yield "data: [DONE]"
 
         yield UpstreamStream(200, lines(), b"", self.spec.model)
 
     def _error(self, exc: Exception) -> UpstreamReply:
-        """Provider errors, classified here and nowhere else: status and body in OpenAI's format."""
+        """Provider errors, classified here and nowhere else: status and body in OpenAI's format.
+
+        Only a 4xx about the client's own request passes the provider's message on (its `message`
+        field, clipped); our credentials being refused (401/403) is our fault, not the client's: a
+        502 that fails over. Nothing else of litellm's text reaches the client: it is logged.
+        """
         if isinstance(exc, (litellm.exceptions.Timeout,)):
             raise UpstreamUnavailableError(
                 f"{self.spec.model} timed out", timeout=True, deployment=self.spec.model
@@ -137,14 +178,38 @@ class HostedModel:
             raise UpstreamUnavailableError(
                 f"{self.spec.model} is unreachable: {exc}", timeout=False, deployment=self.spec.model
             ) from exc
-        status = int(getattr(exc, "status_code", 0) or 502)
+        logger.warning("hosted model %s failed: %s", self.spec.model, exc)
+        status = getattr(exc, "status_code", None)
+        status = status if isinstance(status, int) and 400 <= status <= 599 else 502
+        if status in (401, 403):
+            status, message = 502, f"the provider of {self.spec.model} refused the gateway's credentials"
+        elif status == 429:
+            message = f"the provider of {self.spec.model} is rate limiting the gateway"
+        elif 400 <= status < 500:
+            message = _provider_message(exc) or f"the provider of {self.spec.model} refused the request"
+        else:
+            message = f"the provider of {self.spec.model} failed (HTTP {status})"
         kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
-        body = {"error": {"message": str(exc), "type": kind, "param": None, "code": type(exc).__name__}}
-        logger.warning("hosted model %s answered %d: %s", self.spec.model, status, exc)
+        body = {"error": {"message": message, "type": kind, "param": None, "code": f"provider_{status}"}}
         return UpstreamReply(status, orjson.dumps(body), self.spec.model)
 
     async def close(self) -> None:
-        """Nothing pooled here (litellm owns its clients)."""
+        """Stop the side loop (litellm owns its clients)."""
+        await self._side.close()
+
+
+def _provider_message(exc: Exception) -> str | None:
+    """The provider's own `error.message` about a request it refused (clipped), if it gave one."""
+    body = getattr(exc, "body", None)
+    error = body.get("error", body) if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message[:500] if isinstance(message, str) and message else None
+
+
+def allowed_fields(body: dict[str, Any], path: str) -> dict[str, Any]:
+    """The client's fields that an OpenAI endpoint at `path` defines; everything else is dropped."""
+    allowed = CHAT_FIELDS if path.endswith("chat/completions") else TEXT_FIELDS
+    return {name: value for name, value in body.items() if name in allowed}
 
 
 async def _no_lines() -> AsyncIterator[str]:

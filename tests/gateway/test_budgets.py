@@ -258,3 +258,33 @@ def test_a_database_gone_while_seeding_answers_503_naming_the_database(
     error = r.json()["error"]
     assert (r.status_code, error["code"]) == (503, "budget_unavailable")
     assert "database" in error["message"] and "Redis" not in error["message"], error["message"]
+
+
+def test_budget_errors_name_redis_or_the_database_but_never_their_error_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1"), "daily")
+    now = datetime.now(UTC)
+
+    async def run() -> list[str]:
+        messages = []
+        redis_down = RedisBudgetStore("redis://127.0.0.1:1/0")
+        with pytest.raises(BudgetUnavailableError) as info:
+            await redis_down.reserve([_charge(budget, now, "0.1")], _nothing_spent)
+        messages.append(str(info.value))
+        await redis_down.close()
+        engine = create_engine("postgresql+asyncpg://postgres@127.0.0.1:1/test")
+        for store in (LocalBudgetStore(), RedisBudgetStore(REDIS)):
+            with pytest.raises(BudgetUnavailableError) as info:
+                await store.reserve([_charge(budget, now, "0.1")], spend_seed(engine))
+            messages.append(str(info.value))
+            await store.close()
+        await engine.dispose()
+        return messages
+
+    messages = asyncio.run(run())
+    assert "Redis is unreachable" in messages[0]
+    assert all("database" in m for m in messages[1:])
+    for message in messages:
+        assert "127.0.0.1" not in message and "Connect call failed" not in message and "111" not in message
+    assert "127.0.0.1" in caplog.text  # the details are in the gateway's log

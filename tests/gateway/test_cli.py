@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import socket
 from pathlib import Path
 
 import pytest
 import uvicorn
 
 from gateway import cli
+from gateway.http_protocol import GatewayHttpProtocol, LimitedConfig
 from gateway.migrate import upgrade
 
 POLICY = Path("policies/default.yaml")
@@ -38,6 +41,7 @@ def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
         raise _ServerStarted("serve started a server without its secrets")
 
     monkeypatch.setattr(cli, "_CleanExitServer", started)
+    monkeypatch.setattr(cli, "Multiprocess", started)
     monkeypatch.setattr(uvicorn, "run", started)
 
 
@@ -77,3 +81,42 @@ def test_reports_and_policy_checks_run_without_the_secrets(capsys: pytest.Captur
     assert cli.main(report) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == []
     assert cli.main(["policy", "check", str(POLICY)]) == 0
+
+
+@pytest.mark.usefixtures("database")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
+    monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    limits = {
+        "GATEWAY_MAX_HEADER_BYTES": "16384", "GATEWAY_HEADER_TIMEOUT": "7.5",
+        "GATEWAY_LIMIT_CONCURRENCY": "321", "GATEWAY_KEEP_ALIVE_TIMEOUT": "9", "GATEWAY_BACKLOG": "77",
+    }  # fmt: skip
+    for name, value in {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", **limits}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GATEWAY_POLICY_PATH", str(POLICY))  # serve sets it for its workers: undone after
+    started: list[uvicorn.Config] = []
+
+    class Recorder:
+        def __init__(self, config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> None:
+            started.append(config)
+            for sock in sockets or []:
+                sock.close()
+            self.started = True
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "_CleanExitServer", Recorder)
+    monkeypatch.setattr(cli, "Multiprocess", Recorder)
+    argv = ["serve", "--policy", str(POLICY), "--port", "0", "--workers", str(workers)]
+    assert cli.main(argv) == 0
+    (config,) = started
+    assert isinstance(config, LimitedConfig)
+    assert (config.max_header_bytes, config.header_timeout) == (16384, 7.5)
+    assert (config.limit_concurrency, config.timeout_keep_alive, config.backlog) == (321, 9, 77)
+    assert config.h11_max_incomplete_event_size == 16384
+    assert pickle.loads(pickle.dumps(config)).max_header_bytes == 16384  # spawned workers get it whole
+    config.load()
+    assert config.http_protocol_class is GatewayHttpProtocol
+    assert config.ws == "none" and not config.server_header

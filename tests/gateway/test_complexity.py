@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from gateway.complexity_features import (
     FEATURE_NAMES,
     Lexicon,
     approx_tokens,
+    quote_spans,
     split_pasted,
 )
 from gateway.complexity_train import load_rows, main
@@ -174,6 +177,82 @@ def test_pasted_material_is_split_from_the_instruction() -> None:
     ask, pasted, _ = split_pasted(REPORT + "\n\nWhich section covers region 3?")
     assert ask == "Which section covers region 3?"
     assert "Section 8" in pasted
+
+
+# The pattern long quotes were found with before it became a linear scan (same matches, same order).
+QUOTE_REGEX = re.compile(
+    r"\"[^\"]{60,}\"|“[^”]{60,}”|„[^“”]{60,}[“”]|«[^»]{60,}»|「[^」]{40,}」|『[^』]{40,}』"
+)
+
+
+def test_long_quotes_are_found_exactly_where_the_regex_found_them() -> None:
+    rng = random.Random(14)
+    alphabet = [*'"“”„«»「」『』', "a", "b c", "\n\n", "x" * 30, "„" * 20, "«" * 40, "「" * 39]
+    for _ in range(3000):
+        text = "".join(rng.choices(alphabet, k=rng.choice([5, 20, 80])))
+        assert quote_spans(text) == [m.span() for m in QUOTE_REGEX.finditer(text)], text
+
+
+MIB = 1 << 20
+HOSTILE = {
+    **{f"run of {c}": lambda c=c: c * (8 * MIB) for c in '"“”„«»「」『』'},
+    "mixed openers": lambda: "„“«「『" * (8 * MIB // 5),
+    "openers closed one short": lambda: ("„" * 59 + "“") * (8 * MIB // 60),
+    "quotes closed by one of two closers": lambda: ("„" + "a" * 60 + "“") * (8 * MIB // 62),
+    "plain quotes closed one short": lambda: ("a" * 59 + '"') * (8 * MIB // 60),
+    "nested brackets": lambda: "([{<" * MIB + ">}])" * MIB,
+    "fences": lambda: "```" * (8 * MIB // 3),
+    "paragraphs": lambda: "a\n\n" * (8 * MIB // 3),
+    "blank lines": lambda: "\n" + " \t" * (4 * MIB),
+    "number runs": lambda: "1," * (4 * MIB),
+    "math symbols": lambda: "^=" * (4 * MIB),
+    "hyphenated word": lambda: "a-" * (4 * MIB),
+    "enumerations": lambda: "(1)\n1." * (8 * MIB // 6),
+    "cjk": lambda: "字" * (8 * MIB),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_8_mib_of_hostile_text_is_scored_in_under_100_ms(scorer: ComplexityScorer, name: str) -> None:
+    """Scoring runs on the event loop: every step is linear and the text analysed is bounded."""
+    body = user(HOSTILE[name]())
+    scorer.score(body)  # warm: first-use costs (ABC caches) are not the text's
+    start = time.perf_counter()
+    result = scorer.score(body)
+    assert time.perf_counter() - start < 0.1
+    assert all(math.isfinite(v) for v in result.features.values())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "a"}] * 300_000},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 500_000}]},
+        {"prompt": ["a"] * 1_000_000},
+        {"messages": [{"role": "user", "content": "the number 7 words " * 5_000}]},
+    ],
+    ids=["messages", "content parts", "prompts", "asked-for lengths"],
+)
+def test_bodies_with_huge_lists_are_scored_in_under_100_ms(
+    scorer: ComplexityScorer, body: dict[str, Any]
+) -> None:
+    scorer.score(body)
+    start = time.perf_counter()
+    scorer.score(body)
+    assert time.perf_counter() - start < 0.1
+
+
+def test_a_message_too_long_to_split_whole_keeps_its_closing_question_and_counts_the_middle_as_pasted(
+    scorer: ComplexityScorer,
+) -> None:
+    document = (REPORT + "\n\n") * 200  # ~350 KB
+    result = scorer.score(user(document + "Which section covers region 3?"))
+    whole = scorer.score(user(REPORT + "\n\nWhich section covers region 3?"))
+    assert result.features["log_ask_tokens"] == whole.features["log_ask_tokens"]
+    # the pasted estimate covers the whole document, not only the analysed head and tail
+    assert result.features["log_pasted_tokens"] == pytest.approx(
+        math.log1p(200 * approx_tokens(REPORT)), 0.02
+    )
 
 
 def test_cjk_characters_count_as_tokens() -> None:

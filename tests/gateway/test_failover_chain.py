@@ -141,7 +141,8 @@ def test_unavailable_models_are_skipped_without_a_call() -> None:
     frontier.reason = "set OPENAI_API_KEY"
     with pytest.raises(ChainExhaustedError) as info:
         asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
-    assert info.value.unavailable and "OPENAI_API_KEY" in str(info.value)
+    assert info.value.unavailable and "OPENAI_API_KEY" in info.value.detail()
+    assert "OPENAI_API_KEY" not in str(info.value) and "http://" not in str(info.value)  # the client's text
 
 
 def test_each_candidate_gets_its_own_upstream_model_name() -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from gateway.health import BreakerState, CircuitBreaker, Replica, pick
+import asyncio
+
+import pytest
+
+from gateway.health import BreakerState, CircuitBreaker, HealthChecker, Replica, pick
 from gateway.policy import Breaker, Health
 
 
@@ -110,3 +114,61 @@ def test_pick_prefers_fewest_in_flight_then_unsaturated_and_skips_unusable() -> 
         for _ in range(3):
             r.breaker.record(False)
     assert pick([a, b, c]) is None
+
+
+class _FlakyChecker(HealthChecker):
+    """Raises an exception no check expects on its first rounds, then counts the rounds that ran."""
+
+    def __init__(self, replicas: list[Replica], health: Health, failures: list[BaseException]) -> None:
+        super().__init__("flaky", replicas, health, {})
+        self.failures = failures
+        self.rounds = 0
+
+    async def check(self, replica: Replica) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+        self.rounds += 1
+
+
+def test_the_health_loop_survives_any_exception_in_a_check_round(caplog: pytest.LogCaptureFixture) -> None:
+    health = Health(interval=0.01)
+    replica = Replica("http://127.0.0.1:9", health)
+    failures: list[BaseException] = [ZeroDivisionError("bug"), KeyError("gauge"), UnicodeDecodeError(
+        "utf-8", b"\xff", 0, 1, "bad byte")]  # fmt: skip
+    checker = _FlakyChecker([replica], health, failures)
+
+    async def run() -> None:
+        checker.start()
+        try:
+            for _ in range(500):
+                if checker.rounds >= 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert checker._task is not None and not checker._task.done()
+        finally:
+            await checker.stop()
+
+    asyncio.run(run())
+    assert checker.rounds >= 3 and not failures
+    assert "ZeroDivisionError" in caplog.text and "KeyError" in caplog.text
+
+
+def test_a_check_that_fails_unexpectedly_marks_only_that_replica_down() -> None:
+    health = Health(interval=0.01)
+    replica = Replica("http://127.0.0.1:9", health)
+    checker = HealthChecker("odd", [replica], health, {})
+
+    def broken_get(*_: object, **__: object) -> None:
+        raise ValueError("an aiohttp internal surprise")
+
+    async def run() -> None:
+        checker.start()
+        try:
+            assert checker._session is not None
+            checker._session.get = broken_get  # type: ignore[method-assign,assignment]
+            await checker.check(replica)  # does not raise
+        finally:
+            await checker.stop()
+
+    asyncio.run(run())
+    assert replica.check_ok is False and replica.last_error == "ValueError"

@@ -137,11 +137,11 @@ def test_authentication_outcomes(migrated: str) -> None:
         _, old = await store.create("b", expires_at=datetime.now(UTC) - timedelta(seconds=1))
         with pytest.raises(AuthError) as err:
             await store.authenticate(old)
-        assert (err.value.status, err.value.code) == (403, "key_expired")
+        assert (err.value.status, err.value.code) == (401, "invalid_api_key")  # as if it never existed
         await store.revoke(info.id)
         with pytest.raises(AuthError) as err:
             await store.authenticate(key)
-        assert (err.value.status, err.value.code) == (403, "key_revoked")
+        assert (err.value.status, err.value.code) == (401, "invalid_api_key")
 
     asyncio.run(run())
 
@@ -160,7 +160,7 @@ def test_revocation_reaches_another_replica_within_the_cache_ttl(migrated: str) 
         clock.now += 0.2
         with pytest.raises(AuthError) as err:
             await b.authenticate(key)
-        assert err.value.code == "key_revoked"
+        assert err.value.code == "invalid_api_key"
 
     asyncio.run(run())
 
@@ -382,3 +382,58 @@ def test_a_cached_key_keeps_working_while_the_database_is_gone_until_its_ttl_end
     clock.now += 0.2
     with pytest.raises(DatabaseUnavailableError, match=r"^the API key cannot be checked: the database"):
         asyncio.run(store.authenticate(key))  # past the TTL: no stale entries
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"name": "x", "expires_in_days": 1e308}',  # a timedelta past datetime's range: was a 500
+        '{"name": "x", "expires_in_days": 1e400}',  # parsed as inf
+        '{"name": "x", "expires_in_days": Infinity}',
+        '{"name": "x", "expires_in_days": NaN}',
+        '{"name": "x", "expires_in_days": -Infinity}',
+        '{"name": "x", "expires_in_days": 0}',
+        '{"name": "x", "expires_in_days": 36501}',  # past the 100-year bound
+        '{"name": "x", "expires_in_days": "soon"}',
+        '{"name": "x", "rpm_limit": 1e308}',
+        '{"name": "x", "rpm_limit": NaN}',
+        '{"name": "x", "rpm_limit": Infinity}',
+        '{"name": "x", "rpm_limit": -5}',
+        '{"name": "x", "rpm_limit": 1.5}',
+        '{"name": "x", "tpm_limit": 99999999999999999999999999999}',
+        '{"name": "x", "tpm_limit": -Infinity}',
+        '{"name": "x", "budget_usd": 1e308}',
+        '{"name": "x", "budget_usd": NaN}',
+        '{"name": "x", "budget_usd": "NaN"}',
+        '{"name": "x", "budget_usd": "Infinity"}',
+        '{"name": "x", "budget_usd": "-1"}',
+        '{"name": "x", "budget_usd": "1e-30"}',
+        '{"name": "x", "expires_at": 1e308}',
+        '{"name": "x", "expires_at": "+99999-01-01T00:00:00Z"}',
+    ],
+)
+def test_hostile_numbers_in_a_new_key_are_400_in_openai_format(admin: TestClient, raw: str) -> None:
+    r = admin.post("/admin/keys", content=raw, headers={**ADMIN, "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value" and error["message"]
+    assert admin.get("/admin/keys", headers=ADMIN).json()["data"] == []  # nothing was created
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ['{"rpm_limit": 1e308}', '{"tpm_limit": NaN}', '{"budget_usd": "Infinity"}', '{"budget_usd": -1e308}',
+     '{"expires_at": 1e308}', '{"expires_at": "-infinity"}'],
+)  # fmt: skip
+def test_hostile_numbers_in_a_key_update_are_400(admin: TestClient, raw: str) -> None:
+    created = admin.post("/admin/keys", json={"name": "x"}, headers=ADMIN).json()
+    r = admin.patch(f"/admin/keys/{created['id']}", content=raw,
+                    headers={**ADMIN, "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_value"
+
+
+def test_the_longest_allowed_expiry_is_accepted(admin: TestClient) -> None:
+    r = admin.post("/admin/keys", json={"name": "x", "expires_in_days": 36500}, headers=ADMIN)
+    assert r.status_code == 201, r.text
+    assert datetime.fromisoformat(r.json()["expires_at"]).year >= datetime.now(UTC).year + 99

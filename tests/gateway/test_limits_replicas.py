@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
@@ -135,3 +136,33 @@ def test_with_redis_down_budgets_fail_closed_and_rate_limits_fail_open(tmp_path:
     finally:
         gateway.stop()
         upstream.stop()
+
+
+def test_rpm_and_budget_hold_with_400_concurrent_requests_per_key_on_each_replica(
+    replicas: tuple[list[ManagedServer], ManagedServer],
+) -> None:
+    """More requests at once than redis-py's default pool (100): once they failed open (RPM 20
+    admitted 220 of 300) and budgets answered 503."""
+    gateways, _ = replicas
+    key = _key(gateways[0], rpm_limit=20, budget_usd="100000", budget_period="daily")  # RPM decides
+    body = {"model": "fast", "messages": [{"role": "user", "content": "count me"}]}
+
+    async def burst() -> tuple[list[httpx.Response], float]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            started = time.monotonic()
+            answers = await asyncio.gather(*(
+                client.post(f"{gateways[i % 2].base_url}/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"})
+                for i in range(800)
+            ))  # fmt: skip
+            return list(answers), time.monotonic() - started
+
+    answers, elapsed = asyncio.run(burst())
+    statuses = [r.status_code for r in answers]
+    errors = {
+        r.json()["error"]["code"]: r.json()["error"]["message"] for r in answers if r.status_code == 503
+    }
+    assert set(statuses) <= {200, 429}, errors  # no 503: a busy pool makes requests wait
+    # a minute's worth at once, then one more every 3 s while the burst lasts
+    assert 20 <= statuses.count(200) <= 20 + int(elapsed / 3) + 1, (statuses.count(200), elapsed)

@@ -150,10 +150,10 @@ def test_auth_matrix(stack: Stack) -> None:
         f"{stack.gateway.base_url}/admin/keys/{target}/revoke", headers={"Authorization": f"Bearer {MASTER}"}
     )
     r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {revoked}"})
-    assert r.status_code == 403 and r.json()["error"]["code"] == "key_revoked"
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"  # as an unknown key
     expired = stack.create_key(name="old", expires_at="2020-01-01T00:00:00Z")
     r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {expired}"})
-    assert r.status_code == 403 and r.json()["error"]["code"] == "key_expired"
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert (
         httpx.get(
             f"{stack.gateway.base_url}/admin/keys", headers={"Authorization": f"Bearer {stack.key}"}
@@ -183,7 +183,7 @@ def test_bad_requests_are_clear_4xx(stack: Stack, content: bytes, status: int, c
     assert r.json()["error"]["code"] == code
 
 
-def test_a_pool_whose_only_replica_is_down_is_503_naming_the_replica(stack: Stack) -> None:
+def test_a_pool_whose_only_replica_is_down_is_503_without_naming_the_replica(stack: Stack) -> None:
     deadline = time.monotonic() + 5  # the first health check marks it down; until then calls fail (502)
     while True:
         with pytest.raises(openai.APIStatusError) as info:
@@ -193,7 +193,7 @@ def test_a_pool_whose_only_replica_is_down_is_503_naming_the_replica(stack: Stac
         assert info.value.status_code == 502 and info.value.code == "upstream_unavailable"
         time.sleep(0.1)
     assert info.value.status_code == 503 and info.value.code == "model_unavailable"
-    assert "http://127.0.0.1:9" in info.value.message
+    assert "127.0.0.1" not in info.value.message and "broken" in info.value.message  # no internal URL
 
 
 def test_upstream_errors_pass_through_with_their_status(stack: Stack) -> None:
@@ -281,13 +281,13 @@ def test_hosted_model_without_its_key_is_listed_unavailable_and_refused(stack: S
         f"{stack.gateway.base_url}/v1/models", headers={"Authorization": f"Bearer {stack.key}"}
     ).json()
     entry = next(m for m in listed["data"] if m["id"] == "hosted-nokey")
-    assert entry["available"] is False and "SWITCHBOARD_TEST_UNSET_KEY" in entry["unavailable_reason"]
+    assert entry["available"] is False and "SWITCHBOARD_TEST_UNSET_KEY" not in entry["unavailable_reason"]
     with pytest.raises(openai.APIStatusError) as info:
         stack.client().chat.completions.create(
             model="hosted-nokey", messages=[{"role": "user", "content": "x"}]
         )
     assert info.value.status_code == 503 and info.value.code == "model_unavailable"
-    assert "SWITCHBOARD_TEST_UNSET_KEY" in info.value.message
+    assert "SWITCHBOARD_TEST_UNSET_KEY" not in info.value.message  # the configuration stays private
 
 
 def test_hosted_provider_errors_keep_their_status(stack: Stack) -> None:

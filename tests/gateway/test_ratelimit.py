@@ -129,3 +129,25 @@ def test_unreachable_redis_fails_open_or_closed_as_configured() -> None:
         await closed.close()
 
     asyncio.run(run())
+
+
+def test_an_unreachable_redis_is_named_to_the_client_without_its_error_text_which_goes_to_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def run() -> str:
+        closed = RedisRateLimiter("redis://127.0.0.1:1/0", fail_open=False)
+        try:
+            with pytest.raises(LimiterUnavailableError) as info:
+                await closed.acquire([_rpm("x", 1)])
+            return str(info.value)
+        finally:
+            await closed.close()
+
+    message = asyncio.run(run())
+    assert message == "rate limits cannot be checked: Redis is unreachable"
+    assert "127.0.0.1:1" in caplog.text  # the address, for the operator only
+
+
+def test_a_limiter_error_built_with_details_shows_the_client_none_of_them() -> None:
+    error = LimiterUnavailableError("Error 111 connecting to redis-internal:6379. Connection refused.")
+    assert "redis-internal" not in str(error) and "redis-internal" in error.detail

@@ -46,7 +46,9 @@ class Reloadable:
         return dict(r.json())
 
     def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.gateway.base_url}/metrics").text.splitlines():
+        for line in httpx.get(
+            f"{self.gateway.base_url}/metrics", headers={"Authorization": f"Bearer {MASTER}"}
+        ).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         return 0.0

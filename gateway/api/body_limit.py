@@ -1,0 +1,89 @@
+"""Request bodies read with a size limit, before any parsing: the completion endpoint's and BodyLimit's.
+
+A body is refused with 413 as soon as its Content-Length, or the bytes counted while a chunked body
+streams in, pass the limit; nothing past the limit is kept. The refusal closes the connection, so
+the server does not read (and discard) the rest of a body it refused.
+"""
+
+from __future__ import annotations
+
+from gateway.api.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
+from gateway.errors import GatewayError
+
+
+class ClientLeftError(Exception):
+    """The client disconnected while sending its body: nobody is left to answer."""
+
+
+def too_large(limit: int) -> GatewayError:
+    """The 413 for a body over `limit` bytes."""
+    return GatewayError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+
+
+def declared_length(scope: Scope) -> bytes | None:
+    """The raw Content-Length header; b"chunked" for a chunked body; None without either."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return bytes(value)
+        if name == b"transfer-encoding":
+            return b"chunked"
+    return None
+
+
+def may_exceed(declared: bytes | None, limit: int) -> bool:
+    """Whether a body not read yet may be over `limit`: a refusal then closes the connection rather
+    than let the server read the rest only to discard it (a body within the limit is read, so that
+    the client, still sending, gets the answer instead of a reset connection)."""
+    return declared is not None and not (declared.isdigit() and int(declared) <= limit)
+
+
+async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
+    """The request body; GatewayError 413 as soon as it is declared or grows past `limit` bytes."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientLeftError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class BodyLimit:
+    """ASGI wrapper: the app gets the whole body, read up to `limit` bytes, before it runs.
+
+    For the FastAPI routes (admin, models, health, metrics), whose bodies are small: FastAPI would
+    otherwise read a body of any size, then parse it, before a route's dependencies run.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive, declared_length(scope), self.limit)
+        except GatewayError as exc:
+            await send_error(send, exc.status, exc.message, exc.type, exc.code, close=True)
+            return
+        except ClientLeftError:
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:  # after the body: what the server says next (a disconnect)
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

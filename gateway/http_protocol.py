@@ -1,0 +1,188 @@
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol with the limits it lacks.
+
+uvicorn 0.54 bounds request headers only on its pure-Python h11 protocol
+(`h11_max_incomplete_event_size`), which costs throughput on the hot path, and it has no header read
+timeout on either: with httptools a client could send headers without end (the parser buffers them
+all) or keep a connection open forever by sending one header byte at a time. This subclass counts
+the bytes received while a request's headers are incomplete (431 past `max_header_bytes`) and closes
+a connection whose headers take longer than `header_timeout` (408). Its own answers (those two, a
+malformed request, the server's concurrency limit) use OpenAI's error format like every other one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from gateway.errors import error_body
+
+
+class LimitedConfig(uvicorn.Config):
+    """uvicorn's Config with the header limits GatewayHttpProtocol enforces (picklable for workers)."""
+
+    def __init__(self, app: Any, *, max_header_bytes: int, header_timeout: float, **options: Any) -> None:
+        self.max_header_bytes = max_header_bytes
+        self.header_timeout = header_timeout
+        super().__init__(
+            app, http=GatewayHttpProtocol, h11_max_incomplete_event_size=max_header_bytes, **options
+        )
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """One client connection: httptools parsing plus a header size limit and a header read timeout."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        assert isinstance(config, LimitedConfig), "GatewayHttpProtocol needs a LimitedConfig"
+        self.max_header_bytes = config.max_header_bytes
+        self.header_timeout = config.header_timeout
+        # bytes received for the request whose headers are still incomplete (None: past its headers)
+        self.header_bytes: int | None = 0
+        self.header_timer: asyncio.TimerHandle | None = None
+        self.lingering: int | None = None  # bytes discarded since a refusal (None: not refused)
+        self.linger_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """A new connection has `header_timeout` seconds to send its first request's headers."""
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Stop the timers with the connection."""
+        self._cancel_header_timer()
+        if self.linger_timer is not None:
+            self.linger_timer.cancel()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """Count header bytes around the parser: a chunk that completes the headers is not counted."""
+        if self.lingering is not None:  # refused: what the client still sends is read and dropped
+            self.lingering += len(data)
+            if self.lingering > LINGER_BYTES:
+                self.transport.close()
+            return
+        if self.header_bytes is not None:
+            if self.header_timer is None:  # the first bytes of a next request on a kept-alive connection
+                self._arm_header_timer()
+            self.header_bytes += len(data)
+        super().data_received(data)
+        # Checked after parsing: headers complete within this chunk reset the count, so a body sent
+        # with them is never counted; headers still incomplete are at most one read past the limit.
+        if self.header_bytes is not None and self.header_bytes > self.max_header_bytes:
+            self._headers_too_large()
+
+    def on_headers_complete(self) -> None:
+        """The headers are in: stop counting and timing them; measure them if they came in one read."""
+        self.header_bytes = None
+        self._cancel_header_timer()
+        if (
+            len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
+            > self.max_header_bytes
+        ):
+            self._headers_too_large()
+            raise _RefusedError  # stops the parser: no request task starts
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        """The request's body is in: bytes after it belong to the next request's headers."""
+        super().on_message_complete()
+        self.header_bytes = 0
+
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse (NUL in a header, bad Content-Length, bad chunking)."""
+        self._refuse(400, msg, "invalid_http_request")
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if app is service_unavailable:  # past limit_concurrency: OpenAI's format, not plain text
+            app = _overloaded
+        super()._start_asgi_task(cycle, app)
+
+    def _headers_too_large(self) -> None:
+        message = f"the request headers exceed {self.max_header_bytes} bytes"
+        self.logger.warning("%s: %s", _address(self.client), message)
+        self._refuse(431, message, "headers_too_large")
+
+    def _arm_header_timer(self) -> None:
+        self.header_timer = self.loop.call_later(self.header_timeout, self._headers_timed_out)
+
+    def _cancel_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def _headers_timed_out(self) -> None:
+        self.header_timer = None
+        if self.header_bytes == 0:  # nothing sent: close quietly (a 408 could race a client's request)
+            self.transport.close()
+        elif self.header_bytes is not None:
+            message = f"the request headers took longer than {self.header_timeout:g} s"
+            self.logger.warning("%s: %s", _address(self.client), message)
+            self._refuse(408, message, "headers_timeout")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer `status` and close, unless an answer has begun (pipelining): then just close."""
+        if self.transport.is_closing() or self.lingering is not None:
+            return
+        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+            body = error_body(message, "invalid_request_error", code=code)
+            head = (
+                f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.write(head.encode("ascii") + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after a refusal without resetting the answer away.
+
+        Closing a socket with unread input sends a TCP reset, which can destroy the answer in the
+        client's kernel before the client reads it (a client still sending a body after its
+        oversized headers saw "connection reset" instead of 431). So: finish our side (FIN), read
+        and drop what still arrives for at most LINGER_SECONDS or LINGER_BYTES, then close.
+        """
+        self._cancel_header_timer()
+        self.lingering = 0
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+
+LINGER_SECONDS = 1.0  # after a refusal, how long what the client still sends is read and dropped
+LINGER_BYTES = 8 << 20  # and how much of it, at most (a completion body's default limit)
+
+
+class _RefusedError(Exception):
+    """Raised from a parser callback to stop parsing a request already answered."""
+
+
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+def _address(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "unknown"
+
+
+async def _overloaded(scope: Any, receive: Any, send: Any) -> None:
+    """uvicorn's 503 past `limit_concurrency`, in OpenAI's error format (the connection is closed)."""
+    body = error_body(
+        "the gateway is at its connection limit; retry shortly", "api_error", code="server_overloaded"
+    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode("ascii")),
+        (b"connection", b"close"),
+        (b"retry-after", b"1"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

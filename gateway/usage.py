@@ -1,0 +1,71 @@
+"""An upstream's `usage` object, checked before it is billed.
+
+The upstream is not trusted with money: a negative count would refund a budget, 2**40 tokens would
+lock a key out for years, a string or a float would break the log batch. Usage is accepted only as
+non-negative integers within MAX_TOKENS whose parts add up; anything else is rejected here and the
+answer is counted with the tokenizer instead (the row is marked estimated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_TOKENS = 1 << 24  # 16.7M: above any context window served today, far below int32 and money overflow
+
+
+def _count(value: Any) -> int | None:
+    """A token count, or None when it is not one (bool is an int in Python, but not a count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS:
+        return value
+    return None
+
+
+def checked_usage(raw: Any) -> dict[str, Any] | None:
+    """The usage fields we bill from, normalised; None when `raw` is missing or not believable."""
+    if not isinstance(raw, dict):
+        return None
+    prompt, completion = _count(raw.get("prompt_tokens")), _count(raw.get("completion_tokens"))
+    if prompt is None or completion is None:
+        return None
+    total = raw.get("total_tokens")
+    if total is not None and _count(total) != prompt + completion:
+        return None  # the parts and the total disagree: believe neither
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    details = raw.get("prompt_tokens_details")
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        cached = _count(details.get("cached_tokens"))
+        if cached is None or cached > prompt:
+            return None
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+MAX_CHOICES = 128  # OpenAI's own cap on `n`
+
+
+def max_output(body: dict[str, Any]) -> int | None:
+    """The output tokens a request may produce per choice, as it asks (None: it names no limit)."""
+    out = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(out, int) and not isinstance(out, bool) and out > 0:
+        return min(out, MAX_TOKENS)
+    return None
+
+
+def choices(body: dict[str, Any]) -> int:
+    """How many answers a request asks for (`n`, or `best_of` generated server-side), within bounds."""
+    asked = (body.get("n"), body.get("best_of"))
+    counts = [v for v in asked if isinstance(v, int) and not isinstance(v, bool)]
+    return min(max([1, *counts]), MAX_CHOICES)
+
+
+ZERO_COUNTS = ("prompt_tokens", "completion_tokens")
+
+
+def says_zero(usage: dict[str, Any]) -> bool:
+    """Checked usage that claims no prompt or no answer: believed only once the text agrees (a provider
+    whose usage is null comes back from litellm as zeros, which would make the answer free)."""
+    return any(usage.get(name) == 0 for name in ZERO_COUNTS)
