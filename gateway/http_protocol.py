@@ -93,6 +93,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._headers_too_large()
             raise _RefusedError  # stops the parser: no request task starts
         super().on_headers_complete()
+        if self.cycle is not None and any(name in _BODY_HEADERS for name, _ in self.headers):
+            # a body follows: an answer given before it is in must not reset the connection
+            self.cycle.transport = _LingeringClose(self, self.cycle)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         """The request's body is in: bytes after it belong to the next request's headers."""
@@ -153,6 +156,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """
         self._cancel_header_timer()
         self.lingering = 0
+        self.flow.resume_reading()  # a refused body may have filled the buffer and paused reads
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
@@ -162,10 +166,38 @@ LINGER_SECONDS = 1.0  # after a refusal, how long what the client still sends is
 LINGER_BYTES = 8 << 20  # and how much of it, at most (a completion body's default limit)
 
 
+class _LingeringClose:
+    """A request cycle's transport whose close() lingers while the request's body is still coming.
+
+    The app answers some requests before reading their bodies (401 and 413 from the headers alone,
+    with `connection: close`), and uvicorn then closes the socket at once: with the client still
+    sending, that is the reset that can destroy the answer (see `_linger`). Once the body is in,
+    close() closes.
+    """
+
+    def __init__(self, protocol: GatewayHttpProtocol, cycle: Any) -> None:
+        self._protocol = protocol
+        self._cycle = cycle
+        self._transport = protocol.transport
+        self.write = self._transport.write  # the hot path goes straight to the transport
+        self.is_closing = self._transport.is_closing
+
+    def close(self) -> None:
+        protocol = self._protocol
+        if self._cycle.more_body and protocol.lingering is None and not self._transport.is_closing():
+            protocol._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _RefusedError(Exception):
     """Raised from a parser callback to stop parsing a request already answered."""
 
 
+_BODY_HEADERS = (b"content-length", b"transfer-encoding")
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 

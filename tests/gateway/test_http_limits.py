@@ -211,6 +211,32 @@ def test_a_client_still_sending_its_body_after_refused_headers_reads_the_431_not
         assert openai_error(body)["code"] == "headers_too_large"
 
 
+@pytest.mark.parametrize(
+    ("path", "auth", "status"),
+    [("/v1/chat/completions", True, 413), ("/v1/chat/completions", False, 401), ("/admin/keys", False, 401)],
+    ids=["completion over its limit", "completion without a key", "admin without the master key"],
+)
+def test_a_client_that_sends_its_whole_body_before_reading_reads_the_refusal_not_a_reset(
+    gateway: ManagedServer, key: str, path: str, auth: bool, status: int
+) -> None:
+    # Refused from its headers alone, a request's body was never read; closing with it unread reset
+    # the connection, and the reset destroyed the answer before a client like this one read it.
+    authorization = f"Authorization: Bearer {key}\r\n" if auth else ""
+    for _ in range(5):
+        sock = connect(gateway)
+        try:
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\n{authorization}Content-Type: application/json\r\n"
+                f"Content-Length: {2 * MIB}\r\n\r\n".encode()
+            )
+            assert send_until_refused(sock, 2 * MIB) == 2 * MIB  # read and dropped, not reset
+            answered, headers, body = read_response(sock)
+        finally:
+            sock.close()
+        assert answered == status and headers["connection"] == "close"
+        assert openai_error(body)["type"] in ("invalid_request_error", "authentication_error")
+
+
 def test_headers_under_the_limit_with_a_body_in_the_same_packet_are_served(gateway: ManagedServer) -> None:
     """The header count stops at the end of the headers: a body sent along is never counted."""
     body = json.dumps({"name": "packed", "metadata": {"pad": "p" * 3000}}).encode()
