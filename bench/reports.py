@@ -31,12 +31,12 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.budgets import Budget, Charge, LocalBudgetStore, RedisBudgetStore  # noqa: E402
-from gateway.db import create_engine  # noqa: E402
-from gateway.migrate import upgrade  # noqa: E402
-from gateway.models import to_picousd  # noqa: E402
-from gateway.ratelimit import Limit, LocalRateLimiter, RedisRateLimiter  # noqa: E402
-from gateway.reports import spend  # noqa: E402
+from gateway.governance.budgets import Budget, Charge, LocalBudgetStore, RedisBudgetStore  # noqa: E402
+from gateway.governance.ratelimit import Limit, LocalRateLimiter, RedisRateLimiter  # noqa: E402
+from gateway.store.db import create_engine  # noqa: E402
+from gateway.store.migrate import upgrade  # noqa: E402
+from gateway.store.models import to_picousd  # noqa: E402
+from gateway.store.reports import spend  # noqa: E402
 
 ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS = "redis://127.0.0.1:6379/0"

@@ -11,33 +11,33 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.access_log import AccessLog
-from gateway.admission import Admission
 from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
 from gateway.api.admin_gate import AdminGate
 from gateway.api.asgi import Receive, Scope, Send
 from gateway.api.body_limit import BodyLimit
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint
+from gateway.api.errors import install_error_handlers
 from gateway.api.metrics_auth import require_metrics_reader
-from gateway.auth import AuthLimits, KeyHasher, KeyStore
-from gateway.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spend_seed
-from gateway.complexity import ComplexityModel
-from gateway.db import create_engine, session_factory
-from gateway.errors import install_error_handlers
-from gateway.log_retention import LogRetention
-from gateway.metrics import GatewayMetrics
-from gateway.migrate import ensure_schema
-from gateway.policy import parse_policy, policy_version, read_policy_text
-from gateway.proxy import Proxy
-from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter
-from gateway.redis_pool import pool_config
-from gateway.runtime import PolicyWatcher, RuntimeHolder, build_runtime
-from gateway.secrets_store import resolve_secrets
-from gateway.settings import GatewaySettings
-from gateway.usage_log import RequestLogWriter
+from gateway.config.policy import parse_policy, policy_version, read_policy_text
+from gateway.config.secrets import resolve_secrets
+from gateway.config.settings import GatewaySettings
+from gateway.governance.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spend_seed
+from gateway.governance.keys import AuthLimits, KeyHasher, KeyStore
+from gateway.governance.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter
+from gateway.governance.redis_pool import pool_config
+from gateway.pipeline.admission import Admission
+from gateway.pipeline.proxy import Proxy
+from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
+from gateway.routing.complexity import ComplexityModel
+from gateway.store.db import create_engine, session_factory
+from gateway.store.log_retention import LogRetention
+from gateway.store.migrate import ensure_schema
+from gateway.store.request_log import RequestLogWriter
+from gateway.telemetry.access_log import AccessLog
+from gateway.telemetry.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from gateway.tracing import GatewayTracing
+    from gateway.telemetry.tracing import GatewayTracing
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         )
         admission = Admission(limiter, budgets, spend_seed(engine))
         tracer = tracing or _tracing(settings)
-        metrics = GatewayMetrics(registry, holder)
+        metrics = GatewayMetrics(registry, lambda: holder.runtime.pools)
         access = AccessLog()
         app.state.proxy = Proxy(holder, log, admission, metrics, access, tracer)
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
@@ -164,7 +164,7 @@ def _tracing(settings: GatewaySettings) -> GatewayTracing | None:
     endpoint = settings.traces_endpoint
     if endpoint is None:
         return None
-    from gateway.tracing import otlp_tracing
+    from gateway.telemetry.tracing import otlp_tracing
 
     logger.info("exporting traces to %s as %s", endpoint, settings.otel_service_name)
     return otlp_tracing(endpoint, settings.otel_service_name)

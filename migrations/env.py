@@ -7,8 +7,8 @@ import asyncio
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from gateway.db import create_engine
-from gateway.models import Base
+from gateway.store.db import create_engine
+from gateway.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -18,7 +18,7 @@ def _url() -> str:
     url = config.attributes.get("url") or config.get_main_option("sqlalchemy.url")
     if url:
         return str(url)
-    from gateway.settings import GatewaySettings
+    from gateway.config.settings import GatewaySettings
 
     return GatewaySettings().resolved_database_url
 

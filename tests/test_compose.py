@@ -15,9 +15,9 @@ from engine.__main__ import main as engine_main
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
 from engine.server import ServerOptions, served_names
-from gateway import cli as gateway_cli
-from gateway.policy import EngineBackend, Policy, load_policy
-from gateway.settings import GatewaySettings
+from gateway.cli import main as gateway_cli
+from gateway.config.policy import EngineBackend, Policy, load_policy
+from gateway.config.settings import GatewaySettings
 
 REPO = Path(__file__).resolve().parent.parent
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}

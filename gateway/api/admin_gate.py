@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from gateway.api.admin_keys import require_master_key
 from gateway.api.asgi import ASGIApp, Receive, Scope, Send, send_error
 from gateway.api.body_limit import declared_length, may_exceed
-from gateway.auth import AuthError
 from gateway.errors import auth_error_type
+from gateway.governance.keys import AuthError
 
 
 def is_admin_path(path: str) -> bool:

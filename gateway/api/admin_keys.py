@@ -9,8 +9,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.auth import AuthError, KeyStore
-from gateway.budgets import Period
+from gateway.governance.budgets import Period
+from gateway.governance.keys import AuthError, KeyStore
 
 router = APIRouter(prefix="/admin/keys")
 

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from gateway.api.admin_keys import require_master_key
-from gateway.runtime import PolicyWatcher
+from gateway.pipeline.runtime import PolicyWatcher
 
 router = APIRouter(prefix="/admin/policy", dependencies=[Depends(require_master_key)])
 

@@ -8,9 +8,9 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from gateway.api.admin_keys import require_master_key
-from gateway.db import DATABASE_ERRORS, unavailable
 from gateway.errors import GatewayError
-from gateway.reports import Dimension, render, spend
+from gateway.store.db import DATABASE_ERRORS, unavailable
+from gateway.store.reports import Dimension, render, spend
 
 router = APIRouter(prefix="/admin/reports", dependencies=[Depends(require_master_key)])
 

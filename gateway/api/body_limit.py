@@ -2,7 +2,7 @@
 
 A body is refused with 413 as soon as its Content-Length, or the bytes counted while a chunked body
 streams in, pass the limit; nothing past the limit is kept. The refusal closes the connection, so
-the server does not read the rest of a body it refused; the close lingers (gateway/http_protocol.py:
+the server does not read the rest of a body it refused; the close lingers (gateway/api/http_protocol.py:
 what still arrives is dropped unparsed for a bounded time) so that the answer is not reset away.
 """
 

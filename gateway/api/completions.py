@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable
 
 from gateway.api.asgi import Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
-from gateway.auth import AuthError, KeyStore
-from gateway.db import DatabaseUnavailableError
 from gateway.errors import GatewayError, auth_error_type
-from gateway.proxy import Proxy
-from gateway.reply import Reply
+from gateway.governance.keys import AuthError, KeyStore
+from gateway.pipeline.proxy import Proxy
+from gateway.pipeline.reply import Reply
+from gateway.store.db import DatabaseUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import hmac
 
 from fastapi import Request
 
-from gateway.auth import AuthError, KeyStore
+from gateway.governance.keys import AuthError, KeyStore
 
 
 async def require_metrics_reader(request: Request) -> None:

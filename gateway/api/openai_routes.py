@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway.auth import KeyInfo, KeyStore
-from gateway.proxy import Proxy
+from gateway.governance.keys import KeyInfo, KeyStore
+from gateway.pipeline.proxy import Proxy
 
 router = APIRouter()
 

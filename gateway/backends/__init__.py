@@ -1,1 +1,1 @@
-"""Upstreams: the self-hosted engine pool (httpx, the hot path)."""
+"""Upstreams: the engine pool (aiohttp, the hot path), hosted APIs (the only litellm import), health."""

@@ -7,7 +7,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.policy import Timeouts
+from gateway.config.policy import Timeouts
 
 
 class UpstreamUnavailableError(Exception):
@@ -100,3 +100,35 @@ class Upstream(Protocol):
     async def close(self) -> None:
         """Release connections."""
         ...
+
+
+@dataclass
+class Attempt:
+    """One try: which model, backend and deployment, and what happened."""
+
+    model: str
+    backend: str
+    deployment: str | None
+    outcome: str
+
+    def describe(self) -> str:
+        """Everything known, replica URL and error text included: for the request log, never a client."""
+        where = f"{self.model}@{self.deployment}" if self.deployment else self.model
+        return f"{where}={self.outcome}"
+
+    def public(self) -> str:
+        """What a client may see (x-gateway-failover, error messages): the model and a bounded reason."""
+        return f"{self.model}={self.reason}"
+
+    @property
+    def reason(self) -> str:
+        """The outcome as a bounded label (metrics, traces): unavailable, unreachable, timeout,
+        first_token_timeout, stream_broke or status_<code>."""
+        outcome = self.outcome
+        if outcome.startswith("status "):
+            return "status_" + outcome[7:]
+        if outcome.startswith("unavailable"):
+            return "unavailable"
+        if outcome.startswith("stream broke"):
+            return "stream_broke"
+        return outcome.replace(" ", "_")

@@ -2,7 +2,7 @@
 
 aiohttp, not httpx: measured on the overhead benchmark, the same relay adds 0.78 ms at p50
 instead of 1.6 ms (httpx's connection pool was ~43% of the gateway's CPU per request).
-Each call goes to the healthy replica with the fewest requests in flight (gateway/health.py) and
+Each call goes to the healthy replica with the fewest requests in flight (gateway/backends/health.py) and
 reports its outcome to that replica's circuit breaker.
 """
 
@@ -18,8 +18,8 @@ from contextlib import asynccontextmanager
 import aiohttp
 
 from gateway.backends.base import UpstreamReply, UpstreamStream, UpstreamStreamError, UpstreamUnavailableError
-from gateway.health import HealthChecker, Replica, pick
-from gateway.policy import EngineBackend, Health, Timeouts
+from gateway.backends.health import HealthChecker, Replica, pick
+from gateway.config.policy import EngineBackend, Health, Timeouts
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from gateway.backends.base import (
     UpstreamUnavailableError,
 )
 from gateway.backends.side_loop import SideLoop
-from gateway.policy import HostedBackend, Timeouts
+from gateway.config.policy import HostedBackend, Timeouts
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
 
@@ -88,7 +88,7 @@ class HostedModel:
         else:
             params.pop("stream_options", None)
         # max_retries=0: the provider's client would otherwise retry a timeout twice on its own (a
-        # stalled provider held a request 3x `total`); retries are gateway/failover.py's decision.
+        # stalled provider held a request 3x `total`); retries are gateway/pipeline/failover.py's decision.
         params.update(timeout=(timeouts or self.spec.timeouts).total, api_key=self._api_key, max_retries=0)
         if self.spec.base_url:
             params["base_url"] = self.spec.base_url

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 UPSTREAM_DOWN = frozenset({502, 503, 504})  # the only 5xx the gateway may answer (docs/gateway.md)
-MAX_TOKENS = 1 << 24  # gateway/usage.py's bound on a believable count
+MAX_TOKENS = 1 << 24  # gateway/governance/usage.py's bound on a believable count
 
 
 @dataclass

@@ -183,7 +183,7 @@ def _huge(rng: random.Random, token: str) -> Case:
     body["messages"].append({"role": "user", "content": "w " * (size // 2)})
     if rng.random() < 0.3:  # very many messages; engine only: litellm's transform of each message
         # holds the event loop (~0.15 ms a message here), tracked by an xfail test in
-        # tests/gateway/test_hostile_upstream.py rather than slowing every fuzz run by minutes
+        # tests/gateway/pipeline/test_hostile_upstream.py rather than slowing every fuzz run by minutes
         body["model"], body["messages"] = "eng", [{"role": "user", "content": "x"}] * (size // 40)
     return Case(f"huge:{size >> 20}MiB", "/v1/chat/completions", _encode(body), token=token)
 

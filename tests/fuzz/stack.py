@@ -1,6 +1,6 @@
 """A gateway subprocess in front of the hostile upstream (as an engine and as a hosted backend).
 
-Shared by tests/gateway/test_hostile_upstream.py and the fuzz run: the policy, the keys, reading
+Shared by tests/gateway/pipeline/test_hostile_upstream.py and the fuzz run: the policy, the keys, reading
 the request log and the gateway's resident memory.
 """
 
@@ -56,7 +56,7 @@ health:
   interval: 0.5
   breaker: {{consecutive_failures: 1000000, error_rate: 1.0, min_requests: 1000000, cooldown: 0.1}}
 """)  # fmt: skip
-        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.db'}"
+        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.store.db'}"
         env = {
             "GATEWAY_MASTER_KEY": MASTER,
             "GATEWAY_KEY_SECRET": "hostile-secret",

@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 
 from tests.engine.server_proc import ManagedServer, ServerProcess
+from tests.gateway.pipeline.test_failover import Load
 from tests.gateway.processes import create_key_cli, start_gateway
-from tests.gateway.test_failover import Load
 
 
 def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp_path: Path) -> None:

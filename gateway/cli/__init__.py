@@ -1,0 +1,1 @@
+"""`python -m gateway serve | dev | db | keys | policy | route | report`."""

@@ -1,0 +1,180 @@
+"""`python -m gateway dev`: the engine and the gateway together on localhost, for `make run`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from gateway.config.private_files import read_private, replace_private
+from gateway.config.secrets import resolve_secrets
+from gateway.config.settings import GatewaySettings
+from gateway.governance.keys import AuthError, KeyHasher, KeyStore
+from gateway.store.db import create_engine, session_factory
+from gateway.store.migrate import ensure_schema
+
+_DEV_KEY_FILE = "dev-key.json"
+
+
+def _wait_healthy(name: str, proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {name} exited with status {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the {name} was not healthy after {timeout:.0f}s")
+
+
+async def _dev_key(settings: GatewaySettings) -> str:
+    """The dev key kept in the data directory, created (or re-created) when it no longer works."""
+    url = settings.resolved_database_url
+    await ensure_schema(url, auto_upgrade=True)
+    engine = create_engine(url)
+    path = settings.data_dir / _DEV_KEY_FILE
+    try:
+        store = KeyStore(session_factory(engine), KeyHasher(resolve_secrets(settings).key_secret), 0.0)
+        text = read_private(path)  # PrivateFileError for a symlink: never followed
+        if text is not None:
+            try:
+                key = str(json.loads(text).get("key", ""))
+            except (ValueError, AttributeError):  # not our JSON: a new key replaces it
+                key = ""
+            try:
+                await store.authenticate(key)
+                return key
+            except AuthError:
+                pass
+        _, key = await store.create("dev", metadata={"created_by": "python -m gateway dev"})
+        replace_private(path, json.dumps({"key": key}))  # mode 0600 from creation, then renamed in place
+        return key
+    finally:
+        await engine.dispose()
+
+
+def _policy_for(
+    engine_url: str, model_names: list[str], data_dir: Path, tokenizer: Path | None = None
+) -> Path:
+    """policies/default.yaml with its engine URLs pointed at this run's engine (and its tokenizer)."""
+    policy = yaml.safe_load(Path("policies/default.yaml").read_text())
+    for backend in policy["backends"].values():
+        if backend.get("type") == "engine":
+            backend["urls"] = [engine_url]
+            if tokenizer is not None and (tokenizer / "tokenizer.json").is_file():
+                backend["tokenizer"] = str(tokenizer)
+    engines = [name for name, b in policy["backends"].items() if b.get("type") == "engine"]
+    for name, route in policy["models"].items():  # the default policy names the default model
+        if route["backend"] in engines and (route.get("model") or name) not in model_names:
+            route["model"] = model_names[0]
+    for name in model_names:
+        policy["models"].setdefault(name, {"backend": engines[0]})
+    path = data_dir / "dev-policy.yaml"
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    return path
+
+
+def _hosted_lines(policy: Path) -> str:
+    """Each hosted model with whether its key is set (from the policy, without importing litellm)."""
+    data = yaml.safe_load(policy.read_text())
+    lines = []
+    for name, route in data["models"].items():
+        backend = data["backends"][route["backend"]]
+        if backend.get("type") != "hosted":
+            continue
+        env = backend.get("api_key_env")
+        state = "available" if not env or os.environ.get(env) else f"UNAVAILABLE: set {env}"
+        lines.append(f"{name} ({backend['model']}): {state}")
+    return "\n           ".join(lines) or "none in the policy"
+
+
+def _banner(gateway_url: str, master_key: str, key: str, models: list[str], hosted: str) -> str:
+    model = models[0]
+    return f"""
+Switchboard is running.
+  gateway  {gateway_url}   (OpenAI-compatible: /v1/chat/completions, /v1/completions, /v1/models)
+  models   {", ".join(models)}
+  key      {key}
+  master   {master_key}   (admin API: {gateway_url}/admin/keys)
+  hosted   {hosted}
+
+curl {gateway_url}/v1/chat/completions -H "Authorization: Bearer {key}" \\
+  -H "Content-Type: application/json" \\
+  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{gateway_url}/v1", api_key="{key}")
+reply = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
+print(reply.choices[0].message.content)
+PY
+
+Ctrl-C stops both.
+"""
+
+
+def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.1") -> int:
+    """Start the engine, then the gateway in dev mode; stop both on Ctrl-C or SIGTERM."""
+    os.environ["GATEWAY_DEV_MODE"] = "1"
+    settings = GatewaySettings()
+    engine_url, gateway_url = f"http://{host}:{engine_port}", f"http://{host}:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        engine_cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--host", host,
+                      "--port", str(engine_port), "--no-access-log"]  # fmt: skip
+        procs.append(subprocess.Popen(engine_cmd))
+        print(f"starting the engine ({model}) on {engine_url} ...", flush=True)
+        _wait_healthy("engine", procs[0], engine_url, timeout=900)
+        served = [m["id"] for m in httpx.get(f"{engine_url}/v1/models", timeout=10).json()["data"]]
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        from engine.default_model import resolve_model  # the engine resolved the same name already
+
+        policy = _policy_for(engine_url, served, settings.data_dir, resolve_model(model))
+        key = asyncio.run(_dev_key(settings))
+        gateway_cmd = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", host,
+                       "--port", str(port)]  # fmt: skip
+        procs.append(subprocess.Popen(gateway_cmd))
+        _wait_healthy("gateway", procs[1], gateway_url, timeout=120)
+        exposed = yaml.safe_load(policy.read_text())
+        models = [*exposed["models"], *(exposed.get("routes") or {})]
+        master = resolve_secrets(settings).master_key
+        print(_banner(gateway_url, master, key, models, _hosted_lines(policy)), flush=True)
+        while not stop and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        return 0 if stop else 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+
+        def kill_all(_signum: int, _frame: object) -> None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+        signal.signal(signal.SIGINT, kill_all)  # a second Ctrl-C while they stop: kill, do not wait
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()

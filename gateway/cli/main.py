@@ -1,0 +1,252 @@
+"""`python -m gateway serve | dev | db ... | keys create | policy check | route eval|explain`: the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+from uvicorn.supervisors import Multiprocess
+
+from gateway.api.http_protocol import LimitedConfig
+from gateway.config.policy import EngineBackend, PolicyError, load_policy
+from gateway.config.secrets import resolve_key_secret
+from gateway.config.settings import GatewaySettings
+from gateway.governance.keys import KeyHasher, KeyStore
+from gateway.store.db import DATABASE_ERRORS, DatabaseUnavailableError, create_engine, session_factory
+from gateway.store.migrate import (
+    SchemaMismatchError,
+    current_revision,
+    downgrade,
+    ensure_schema,
+    head_revision,
+    upgrade,
+)
+from gateway.store.reports import DIMENSIONS, render, spend
+from gateway.telemetry.access_log import log_config
+
+
+def _db(args: argparse.Namespace, settings: GatewaySettings) -> int:
+    url = settings.resolved_database_url
+    if args.db_command == "upgrade":
+        upgrade(url, args.revision)
+        print(f"database at revision {asyncio.run(current_revision(url))}")
+    elif args.db_command == "downgrade":
+        downgrade(url, args.revision)
+        print(f"database at revision {asyncio.run(current_revision(url))}")
+    else:
+        print(f"database at revision {asyncio.run(current_revision(url))}; code expects {head_revision()}")
+    return 0
+
+
+async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> dict[str, object]:
+    hasher = KeyHasher(resolve_key_secret(settings))  # before the database: a missing secret is named first
+    url = settings.resolved_database_url
+    await ensure_schema(url, auto_upgrade=settings.dev_mode)
+    engine = create_engine(url)
+    try:
+        store = KeyStore(session_factory(engine), hasher, 0.0)
+        expires = datetime.now(UTC) + timedelta(days=args.expires_in_days) if args.expires_in_days else None
+        models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+        metadata = json.loads(args.metadata)
+        info, plaintext = await store.create(
+            args.name, args.team, models, expires, metadata, args.rpm, args.tpm
+        )
+        return {**info.public(), "key": plaintext}
+    finally:
+        await engine.dispose()
+
+
+async def _report(args: argparse.Namespace, settings: GatewaySettings) -> str:
+    url = settings.resolved_database_url
+    await ensure_schema(url, auto_upgrade=False)
+    engine = create_engine(url)
+    try:
+        if args.format == "html":
+            from gateway.store.report_html import html_report
+
+            policy = load_policy(args.policy or settings.policy_path)
+            own = frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
+            return await html_report(engine, args.start, args.end, own)
+        return render(await spend(engine, args.start, args.end, args.by), args.format, args.by)
+    finally:
+        await engine.dispose()
+
+
+class _CleanExitServer(uvicorn.Server):
+    """uvicorn that finishes its graceful shutdown on SIGTERM/SIGINT and exits 0 (no re-raise)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: shut down gracefully (the request log is flushed); second: at once."""
+        self.force_exit = self.should_exit
+        self.should_exit = True
+
+
+def _serve(args: argparse.Namespace) -> int:
+    os.environ["GATEWAY_POLICY_PATH"] = str(args.policy)  # worker processes read their settings anew
+    settings = GatewaySettings()
+    settings.require_secrets()  # fail here, naming the missing variables, not in a worker
+    load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
+    config = server_config(settings, args)
+    if args.workers > 1:  # uvicorn's supervisor forwards signals to the workers
+        Multiprocess(config, sockets=[config.bind_socket()]).run()
+        return 0
+    server = _CleanExitServer(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def server_config(settings: GatewaySettings, args: argparse.Namespace) -> LimitedConfig:
+    """uvicorn's configuration for `serve`: the app factory, the address and the connection limits."""
+    return LimitedConfig(
+        "gateway.main:app_from_env", factory=True, host=args.host, port=args.port, workers=args.workers,
+        log_level=args.log_level, access_log=False,
+        log_config=log_config(uvicorn.config.LOGGING_CONFIG, enabled=not args.no_access_log),
+        max_header_bytes=settings.max_header_bytes, header_timeout=settings.header_timeout,
+        limit_concurrency=settings.limit_concurrency, timeout_keep_alive=settings.keep_alive_timeout,
+        backlog=settings.backlog,
+        ws="none",  # no route speaks WebSocket: an upgrade request is answered as plain HTTP
+        server_header=False,  # no `server: uvicorn` in every answer
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m gateway", description="Switchboard AI gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible endpoint, admin API)")
+    serve.add_argument(
+        "--policy", type=Path, default=Path("policies/default.yaml"), help="routing policy YAML"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--workers", type=int, default=1, help="worker processes")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--no-access-log", action="store_true", help="no JSON line per request on stdout (switchboard.access)"
+    )
+    dev = sub.add_parser("dev", help="run the engine and the gateway together in dev mode (make run)")
+    dev.add_argument("--model", default="default", help="engine model: 'default' or a local HF folder")
+    dev.add_argument("--port", type=int, default=8000, help="gateway port")
+    dev.add_argument("--engine-port", type=int, default=8001)
+    db = sub.add_parser("db", help="database schema migrations (Alembic)")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    up = db_sub.add_parser("upgrade", help="migrate up (to the newest revision by default)")
+    up.add_argument("revision", nargs="?", default="head")
+    down = db_sub.add_parser("downgrade", help="migrate down to REVISION ('base' drops every table)")
+    down.add_argument("revision")
+    db_sub.add_parser("current", help="the database's revision and the one this code expects")
+    keys = sub.add_parser("keys", help="virtual keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="create a key and print it (the plaintext is shown once)")
+    create.add_argument("--name", required=True)
+    create.add_argument("--team", default=None)
+    create.add_argument(
+        "--models", default=None, help="comma-separated models the key may use (default: all)"
+    )
+    create.add_argument("--expires-in-days", type=float, default=None)
+    create.add_argument("--metadata", default="{}", help="a JSON object")
+    create.add_argument("--rpm", type=_positive, default=None, help="requests per minute (default: no limit)")
+    create.add_argument("--tpm", type=_positive, default=None, help="tokens per minute (default: no limit)")
+    _routing_commands(sub)
+    report = sub.add_parser("report", help="finance reports (from the daily aggregates)")
+    report_sub = report.add_subparsers(dest="report_command", required=True)
+    spend = report_sub.add_parser("spend", help="spend, tokens and savings over a date range")
+    spend.add_argument("--from", dest="start", type=date.fromisoformat, required=True, help="YYYY-MM-DD")
+    spend.add_argument(
+        "--to", dest="end", type=date.fromisoformat, required=True, help="YYYY-MM-DD, included"
+    )
+    spend.add_argument("--by", choices=DIMENSIONS, default="key")
+    spend.add_argument("--format", choices=["table", "csv", "json", "html"], default="table")
+    spend.add_argument("--policy", type=Path, default=None, help="which backends are self-hosted (html)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("policy", "route"):
+            return _routing(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "dev":
+            from gateway.cli.dev import run_dev_stack
+
+            return run_dev_stack(args.model, args.port, args.engine_port)
+        settings = GatewaySettings()  # the secrets are checked by the commands that use them
+        if args.command == "db":
+            return _db(args, settings)
+        if args.command == "report":
+            print(asyncio.run(_report(args, settings)))
+            return 0
+        print(json.dumps(asyncio.run(_create_key(args, settings)), indent=2))
+        return 0
+    except _ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+# What a command reports as `error: ...` (exit 2); the database failing included
+_ERRORS: tuple[type[Exception], ...] = (
+    ValidationError, SchemaMismatchError, PolicyError, ValueError, DatabaseUnavailableError, *DATABASE_ERRORS
+)  # fmt: skip
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _routing_commands(sub: Any) -> None:
+    policy = sub.add_parser("policy", help="routing policy files")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate a policy file offline (exit 0 valid, 1 invalid)")
+    check.add_argument("file", type=Path)
+    route = sub.add_parser("route", help="complexity routing, offline")
+    route_sub = route.add_subparsers(dest="route_command", required=True)
+    evaluate = route_sub.add_parser("eval", help="accuracy of the tier choice on labelled JSONL rows")
+    evaluate.add_argument("--policy", type=Path, default=Path("policies/default.yaml"))
+    evaluate.add_argument("--data", type=Path, required=True, help="JSONL: {label: simple|complex, messages}")
+    evaluate.add_argument("--route", default=None, help="the tiered route (default: the first one)")
+    explain = route_sub.add_parser("explain", help="features, score, tier and chain for one request")
+    explain.add_argument("--policy", type=Path, default=Path("policies/default.yaml"))
+    explain.add_argument("prompt", nargs="?", default=None, help="a user message")
+    explain.add_argument(
+        "--messages", type=Path, default=None, help="a JSON file: messages or a request body"
+    )
+    explain.add_argument("--route", default=None, help="the route or model asked for (default: first tiered)")
+    explain.add_argument("--team", default=None, help="route as a key of this team (overrides apply)")
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from gateway.cli import route as cli_route
+
+    if args.command == "policy":
+        return cli_route.policy_check(args.file)
+    if args.route_command == "eval":
+        figures = cli_route.route_eval(args.policy, args.data, args.route)
+        print(f"n {figures['n']:.0f}  accuracy {figures['accuracy']:.3f}  precision(complex) "
+              f"{figures['precision']:.3f}  recall(complex) {figures['recall']:.3f}  "
+              f"sent to frontier {figures['frontier_share']:.3f}")  # fmt: skip
+        return 0
+    if (args.prompt is None) == (args.messages is None):
+        raise ValueError("give a prompt or --messages FILE (one of them)")
+    if args.messages is not None:
+        loaded = json.loads(args.messages.read_text(encoding="utf-8"))
+        body: dict[str, Any] = loaded if isinstance(loaded, dict) else {"messages": loaded}
+    else:
+        body = {"messages": [{"role": "user", "content": args.prompt}]}
+    if args.route is not None:
+        body["model"] = args.route
+    print(cli_route.route_explain(args.policy, body, args.route, args.team))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Configuration: settings (the only environment reader), secrets on disk, the routing policy."""

@@ -1,0 +1,339 @@
+"""Budgets in USD per key and per team, per period: reserved before the call, settled after it.
+
+A budget's counter holds, in picodollars, what the period has spent plus what requests in flight
+have reserved. A request reserves its worst case (prompt estimate + `max_tokens`, or the model's
+output cap, at the most expensive price its route may reach) on every counter it touches, all or
+nothing, and refuses when a counter would pass its limit; afterwards the reservation is replaced
+by the real cost. Concurrent requests therefore overspend by at most one reservation. Counters
+are named after their period's start, so a new period starts a new counter: the reset is
+automatic. A counter that does not exist yet (a new period, a restart, a flushed Redis) is seeded
+once from the daily aggregates, never from the raw log. With Redis the counters are shared by
+every replica and one Lua script reserves atomically.
+
+When budgets cannot be checked, because Redis is unreachable or because the database cannot give
+a new counter its seed, a store either refuses (BudgetUnavailableError, naming which of the two
+failed) or, with `fail_open`, admits the request without a budget and logs it; a request admitted
+that way reserved nothing, so nothing is settled for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from functools import partial
+from typing import Any, Literal, Protocol
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.governance.ratelimit import Limit, refusal
+from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
+from gateway.governance.singleflight import SingleFlight
+from gateway.store.db import DATABASE_ERRORS
+from gateway.store.models import UsageDaily, to_picousd
+
+logger = logging.getLogger(__name__)
+
+Period = Literal["daily", "weekly", "monthly", "total"]
+PERIODS: tuple[Period, ...] = ("daily", "weekly", "monthly", "total")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def period_bounds(period: Period, now: datetime) -> tuple[datetime, datetime | None]:
+    """(start, next reset) of the period containing `now`, in UTC; a total budget never resets."""
+    day = datetime(now.year, now.month, now.day, tzinfo=UTC)
+    if period == "daily":
+        return day, day + timedelta(days=1)
+    if period == "weekly":
+        start = day - timedelta(days=day.weekday())  # Monday
+        return start, start + timedelta(days=7)
+    if period == "monthly":
+        start = day.replace(day=1)
+        following = (
+            start.replace(year=start.year + 1, month=1)
+            if start.month == 12
+            else start.replace(month=start.month + 1)
+        )
+        return start, following
+    return _EPOCH, None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One budget a request is charged to."""
+
+    scope: Literal["key", "team"]
+    subject: str  # the key id or the team name
+    limit_usd: Decimal
+    period: Period
+
+    def counter(self, now: datetime) -> tuple[str, datetime, datetime | None]:
+        """(counter name, period start, reset time) for `now`."""
+        start, reset = period_bounds(self.period, now)
+        return f"budget:{self.scope}:{self.subject}:{self.period}:{start.date().isoformat()}", start, reset
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A reservation on one budget's counter for one request."""
+
+    budget: Budget
+    counter: str
+    period_start: datetime
+    reset: datetime | None
+    amount: int  # picodollars reserved
+
+
+class BudgetExceededError(Exception):
+    """A budget cannot take this request's reservation; `reset` is when the period ends (None: never)."""
+
+    def __init__(self, budget: Budget, reset: datetime | None) -> None:
+        when = f"; it resets at {reset.isoformat()}" if reset else " (a total budget: it does not reset)"
+        super().__init__(f"the {budget.period} budget of ${budget.limit_usd} for {budget.scope} "
+                         f"{budget.subject} is spent{when}")  # fmt: skip
+        self.budget, self.reset = budget, reset
+
+
+class BudgetUnavailableError(Exception):
+    """Budgets cannot be checked (Redis or the database unreachable) and they fail closed."""
+
+
+class SpendUnavailableError(Exception):
+    """A seed could not read what was spent so far: the database failed, not Redis.
+
+    `kind` is the database error's class name (safe to show a client); the text is for the log.
+    """
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind or type(self).__name__
+
+
+Seed = Callable[[Budget, datetime], Awaitable[int]]  # raises SpendUnavailableError when it cannot
+
+
+def unchecked(fail_open: bool, exc: BaseException) -> None:
+    """Budgets cannot be checked because of `exc`: log and admit (fail open) or raise BudgetUnavailableError.
+
+    The message names the database for a SpendUnavailableError, Redis for anything else, and the
+    error's class only: the driver's text (hosts, ports, database names) goes to the log alone.
+    """
+    if isinstance(exc, SpendUnavailableError):
+        cause = f"the spend so far cannot be read from the database ({exc.kind})"
+    else:
+        cause = f"Redis is unreachable ({type(exc).__name__})"
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    if fail_open:
+        logger.warning("budgets not enforced: %s: %s", cause, detail)
+        return
+    logger.error("budgets cannot be checked, requests refused: %s: %s", cause, detail)
+    raise BudgetUnavailableError(f"budgets cannot be checked: {cause}") from exc
+
+
+class BudgetStore(Protocol):
+    """Where the counters live."""
+
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
+        """Reserve every charge or none (BudgetExceededError).
+
+        False: the budgets could not be checked and fail open; nothing is reserved or to settle.
+        """
+        ...
+
+    async def settle(self, charge: Charge, actual: int) -> None:
+        """Replace a reservation by the real cost (picodollars)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class LocalBudgetStore:
+    """In-process counters: right for one gateway replica."""
+
+    def __init__(self, fail_open: bool = False) -> None:
+        self._spent: dict[str, int] = {}
+        self.fail_open = fail_open  # the database cannot seed a counter: admit (True) or refuse
+        self._seeding: SingleFlight[str, int] = SingleFlight()  # a cold burst: one query per counter
+
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
+        for charge in charges:
+            if charge.counter not in self._spent:
+                try:
+                    value = await self._seeding.run(
+                        charge.counter, partial(seed, charge.budget, charge.period_start)
+                    )
+                except SpendUnavailableError as exc:
+                    unchecked(self.fail_open, exc)
+                    return False
+                self._spent.setdefault(charge.counter, value)
+        for charge in charges:  # no await from here on: the check and the spend are atomic
+            if self._spent[charge.counter] + charge.amount > to_picousd(charge.budget.limit_usd):
+                raise BudgetExceededError(charge.budget, charge.reset)
+        for charge in charges:
+            self._spent[charge.counter] += charge.amount
+        return True
+
+    async def settle(self, charge: Charge, actual: int) -> None:
+        self._spent[charge.counter] = self._spent.get(charge.counter, 0) + actual - charge.amount
+
+    async def close(self) -> None:
+        return None
+
+
+# One round trip for a whole admission: rate limits (GCRA, as in gateway/governance/ratelimit.py) and budgets,
+# all or nothing. KEYS: limit counters, then budget counters. ARGV: n_limits, n_budgets, then
+# interval_i, cost_i per limit, then limit_j, amount_j per budget. Returns "ok", "missing <j>",
+# "over <j>" or "limit <wait> <i>".
+_ADMIT = """
+local nl, nb = tonumber(ARGV[1]), tonumber(ARGV[2])
+for j = 1, nb do
+  if redis.call('EXISTS', KEYS[nl + j]) == 0 then return 'missing ' .. j end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local new = {}
+local wait, culprit = 0, 0
+for i = 1, nl do
+  local interval, cost = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2])
+  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if tat < now then tat = now end
+  new[i] = tat + cost * interval
+  local over = new[i] - now - 60
+  if over > wait then wait, culprit = over, i end
+end
+if wait > 0 then return string.format('limit %.6f %d', wait, culprit) end
+local base = 2 + 2 * nl
+for j = 1, nb do
+  local value = tonumber(redis.call('GET', KEYS[nl + j]))
+  if value + tonumber(ARGV[base + 2 * j]) > tonumber(ARGV[base + 2 * j - 1]) then return 'over ' .. j end
+end
+for i = 1, nl do
+  redis.call('SET', KEYS[i], string.format('%.6f', new[i]), 'PX', math.ceil((new[i] - now) * 1000) + 1000)
+end
+for j = 1, nb do
+  redis.call('INCRBY', KEYS[nl + j], ARGV[base + 2 * j])
+end
+return 'ok'
+"""
+
+
+class RedisBudgetStore:
+    """Counters in Redis (INCRBY on integers: exact), shared by every replica.
+
+    Requests wait for a free connection rather than fail when the pool is busy
+    (gateway/governance/redis_pool.py); a counter missing for a burst of requests is seeded by one
+    database query per replica.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        fail_open: bool = False,
+        prefix: str = "switchboard:",
+        pool: RedisPoolConfig = DEFAULT_POOL,
+    ) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis: Any = pool.client(url)
+        self._seeding: SingleFlight[str, None] = SingleFlight()
+        self._admit = self._redis.register_script(_ADMIT)
+        self._prefix = prefix
+        self.fail_open = fail_open
+        self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
+
+    async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
+        try:
+            await self.admit([], "", charges, seed)
+        except self._errors as exc:
+            self.unreachable(exc)
+            return False
+        except SpendUnavailableError as exc:
+            self.unreachable(exc)
+            return False
+        return True
+
+    def unreachable(self, exc: BaseException) -> None:
+        """Redis (or, for a SpendUnavailableError, the database) failed: admit (fail open, logged)
+        or raise BudgetUnavailableError saying which."""
+        unchecked(self.fail_open, exc)
+
+    async def admit(
+        self, limits: Sequence[Limit], limit_prefix: str, charges: Sequence[Charge], seed: Seed
+    ) -> None:
+        """Rate limits (counters under `limit_prefix`) and budgets in one script, all or nothing.
+
+        Raises RateLimitedError or BudgetExceededError; redis errors (`errors`) and the seed's
+        SpendUnavailableError propagate to the caller, which applies its fail-open/closed settings.
+        Nothing is spent when one of them is raised.
+        """
+        keys = [limit_prefix + limit.name for limit in limits] + [self._prefix + c.counter for c in charges]
+        args: list[float | int] = [len(limits), len(charges)]
+        for limit in limits:
+            args += [limit.interval, limit.cost]
+        for charge in charges:
+            args += [to_picousd(charge.budget.limit_usd), charge.amount]
+        for _ in range(3):
+            answer = await self._admit(keys=keys, args=args)
+            verdict, *rest = (answer.decode() if isinstance(answer, bytes) else str(answer)).split()
+            if verdict == "ok":
+                return
+            if verdict == "limit":
+                raise refusal(float(rest[0]), limits[int(rest[1]) - 1])
+            charge = charges[int(rest[0]) - 1]
+            if verdict == "over":
+                raise BudgetExceededError(charge.budget, charge.reset)
+            await self._seeding.run(charge.counter, partial(self._seed_counter, charge, seed))
+        logger.error("budget counters %s could not be seeded in three tries", keys[len(limits) :])
+        raise BudgetUnavailableError("budgets cannot be checked: their counters could not be set up")
+
+    async def _seed_counter(self, charge: Charge, seed: Seed) -> None:
+        """What was spent so far, from the database, set on the counter unless another request was first."""
+        value = await seed(charge.budget, charge.period_start)
+        ttl = (
+            None if charge.reset is None else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
+        )
+        await self._redis.set(self._prefix + charge.counter, value, nx=True, ex=ttl)  # first seeder wins
+
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]:
+        """What an unreachable Redis raises."""
+        return self._errors
+
+    async def settle(self, charge: Charge, actual: int) -> None:
+        delta = actual - charge.amount
+        if delta:
+            try:
+                await self._redis.incrby(self._prefix + charge.counter, delta)
+            except self._errors as exc:
+                logger.error("budget %s: could not settle %d picodollars: %s", charge.counter, delta, exc)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def spend_seed(engine: AsyncEngine) -> Seed:
+    """What a budget's subject has spent since `start`, from the daily aggregates (picodollars).
+
+    A database failure becomes SpendUnavailableError, so that it is never mistaken for Redis's.
+    """
+
+    async def seed(budget: Budget, start: datetime) -> int:
+        column = UsageDaily.key_id if budget.scope == "key" else UsageDaily.team
+        first_day: date = start.date()
+        query = select(func.sum(UsageDaily.cost_usd)).where(
+            column == budget.subject, UsageDaily.day >= first_day
+        )
+        try:
+            async with engine.connect() as conn:
+                spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None: no rows
+        except DATABASE_ERRORS as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            raise SpendUnavailableError(f"{type(exc).__name__}: {detail}", type(exc).__name__) from exc
+        return to_picousd(spent) if spent is not None else 0
+
+    return seed

@@ -1,0 +1,113 @@
+"""Counting tokens when a backend reported no usage (e.g. a stream the client left), offline.
+
+An engine pool whose policy names its model's `tokenizer` (tokenizer.json) is counted with it, and
+Claude models with the Anthropic tokenizer litellm bundles. Otherwise tiktoken, with the BPE
+files litellm's package bundles (found without importing litellm): OpenAI's GPT-4o family and
+later use o200k_base, every other model cl100k_base (an estimate for other tokenizers). Rows
+counted here are marked `estimated` either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from gateway.governance.costs import litellm_file
+
+logger = logging.getLogger(__name__)
+
+_O200K_PREFIXES = ("gpt-4o", "gpt-4.1", "gpt-4.5", "gpt-5", "o1", "o3", "o4", "chatgpt-4o")
+# Characters counted exactly; the rest of a longer text is extrapolated at the same rate. BPE is
+# slow on long runs without spaces (1 MiB of one letter: ~0.7 s here), and megabytes of text must
+# not hold a worker thread for seconds.
+EXACT_CHARS = 1 << 18
+
+
+@lru_cache(maxsize=2)
+def _encoding(name: str) -> Any:
+    bundled = litellm_file("litellm_core_utils", "tokenizers")
+    if bundled is not None:
+        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(bundled))  # never fetch the BPE files
+    import tiktoken
+
+    return tiktoken.get_encoding(name)
+
+
+def encoding_for(model: str) -> str:
+    """o200k_base for OpenAI's newer models, cl100k_base otherwise."""
+    bare = model.rsplit("/", 1)[-1].lower()
+    return "o200k_base" if bare.startswith(_O200K_PREFIXES) else "cl100k_base"
+
+
+def count(text: str, model: str, tokenizer: str | None = None) -> int:
+    """Tokens in `text` for `model` (special-token text counted as plain text; past EXACT_CHARS,
+    extrapolated from the first EXACT_CHARS)."""
+    if not text:
+        return 0
+    if len(text) > EXACT_CHARS:
+        return math.ceil(count(text[:EXACT_CHARS], model, tokenizer) * len(text) / EXACT_CHARS)
+    if tokenizer is None and "claude" in model.lower():
+        tokenizer = _bundled("anthropic_tokenizer.json")  # litellm ships Anthropic's tokenizer too
+    if tokenizer is not None:
+        try:
+            return len(_hf_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids)
+        except Exception:  # unreadable since the policy was checked: tiktoken's estimate instead
+            logger.warning("tokenizer %s is unreadable; counting with tiktoken", tokenizer, exc_info=True)
+    return len(_encoding(encoding_for(model)).encode(text, disallowed_special=()))
+
+
+def _bundled(name: str) -> str | None:
+    path = litellm_file("litellm_core_utils", "tokenizers", name)
+    return str(path) if path is not None and path.is_file() else None
+
+
+def tokenizer_exists(path: str) -> bool:
+    """Whether `path` is a tokenizer.json or a folder holding one."""
+    file = Path(path)
+    return (file / "tokenizer.json" if file.is_dir() else file).is_file()
+
+
+@lru_cache(maxsize=8)
+def _hf_tokenizer(path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    file = Path(path)
+    return Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The text a chat or completions request sends (message contents, text parts, or the prompt)."""
+    if "messages" in body:
+        parts: list[str] = []
+        messages = body.get("messages")
+        for message in messages if isinstance(messages, list) else []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts += [str(p.get("text") or "") for p in content if isinstance(p, dict)]
+        return "\n".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return "\n".join(p for p in prompt if isinstance(p, str))
+    return prompt if isinstance(prompt, str) else ""
+
+
+def completion_text(chunks: list[dict[str, Any]]) -> str:
+    """The text in whole responses' choices or in stream chunks' deltas."""
+    parts: list[str] = []
+    for chunk in chunks:
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
+            if not isinstance(choice, dict):
+                continue
+            message = choice.get("message") or choice.get("delta") or {}
+            text = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(text, str):
+                text = choice.get("text")
+            parts.append(text if isinstance(text, str) else "")
+    return "".join(parts)

@@ -1,0 +1,184 @@
+"""Rate limits and budgets for one request: spent before the upstream call, reconciled after it.
+
+`admit` builds the request's counters (key and team RPM/TPM, key and team budgets), spends them
+(RateLimitedError, BudgetExceededError or the stores' *UnavailableError when it cannot) and returns
+a Ticket. `release` replaces the ticket's reservations by what the request really used and cost,
+in the background: the answer never waits for it. The limits and budgets are the key's as this
+process last read it (the KeyStore caches a KeyInfo for its TTL): an admin change applies from the
+next request after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from gateway.governance.budgets import (
+    PERIODS,
+    Budget,
+    BudgetStore,
+    Charge,
+    LocalBudgetStore,
+    RedisBudgetStore,
+    Seed,
+    SpendUnavailableError,
+)
+from gateway.governance.keys import KeyInfo
+from gateway.governance.ratelimit import (
+    Limit,
+    LimiterUnavailableError,
+    LocalRateLimiter,
+    RateLimiter,
+    RedisRateLimiter,
+)
+from gateway.governance.usage import choices, max_output
+from gateway.pipeline.runtime import Runtime
+from gateway.routing.router import RouteDecision
+from gateway.store.models import to_picousd
+
+
+@dataclass
+class Ticket:
+    """What one request reserved."""
+
+    token_limits: list[Limit] = field(default_factory=list)
+    reserved_tokens: int = 0
+    charges: list[Charge] = field(default_factory=list)
+
+
+async def _no_spend(budget: Budget, start: datetime) -> int:
+    """Seed for an admission without a database: nothing spent yet."""
+    return 0
+
+
+class Admission:
+    """Checks and spends a request's rate limits and budgets."""
+
+    def __init__(
+        self, limiter: RateLimiter | None = None, budgets: BudgetStore | None = None, seed: Seed | None = None
+    ) -> None:
+        self.limiter = limiter or LocalRateLimiter()
+        self.budgets = budgets or LocalBudgetStore()
+        self._seed = seed or _no_spend
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def admit(
+        self, rt: Runtime, key: KeyInfo, decision: RouteDecision, body: dict[str, Any], body_bytes: int
+    ) -> Ticket | None:
+        """Spend the request's counters (None: it has none); raises when one refuses."""
+        ticket = Ticket()
+        limits = self._limits(rt, key, body, body_bytes, ticket)
+        charges = self._charges(rt, key, decision, body, body_bytes)
+        if not limits and not charges:
+            return None
+        if (
+            limits
+            and charges
+            and isinstance(self.budgets, RedisBudgetStore)
+            and isinstance(self.limiter, RedisRateLimiter)
+        ):
+            if await self._together(limits, charges):  # one round trip to Redis instead of two
+                ticket.charges = charges
+            return ticket
+        if limits:
+            await self.limiter.acquire(limits)
+        if charges:
+            try:
+                reserved = await self.budgets.reserve(charges, self._seed)
+            except BaseException:
+                self._reconcile(ticket, 0)  # refused: give the tokens back (the request still counts)
+                raise
+            if reserved:  # not reserved (budgets failing open): nothing to settle
+                ticket.charges = charges
+        return ticket
+
+    async def _together(self, limits: list[Limit], charges: list[Charge]) -> bool:
+        """Limits and budgets in one script; False: admitted without the budgets (they fail open)."""
+        assert isinstance(self.budgets, RedisBudgetStore) and isinstance(self.limiter, RedisRateLimiter)
+        try:
+            await self.budgets.admit(limits, self.limiter.prefix, charges, self._seed)
+        except SpendUnavailableError as exc:  # the database, not Redis: the limits can still be checked
+            self.budgets.unreachable(exc)  # budgets fail closed (raises) or open
+            await self.limiter.acquire(limits)
+            return False
+        except self.budgets.errors as exc:
+            self.budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
+            if not self.limiter.fail_open:  # the cause is in the server's log, not the client's answer
+                raise LimiterUnavailableError("rate limits cannot be checked: Redis is unreachable") from exc
+            return False
+        return True
+
+    def release(self, ticket: Ticket, usage: dict[str, Any], cost: Decimal | None) -> None:
+        """After the request: tokens and money reconciled with what it really used (background)."""
+        used = usage.get("total_tokens")
+        if not isinstance(used, int):
+            parts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+            used = sum(p for p in parts if isinstance(p, int))
+        self._reconcile(ticket, used)
+        actual = to_picousd(cost) if cost is not None else 0
+        for charge in ticket.charges:
+            self._spawn(self.budgets.settle(charge, actual))
+        ticket.charges = []
+
+    def _reconcile(self, ticket: Ticket, used: int) -> None:
+        delta = used - ticket.reserved_tokens
+        for limit in ticket.token_limits:
+            self._spawn(self.limiter.adjust(limit, delta))
+        ticket.token_limits = []
+
+    @staticmethod
+    def _limits(
+        rt: Runtime, key: KeyInfo, body: dict[str, Any], body_bytes: int, ticket: Ticket
+    ) -> list[Limit]:
+        """The key's and its team's per-minute counters (tokens reserved: body bytes / 4 + n x max_tokens)."""
+        team = rt.policy.teams.get(key.team) if key.team else None
+        rpm = [(f"key:{key.id}", key.rpm_limit, "for this key"),
+               (f"team:{key.team}", team.rpm if team else None, f"for team {key.team}")]  # fmt: skip
+        tpm = [(f"key:{key.id}", key.tpm_limit, "for this key"),
+               (f"team:{key.team}", team.tpm if team else None, f"for team {key.team}")]  # fmt: skip
+        limits = [Limit(f"{n}:rpm", v, 1, f"requests per minute {w}") for n, v, w in rpm if v]
+        if any(v for _, v, _ in tpm):
+            ticket.reserved_tokens = body_bytes // 4 + (max_output(body) or 0) * choices(body)
+            ticket.token_limits = [
+                Limit(f"{n}:tpm", v, ticket.reserved_tokens, f"tokens per minute {w}") for n, v, w in tpm if v
+            ]
+            limits += ticket.token_limits
+        return limits
+
+    @staticmethod
+    def _charges(
+        rt: Runtime, key: KeyInfo, decision: RouteDecision, body: dict[str, Any], body_bytes: int
+    ) -> list[Charge]:
+        """Budget reservations for the key and its team: the worst case over the route's chain."""
+        budgets = []
+        if key.budget_usd is not None:
+            period = key.budget_period if key.budget_period in PERIODS else "monthly"
+            budgets.append(Budget("key", key.id, key.budget_usd, period))
+        team = rt.policy.teams.get(key.team) if key.team else None
+        if team is not None and team.budget is not None and key.team is not None:
+            budgets.append(Budget("team", key.team, Decimal(str(team.budget.usd)), team.budget.period))
+        if not budgets:
+            return []
+        amount = to_picousd(rt.prices.worst_case(decision.chain, body, body_bytes))
+        now = datetime.now(UTC)
+        charges = []
+        for budget in budgets:
+            counter, start, reset = budget.counter(now)
+            charges.append(Charge(budget, counter, start, reset, amount))
+        return charges
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Let pending reconciliations finish, then close the stores."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.limiter.close()
+        await self.budgets.close()

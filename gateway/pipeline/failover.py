@@ -1,0 +1,333 @@
+"""Walking a route's chain: another replica, a retry after backoff, then the next model.
+
+The only place that decides whether an upstream failure is worth another try. Retryable: the
+upstream unreachable or timed out, 5xx answers, a stream that breaks or stalls before its first
+token. 429 moves on to the next model at once. Other 4xx answers are the client's and are
+returned as they are. A stream is committed to the client only once its first token arrives:
+until then nothing has been sent, so switching is invisible; after that, it is never switched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.backends.base import (
+    Attempt,
+    Upstream,
+    UpstreamReply,
+    UpstreamStream,
+    UpstreamStreamError,
+    UpstreamUnavailableError,
+)
+from gateway.config.policy import Policy, Retries
+from gateway.routing.router import RouteDecision
+
+if TYPE_CHECKING:  # imported only when tracing is on
+    from gateway.telemetry.tracing import RequestTrace
+
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+NEXT_MODEL_STATUSES = frozenset({429})
+_ATTEMPT_CAP = 16  # whatever the policy says, one request makes at most this many upstream calls
+
+
+@dataclass
+class Served:
+    """The answer that will reach the client, and everything tried before it."""
+
+    model: str
+    backend: str
+    deployment: str
+    attempts: list[Attempt]
+    reply: UpstreamReply | None = None  # whole answers
+    stream: UpstreamStream | None = None  # streamed answers: `head` holds the lines already read
+    head: list[str] = field(default_factory=list)
+    context: AbstractAsyncContextManager[UpstreamStream] | None = None
+
+
+class ChainExhaustedError(Exception):
+    """Every model in the chain failed; `last` is the last upstream error answer, if any."""
+
+    def __init__(self, message: str, attempts: list[Attempt], last: UpstreamReply | None, timeout: bool,
+                 unavailable: bool) -> None:  # fmt: skip
+        super().__init__(message)  # the client's message; `detail()` is the operator's
+        self.attempts, self.last, self.timeout, self.unavailable = attempts, last, timeout, unavailable
+
+    def detail(self) -> str:
+        """Every attempt with its replica and error text: for the server log, never a client."""
+        return "; ".join(a.describe() for a in self.attempts) or "nothing tried"
+
+
+def backoff(retries: Retries, round_: int, rng: random.Random) -> float:
+    """Seconds before retry `round_` (1-based): backoff * 2**(round-1), capped, +- jitter."""
+    base = min(retries.max_backoff, retries.backoff * 2.0 ** (round_ - 1))
+    return max(0.0, base * (1 + retries.jitter * (2 * rng.random() - 1)))
+
+
+_RETRY, _NEXT = "retry", "next"  # a round's outcome when it did not serve: retry this model, or move on
+
+
+class Failover:
+    """Runs one request along its chain."""
+
+    def __init__(self, policy: Policy, pools: dict[str, Upstream], rng: random.Random | None = None) -> None:
+        self.policy = policy
+        self.pools = pools
+        self._rng = rng or random.Random()
+
+    async def send(
+        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: RequestTrace | None = None
+    ) -> Served:
+        """A whole answer from the first model in the chain that gives one."""
+        return await self._walk(decision, path, body, False, trace)
+
+    async def stream(
+        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: RequestTrace | None = None
+    ) -> Served:
+        """An open stream whose first token has arrived (or an error answer to pass through).
+
+        With tracing, the served attempt's span stays open until the caller finishes the trace.
+        """
+        return await self._walk(decision, path, body, True, trace)
+
+    async def _walk(self, decision: RouteDecision, path: str, body: dict[str, Any], stream: bool,
+                    trace: RequestTrace | None) -> Served:  # fmt: skip
+        state = _State(decision, trace)
+        for model, pool in self._candidates(decision, state):
+            payload = self._payload(body, model)
+            for round_ in range(1 + decision.retries.count):
+                if round_:
+                    await asyncio.sleep(backoff(decision.retries, round_, self._rng))
+                one = self._stream_round if stream else self._whole_round
+                outcome = await one(state, model, pool, path, payload)
+                if isinstance(outcome, Served):
+                    return outcome
+                if outcome == _NEXT or not state.budget():
+                    break
+        raise state.exhausted()
+
+    async def _whole_round(self, state: _State, model: str, pool: Upstream, path: str,
+                           payload: bytes) -> Served | str:  # fmt: skip
+        """Each replica of the pool once (another replica costs no backoff)."""
+        avoid: set[str] = set()
+        while state.budget():
+            headers = self._begin(state, model, pool, stream=False)
+            try:
+                reply = await pool.send(path, payload, state.decision.timeouts, frozenset(avoid), headers)
+            except UpstreamUnavailableError as exc:
+                if exc.deployment is None:  # nothing (left) to offer this round: not a call
+                    state.no_deployment(model, pool.name, str(exc), tried_some=bool(avoid))
+                    return _RETRY
+                state.failed(model, pool.name, exc.deployment, _unavailable(exc), exc)
+                avoid.add(exc.deployment)
+                continue
+            if reply.status in NEXT_MODEL_STATUSES:
+                state.failed(model, pool.name, reply.url, f"status {reply.status}", reply)
+                return _NEXT
+            if reply.status in RETRY_STATUSES:
+                state.failed(model, pool.name, reply.url, f"status {reply.status}", reply)
+                avoid.add(reply.url)
+                continue
+            if state.trace is not None:
+                state.trace.end_attempt(reply.url, reply.status)
+            return Served(model, pool.name, reply.url, state.attempts, reply=reply)
+        return _NEXT
+
+    async def _stream_round(self, state: _State, model: str, pool: Upstream, path: str,
+                            payload: bytes) -> Served | str:  # fmt: skip
+        """Like `_whole_round`, but a stream counts only once its first token is in."""
+        avoid: set[str] = set()
+        first_token = (state.decision.timeouts or pool.timeouts).first_token
+        while state.budget():
+            headers = self._begin(state, model, pool, stream=True)
+            context = pool.stream(path, payload, state.decision.timeouts, frozenset(avoid), headers)
+            try:
+                upstream = await context.__aenter__()
+            except UpstreamUnavailableError as exc:
+                if exc.deployment is None:
+                    state.no_deployment(model, pool.name, str(exc), tried_some=bool(avoid))
+                    return _RETRY
+                state.failed(model, pool.name, exc.deployment, _unavailable(exc), exc)
+                avoid.add(exc.deployment)
+                continue
+            if upstream.status != 200:
+                reply = UpstreamReply(upstream.status, upstream.error_body, upstream.url)
+                if upstream.status not in RETRY_STATUSES and upstream.status not in NEXT_MODEL_STATUSES:
+                    return Served(model, pool.name, upstream.url, state.attempts, stream=upstream,
+                                  context=context)  # fmt: skip
+                await context.__aexit__(None, None, None)
+                state.failed(model, pool.name, upstream.url, f"status {upstream.status}", reply)
+                if upstream.status in NEXT_MODEL_STATUSES:
+                    return _NEXT
+                avoid.add(upstream.url)
+                continue
+            try:
+                async with asyncio.timeout(first_token):
+                    head = await _until_first_token(upstream.lines)
+            except TimeoutError:
+                upstream.verdict(False)
+                await context.__aexit__(None, None, None)
+                state.failed(model, pool.name, upstream.url, "first token timeout", None, timeout=True)
+                avoid.add(upstream.url)
+                continue
+            except (UpstreamStreamError, UpstreamUnavailableError) as exc:
+                upstream.verdict(False)
+                await context.__aexit__(None, None, None)
+                state.failed(model, pool.name, upstream.url, f"stream broke ({exc})", None)
+                avoid.add(upstream.url)
+                continue
+            except BaseException:  # the client left (cancelled): release the upstream
+                await context.__aexit__(None, None, None)
+                raise
+            return Served(model, pool.name, upstream.url, state.attempts, stream=upstream, head=head,
+                          context=context)  # fmt: skip
+        return _NEXT
+
+    def _candidates(self, decision: RouteDecision, state: _State) -> list[tuple[str, Upstream]]:
+        """The chain's models with their pools; those that cannot be called now are noted and skipped."""
+        usable = []
+        for model in decision.chain:
+            pool = self.pools[self.policy.models[model].backend]
+            reason = pool.unavailable_reason
+            if reason is None:
+                usable.append((model, pool))
+            else:
+                state.skipped(model, pool.name, reason)
+        return usable
+
+    def _begin(self, state: _State, model: str, pool: Upstream, stream: bool) -> dict[str, str] | None:
+        """Tracing only: the attempt's span, and the headers that carry it upstream (else None)."""
+        if state.trace is None:
+            return None
+        spec = self.policy.backends[pool.name]
+        return state.trace.begin_attempt(model, self.policy.upstream_model(model), pool.name, spec, stream)
+
+    def _payload(self, body: dict[str, Any], model: str) -> bytes:
+        return orjson.dumps({**body, "model": self.policy.upstream_model(model)})
+
+
+class _State:
+    """What one request has tried so far."""
+
+    def __init__(self, decision: RouteDecision, trace: RequestTrace | None) -> None:
+        self.decision = decision
+        self.trace = trace
+        self.attempts: list[Attempt] = []
+        self.unavailable_reasons: list[str] = []
+        self.last: UpstreamReply | None = None
+        self.last_timeout = False
+        self.calls = 0
+
+    def budget(self) -> bool:
+        return self.calls < _ATTEMPT_CAP
+
+    def failed(
+        self,
+        model: str,
+        backend: str,
+        deployment: str | None,
+        outcome: str,
+        cause: UpstreamReply | UpstreamUnavailableError | None,
+        timeout: bool = False,
+    ) -> None:
+        self.calls += 1
+        attempt = Attempt(model, backend, deployment, outcome)
+        self.attempts.append(attempt)
+        if self.trace is not None:
+            status = cause.status if isinstance(cause, UpstreamReply) else None
+            self.trace.failed_over(model, backend, deployment, outcome, attempt.reason, status)
+        if isinstance(cause, UpstreamReply):
+            self.last, self.last_timeout = cause, False
+        else:
+            self.last = None
+            self.last_timeout = timeout or (isinstance(cause, UpstreamUnavailableError) and cause.timeout)
+
+    def no_deployment(self, model: str, backend: str, reason: str, tried_some: bool) -> None:
+        """The backend had nothing to offer: noted (unless this round already tried its replicas)."""
+        if self.trace is not None:
+            self.trace.no_call(model, backend, f"unavailable ({reason})", noted=not tried_some)
+        if not tried_some:
+            self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
+            self.unavailable_reasons.append(f"{model}: {reason}")
+
+    def skipped(self, model: str, backend: str, reason: str) -> None:
+        """A model whose backend cannot be called now: noted, never called."""
+        self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
+        self.unavailable_reasons.append(f"{model}: {reason}")
+        if self.trace is not None:
+            self.trace.failed_over(model, backend, None, f"unavailable ({reason})", "unavailable")
+
+    def exhausted(self) -> ChainExhaustedError:
+        """The error for a chain that served nothing; its message is for the client (no URL, no
+        upstream error text: those stay in the log row's failover column)."""
+        tried = ", ".join(a.public() for a in self.attempts) or "nothing"
+        called = any(not a.outcome.startswith("unavailable") for a in self.attempts)
+        residency = (
+            " (hosted models skipped: data must stay self-hosted)" if self.decision.self_hosted_only else ""
+        )
+        if not called and self.unavailable_reasons:
+            models = ", ".join(dict.fromkeys(a.model for a in self.attempts))
+            message = f"no model can serve '{self.decision.alias}' now ({models}: unavailable)"
+        else:
+            message = f"every model for '{self.decision.alias}' failed; tried: {tried}"
+        return ChainExhaustedError(
+            message + residency, self.attempts, self.last, self.last_timeout, not called
+        )
+
+
+def _unavailable(exc: UpstreamUnavailableError) -> str:
+    return "timeout" if exc.timeout else "unreachable"
+
+
+def _has_token(line: str) -> bool:
+    """Whether an SSE line carries output (content, text, tool calls, a finish, usage) or ends the stream."""
+    if not line.startswith("data:"):
+        return False
+    payload = line[5:].strip()
+    if '"role"' not in payload:
+        return True  # only the opening role chunk can be empty: skip parsing everything else
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return True  # not ours to judge: pass it on
+    if not isinstance(chunk, dict):
+        return True
+    if chunk.get("error") or chunk.get("usage"):
+        return True
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return True  # not a chunk we understand: not ours to judge either
+    for choice in choices:
+        if not isinstance(choice, dict):
+            return True
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            return True
+        if (
+            choice.get("finish_reason")
+            or choice.get("text")
+            or delta.get("content")
+            or delta.get("tool_calls")
+        ):
+            return True
+        if delta.get("reasoning_content") or delta.get("function_call"):
+            return True
+    return False
+
+
+async def _until_first_token(lines: AsyncIterator[str]) -> list[str]:
+    """Lines up to and including the first that carries a token (the role chunk alone does not)."""
+    head: list[str] = []
+    async for line in lines:
+        head.append(line)
+        if _has_token(line):
+            return head
+    if not head:
+        raise UpstreamStreamError("the stream ended before its first event")
+    return head

@@ -1,0 +1,213 @@
+"""The active policy and everything built from it, and the watcher that hot-reloads it.
+
+A reload builds a whole new Runtime (router, failover, pools) and swaps one reference, so a
+request in flight finishes on the version it started with. Pools whose settings did not change
+are carried over (their health state and connections too); pools that left the policy are closed
+once the requests that may still use them have had their time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from gateway.backends.base import Upstream
+from gateway.backends.engine import EnginePool
+from gateway.config.policy import (
+    EngineBackend,
+    Policy,
+    PolicyError,
+    parse_policy,
+    policy_version,
+    read_policy_text,
+)
+from gateway.governance import tokens
+from gateway.governance.costs import PriceBook
+from gateway.pipeline.failover import Failover
+from gateway.routing.complexity import ComplexityModel
+from gateway.routing.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One policy version and what serves it."""
+
+    policy: Policy
+    router: Router
+    failover: Failover
+    pools: dict[str, Upstream]
+    version: str
+    loaded_at: datetime
+    prices: PriceBook
+
+
+async def build_runtime(
+    policy: Policy, version: str, model: ComplexityModel, previous: Runtime | None = None
+) -> Runtime:
+    """Pools for the policy's backends (reusing unchanged ones from `previous`), started."""
+    pools: dict[str, Upstream] = {}
+    for name in policy.backends:
+        old = previous.pools.get(name) if previous is not None else None
+        if old is not None and _same_backend(previous, policy, name):
+            pools[name] = old
+            continue
+        pools[name] = _new_backend(name, policy)
+        await pools[name].start()
+    router = Router(policy, model)
+    return Runtime(
+        policy, router, Failover(policy, pools), pools, version, datetime.now(UTC), PriceBook(policy)
+    )
+
+
+def _same_backend(previous: Runtime | None, policy: Policy, name: str) -> bool:
+    assert previous is not None
+    before = previous.policy.backends.get(name)
+    return before == policy.backends[name] and previous.policy.health_for(name) == policy.health_for(name)
+
+
+def _new_backend(name: str, policy: Policy) -> Upstream:
+    """An engine pool, or a hosted model (litellm is imported only when the policy has one)."""
+    spec = policy.backends[name]
+    if isinstance(spec, EngineBackend):
+        if spec.tokenizer and not tokens.tokenizer_exists(spec.tokenizer):
+            logger.warning(
+                "backend %r: no tokenizer.json at %s; rows without usage use tiktoken", name, spec.tokenizer
+            )
+        return EnginePool(name, spec, policy.health_for(name))
+    from gateway.backends.hosted import HostedModel
+
+    hosted = HostedModel(name, spec)
+    if hosted.unavailable_reason:
+        logger.warning("hosted backend %r is unavailable: %s", name, hosted.unavailable_reason)
+    return hosted
+
+
+class RuntimeHolder:
+    """The one mutable reference to the active Runtime (read once per request)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+
+class PolicyWatcher:
+    """Polls the policy file; a valid change becomes the active Runtime, an invalid one is refused.
+
+    Refusals keep the previous policy serving; they are logged, counted in
+    `gateway_policy_reload_failures_total`, and shown by `status()` (GET /admin/policy).
+    """
+
+    def __init__(
+        self, path: Path, holder: RuntimeHolder, model: ComplexityModel, registry: CollectorRegistry,
+        interval: float = 0.5,
+    ) -> None:  # fmt: skip
+        self.path = path
+        self.holder = holder
+        self.model = model
+        self.interval = interval
+        self.last_error: str | None = None
+        self.last_error_at: datetime | None = None
+        self._stamp = _stamp(path)
+        self._task: asyncio.Task[None] | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._to_close: list[Upstream] = []
+        self.reloads = Counter("gateway_policy_reloads", "Policy changes applied.", registry=registry)
+        self.failures = Counter(
+            "gateway_policy_reload_failures", "Policy changes refused (invalid).", registry=registry
+        )
+
+    def start(self) -> None:
+        """Begin watching."""
+        self._task = asyncio.create_task(self._loop(), name="policy-watcher")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            stamp = _stamp(self.path)
+            if stamp != self._stamp:
+                self._stamp = stamp
+                await self.reload()
+
+    async def reload(self) -> bool:
+        """Read, validate and apply the file now; False (and the old policy kept) when it is invalid."""
+        current = self.holder.runtime
+        try:
+            text = read_policy_text(self.path)
+            version = policy_version(text)
+            if version == current.version:
+                return True
+            policy = parse_policy(text, str(self.path))
+            Router(policy, self.model)  # weights overrides are checked here too
+        except (PolicyError, ValueError) as exc:
+            self.failures.inc()
+            self.last_error, self.last_error_at = str(exc), datetime.now(UTC)
+            logger.error("policy change refused, still serving version %s: %s", current.version, exc)
+            return False
+        runtime = await build_runtime(policy, version, self.model, current)
+        self.holder.runtime = runtime
+        self.reloads.inc()
+        self.last_error = self.last_error_at = None
+        logger.info("policy version %s active (was %s)", version, current.version)
+        self._retire([p for n, p in current.pools.items() if runtime.pools.get(n) is not p], current.policy)
+        return True
+
+    def _retire(self, pools: list[Upstream], policy: Policy) -> None:
+        """Close pools that left the policy, after the longest request that may still use them."""
+        if not pools:
+            return
+        grace = max([spec.timeouts.total for spec in policy.backends.values()] + [1.0])
+        self._to_close.extend(pools)
+
+        async def close_later() -> None:
+            await asyncio.sleep(grace)
+            for pool in pools:
+                self._to_close.remove(pool)
+                await pool.close()
+
+        task = asyncio.create_task(close_later())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def status(self) -> dict[str, Any]:
+        """For GET /admin/policy."""
+        rt = self.holder.runtime
+        return {
+            "path": str(self.path),
+            "version": rt.version,
+            "loaded_at": rt.loaded_at.isoformat(),
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at.isoformat() if self.last_error_at else None,
+            "backends": {
+                name: {"available": pool.unavailable_reason is None, "reason": pool.unavailable_reason,
+                       "replicas": [r.describe() for r in getattr(pool, "replicas", [])]}
+                for name, pool in rt.pools.items()
+            },
+        }  # fmt: skip
+
+    async def stop(self) -> None:
+        """Stop watching; close retired pools now."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        for pool in self._to_close:
+            await pool.close()
+        self._to_close.clear()
+
+
+def _stamp(path: Path) -> tuple[float, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_mtime, info.st_size)

@@ -1,0 +1,135 @@
+"""Spend reports from the daily aggregates (never the raw log): by key, team, model, backend or day."""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import asdict, dataclass
+from datetime import date
+from decimal import Decimal
+from typing import Any, Literal
+
+import orjson
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.store.models import ApiKey, UsageDaily
+
+Dimension = Literal["key", "team", "model", "backend", "day"]
+DIMENSIONS: tuple[Dimension, ...] = ("key", "team", "model", "backend", "day")
+Format = Literal["table", "csv", "json"]
+
+_COLUMN = {
+    "key": UsageDaily.key_id,
+    "team": UsageDaily.team,
+    "model": UsageDaily.requested_model,
+    "backend": UsageDaily.backend,
+    "day": UsageDaily.day,
+}
+
+
+@dataclass(frozen=True)
+class SpendRow:
+    """One group of a report; money in USD (exact)."""
+
+    group: str
+    label: str  # e.g. a key's name; the group itself otherwise
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cost_usd: Decimal
+    reference_cost_usd: Decimal  # what the reference model would have charged for the self-hosted part
+    reference_basis_usd: Decimal  # what that self-hosted part really cost
+
+    @property
+    def savings_usd(self) -> Decimal:
+        """What the reference model would have charged for our engines' requests, minus their cost."""
+        return self.reference_cost_usd - self.reference_basis_usd
+
+
+async def spend(engine: AsyncEngine, start: date, end: date, by: Dimension) -> list[SpendRow]:
+    """Spend from `start` to `end` (both included) grouped `by`, dearest first."""
+    if end < start:
+        raise ValueError(f"the report ends ({end}) before it starts ({start})")
+    group = _COLUMN[by]
+    query = (
+        select(
+            group,
+            func.sum(UsageDaily.requests),
+            func.sum(UsageDaily.errors),
+            func.sum(UsageDaily.prompt_tokens),
+            func.sum(UsageDaily.completion_tokens),
+            func.sum(UsageDaily.cached_tokens),
+            func.sum(UsageDaily.cost_usd),
+            func.sum(UsageDaily.reference_cost_usd),
+            func.sum(UsageDaily.reference_basis_usd),
+        )
+        .where(UsageDaily.day >= start, UsageDaily.day <= end)
+        .group_by(group)
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(query)).all()
+        names: dict[str, str] = {}
+        if by == "key":
+            ids = [r[0] for r in rows if r[0]]
+            if ids:
+                found = await conn.execute(select(ApiKey.id, ApiKey.name).where(ApiKey.id.in_(ids)))
+                names = {i: n for i, n in found.all()}
+    report = [
+        SpendRow(
+            str(g) if g not in ("", None) else "(none)",
+            names.get(str(g), str(g) if g not in ("", None) else "(none)"),
+            int(n or 0),
+            int(e or 0),
+            int(p or 0),
+            int(c or 0),
+            int(k or 0),
+            Decimal(cost or 0),
+            Decimal(ref or 0),
+            Decimal(basis or 0),
+        )
+        for g, n, e, p, c, k, cost, ref, basis in rows
+    ]
+    if by == "day":
+        return sorted(report, key=lambda r: r.group)
+    return sorted(report, key=lambda r: (-r.cost_usd, r.group))
+
+
+def render(rows: list[SpendRow], fmt: Format, by: Dimension) -> str:
+    """The report as an aligned table, CSV, or JSON (money as decimal strings)."""
+    records = [_record(r) for r in rows]
+    if fmt == "json":
+        return orjson.dumps({"by": by, "rows": records, "total": _record(_total(rows))}).decode()
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(_record(_total(rows)).keys()))
+        writer.writeheader()
+        writer.writerows(records)
+        return out.getvalue()
+    header = (f"{by:<28} {'requests':>9} {'errors':>7} {'prompt tok':>11} {'output tok':>11} "
+              f"{'cost USD':>14} {'saved USD':>12}")  # fmt: skip
+    lines = [header, "-" * len(header)]
+    for r in [*rows, _total(rows)]:
+        lines.append(f"{r.label[:28]:<28} {r.requests:>9} {r.errors:>7} {r.prompt_tokens:>11} "
+                     f"{r.completion_tokens:>11} {r.cost_usd:>14.6f} {r.savings_usd:>12.6f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _record(row: SpendRow) -> dict[str, Any]:
+    record = asdict(row)
+    for money in ("cost_usd", "reference_cost_usd", "reference_basis_usd"):
+        record[money] = str(record[money])
+    record["savings_usd"] = str(row.savings_usd)
+    return record
+
+
+def _total(rows: list[SpendRow]) -> SpendRow:
+    return SpendRow(
+        "total", "total", sum(r.requests for r in rows), sum(r.errors for r in rows),
+        sum(r.prompt_tokens for r in rows), sum(r.completion_tokens for r in rows),
+        sum(r.cached_tokens for r in rows), sum((r.cost_usd for r in rows), Decimal(0)),
+        sum((r.reference_cost_usd for r in rows), Decimal(0)),
+        sum((r.reference_basis_usd for r in rows), Decimal(0)),
+    )  # fmt: skip

@@ -1,0 +1,174 @@
+"""Circuit breakers and replica choice: the state machine, on a controlled clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.backends.health import BreakerState, CircuitBreaker, HealthChecker, Replica, pick
+from gateway.config.policy import Breaker, Health
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_opens_after_consecutive_failures_and_refuses_traffic() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(Breaker(consecutive_failures=3, cooldown=5), clock)
+    for _ in range(2):
+        breaker.record(False)
+    assert breaker.state is BreakerState.CLOSED and breaker.claim()
+    breaker.record(False)
+    assert breaker.state is BreakerState.OPEN
+    assert not breaker.can_pass() and not breaker.claim()
+
+
+def test_a_success_resets_the_consecutive_count() -> None:
+    breaker = CircuitBreaker(Breaker(consecutive_failures=3, min_requests=100), Clock())
+    for ok in (False, False, True, False, False):
+        breaker.record(ok)
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_opens_on_error_rate_over_the_window_once_it_holds_enough_requests() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(
+        Breaker(consecutive_failures=100, error_rate=0.5, window=10, min_requests=6), clock
+    )
+    for ok in (True, False, True, False, True):
+        breaker.record(ok)
+        clock.now += 1
+    assert breaker.state is BreakerState.CLOSED  # 2/5 failed, and fewer than 6 requests anyway
+    breaker.record(False)
+    assert breaker.state is BreakerState.OPEN  # 3/6 = 50%
+
+
+def test_old_outcomes_leave_the_window() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(
+        Breaker(consecutive_failures=100, error_rate=0.5, window=10, min_requests=4), clock
+    )
+    for _ in range(3):
+        breaker.record(False)
+    clock.now = 30
+    for _ in range(3):
+        breaker.record(True)
+    breaker.record(False)
+    assert breaker.state is BreakerState.CLOSED  # 1/4 in the window
+
+
+def test_half_open_after_cooldown_lets_exactly_one_probe_through() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(Breaker(consecutive_failures=1, cooldown=5), clock)
+    breaker.record(False)
+    clock.now = 4.9
+    assert breaker.state is BreakerState.OPEN
+    clock.now = 5.0
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.claim() and not breaker.claim() and not breaker.can_pass()
+    breaker.record(True)
+    assert breaker.state is BreakerState.CLOSED and breaker.claim()
+
+
+def test_a_failed_probe_reopens_for_another_cooldown() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(Breaker(consecutive_failures=1, cooldown=5), clock)
+    breaker.record(False)
+    clock.now = 6
+    assert breaker.claim()
+    breaker.record(False)
+    assert breaker.state is BreakerState.OPEN
+    clock.now = 10
+    assert breaker.state is BreakerState.OPEN
+    clock.now = 11
+    assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_a_probe_without_verdict_frees_the_slot() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(Breaker(consecutive_failures=1, cooldown=1), clock)
+    breaker.record(False)
+    clock.now = 2
+    assert breaker.claim()
+    breaker.release()
+    assert breaker.claim()
+
+
+def test_pick_prefers_fewest_in_flight_then_unsaturated_and_skips_unusable() -> None:
+    health = Health(max_queue_depth=4)
+    a, b, c = (Replica(u, health) for u in ("http://a", "http://b", "http://c"))
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
+    assert pick([a, b, c]) is b
+    b.check_ok = False
+    assert pick([a, b, c]) is c
+    c.queue_depth = 10  # saturated: used only when nothing else is free
+    assert pick([a, b, c]) is a
+    assert pick([a, b, c], avoid=frozenset({"http://a"})) is c
+    for r in (a, c):
+        for _ in range(3):
+            r.breaker.record(False)
+    assert pick([a, b, c]) is None
+
+
+class _FlakyChecker(HealthChecker):
+    """Raises an exception no check expects on its first rounds, then counts the rounds that ran."""
+
+    def __init__(self, replicas: list[Replica], health: Health, failures: list[BaseException]) -> None:
+        super().__init__("flaky", replicas, health, {})
+        self.failures = failures
+        self.rounds = 0
+
+    async def check(self, replica: Replica) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+        self.rounds += 1
+
+
+def test_the_health_loop_survives_any_exception_in_a_check_round(caplog: pytest.LogCaptureFixture) -> None:
+    health = Health(interval=0.01)
+    replica = Replica("http://127.0.0.1:9", health)
+    failures: list[BaseException] = [ZeroDivisionError("bug"), KeyError("gauge"), UnicodeDecodeError(
+        "utf-8", b"\xff", 0, 1, "bad byte")]  # fmt: skip
+    checker = _FlakyChecker([replica], health, failures)
+
+    async def run() -> None:
+        checker.start()
+        try:
+            for _ in range(500):
+                if checker.rounds >= 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert checker._task is not None and not checker._task.done()
+        finally:
+            await checker.stop()
+
+    asyncio.run(run())
+    assert checker.rounds >= 3 and not failures
+    assert "ZeroDivisionError" in caplog.text and "KeyError" in caplog.text
+
+
+def test_a_check_that_fails_unexpectedly_marks_only_that_replica_down() -> None:
+    health = Health(interval=0.01)
+    replica = Replica("http://127.0.0.1:9", health)
+    checker = HealthChecker("odd", [replica], health, {})
+
+    def broken_get(*_: object, **__: object) -> None:
+        raise ValueError("an aiohttp internal surprise")
+
+    async def run() -> None:
+        checker.start()
+        try:
+            assert checker._session is not None
+            checker._session.get = broken_get  # type: ignore[method-assign,assignment]
+            await checker.check(replica)  # does not raise
+        finally:
+            await checker.stop()
+
+    asyncio.run(run())
+    assert replica.check_ok is False and replica.last_error == "ValueError"

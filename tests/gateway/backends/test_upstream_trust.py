@@ -1,0 +1,195 @@
+"""What the gateway takes from a client into a provider call, and from an upstream into the books.
+
+The client's body reaches litellm only through an allow-list; an upstream's usage is billed only
+when believable; reservations cover every answer a request asks for; SSE lines are split with a
+bound and never break on bytes that are not UTF-8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp.base_protocol import BaseProtocol
+
+from gateway.api.completions import CompletionsEndpoint
+from gateway.backends.base import UpstreamStreamError
+from gateway.backends.engine import sse_lines
+from gateway.backends.hosted import HostedModel, allowed_fields
+from gateway.config.policy import HostedBackend, parse_policy
+from gateway.governance.costs import PriceBook
+from gateway.governance.keys import KeyInfo
+from gateway.governance.usage import MAX_TOKENS, checked_usage
+from gateway.pipeline.admission import Admission, Ticket
+from gateway.pipeline.failover import Failover
+from gateway.pipeline.reply import Reply, error_reply
+from gateway.pipeline.runtime import Runtime
+from gateway.routing.router import Router
+
+# litellm keyword arguments that must never come from a client (each one was passed through once)
+LITELLM_ONLY = {
+    "api_base": "http://127.0.0.1:1/steal", "base_url": "http://127.0.0.1:1/steal", "api_key": "sk-client",
+    "extra_headers": {"x": "y"}, "mock_response": "free", "fallbacks": ["x"], "model_list": [{}],
+    "custom_llm_provider": "openai", "num_retries": 100, "metadata": {"a": 1}, "extra_body": {"b": 2},
+    "api_version": "x", "timeout": 1e9, "headers": {"h": "v"}, "litellm_params": {}, "caching": True,
+}  # fmt: skip
+
+
+def test_hosted_calls_take_only_openai_fields_from_the_client() -> None:
+    model = HostedModel("frontier", HostedBackend(type="hosted", model="openai/gpt-4o-mini",
+                                                  api_key_env="SWITCHBOARD_TEST_PROVIDER_KEY"))  # fmt: skip
+    model._api_key = "sk-provider"
+    body = {"model": "openai/gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0.5, "tools": [], **LITELLM_ONLY}  # fmt: skip
+    name, params = model._kwargs("/v1/chat/completions", orjson.dumps(body), True, None)
+    assert name == "openai/gpt-4o-mini"
+    assert not set(LITELLM_ONLY) - {"api_key", "timeout"} & set(params)
+    assert params["api_key"] == "sk-provider" and params["timeout"] == model.spec.timeouts.total
+    assert "base_url" not in params and "api_base" not in params  # the policy set none: litellm's default
+    assert params["temperature"] == 0.5 and params["stream"] is True
+
+
+def test_a_policy_base_url_is_the_only_one_a_hosted_call_uses() -> None:
+    spec = HostedBackend(type="hosted", model="openai/x", base_url="http://provider.internal/v1")
+    _, params = HostedModel("p", spec)._kwargs(
+        "/v1/completions", orjson.dumps({"model": "openai/x", "prompt": "a", **LITELLM_ONLY}), False, None
+    )
+    assert params["base_url"] == "http://provider.internal/v1" and "api_base" not in params
+    assert set(params) <= {"prompt", "base_url", "api_key", "timeout", "max_retries"}
+    assert params["max_retries"] == 0  # retries are the failover's, not the provider SDK's
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_the_allow_list_keeps_every_documented_openai_field(path: str) -> None:
+    chat = {"messages": [], "tools": [], "tool_choice": "auto", "response_format": {}, "top_logprobs": 2,
+            "max_completion_tokens": 5, "parallel_tool_calls": False, "reasoning_effort": "low"}  # fmt: skip
+    text = {"prompt": "x", "echo": True, "suffix": "s", "best_of": 2}
+    common = {"model": "m", "n": 2, "stop": ["x"], "seed": 1, "logit_bias": {}, "user": "u", "top_p": 1}
+    own = chat if path.endswith("chat/completions") else text
+    assert allowed_fields({**common, **own, **LITELLM_ONLY}, path) == {**common, **own}
+
+
+@pytest.mark.parametrize("usage", [
+    None, "lots", 7, [], {}, {"prompt_tokens": -5, "completion_tokens": 3},
+    {"prompt_tokens": 1 << 40, "completion_tokens": 1}, {"prompt_tokens": "3", "completion_tokens": 1},
+    {"prompt_tokens": 3.0, "completion_tokens": 1}, {"prompt_tokens": True, "completion_tokens": 1},
+    {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 9},
+    {"prompt_tokens": 2, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 3}},
+    {"prompt_tokens": 2, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": -1}},
+    {"prompt_tokens": MAX_TOKENS + 1, "completion_tokens": 0},
+])  # fmt: skip
+def test_unbelievable_usage_is_not_billed(usage: Any) -> None:
+    assert checked_usage(usage) is None
+
+
+def test_believable_usage_is_normalised() -> None:
+    raw = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "extra": "x",
+           "prompt_tokens_details": {"cached_tokens": 4, "audio_tokens": 0}}  # fmt: skip
+    assert checked_usage(raw) == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+                                  "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+    assert checked_usage({"prompt_tokens": 1, "completion_tokens": 2}) == {
+        "prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}  # fmt: skip
+
+
+POLICY = """
+backends:
+  local: {type: engine, urls: ["http://127.0.0.1:9"], price: {input_per_mtok: 1, output_per_mtok: 2}}
+  openai: {type: hosted, model: openai/gpt-4o-mini}
+  anthropic: {type: hosted, model: anthropic/claude}
+models:
+  fast: {backend: local, fallbacks: [gpt, claude]}
+  gpt: {backend: openai, fallbacks: [claude]}
+  claude: {backend: anthropic}
+routes:
+  auto: {candidates: [fast], fallbacks: [claude]}
+"""
+
+
+def _key(allowed: list[str] | None, tpm: int | None = None) -> KeyInfo:
+    return KeyInfo("k1", "n", "sk-x", None, allowed, {}, datetime.now(UTC), None, None, None, tpm_limit=tpm)
+
+
+def test_fallbacks_a_key_may_not_call_are_never_reached() -> None:
+    router = Router(parse_policy(POLICY))
+    assert router.decide("fast", {}, _key(["fast"])).chain == ("fast",)
+    assert router.decide("fast", {}, _key(["fast", "claude"])).chain == ("fast", "claude")
+    assert router.decide("fast", {}, _key(None)).chain == ("fast", "gpt", "claude")
+    assert router.decide("auto", {}, _key(["auto"])).chain == ("fast", "claude")  # the route is the grant
+
+
+def test_reservations_cover_every_answer_asked_for() -> None:
+    prices = PriceBook(parse_policy(POLICY))
+    one = prices.worst_case(("fast",), {"max_tokens": 100}, 400)
+    assert prices.worst_case(("fast",), {"max_tokens": 100, "n": 4}, 400) == 100 * Decimal(1) / 10**6 + 4 * (
+        one - 100 * Decimal(1) / 10**6
+    )
+    huge = prices.worst_case(("fast",), {"max_tokens": 10**30, "n": 10**9}, 400)
+    assert huge <= (MAX_TOKENS * 128 + 100) * Decimal(2) / 10**6  # clamped: stays a number Redis can count
+    ticket = Ticket()
+    limits = Admission._limits(_runtime(), _key(None, tpm=10**9), {"max_tokens": 50, "n": 3}, 400, ticket)
+    assert ticket.reserved_tokens == 100 + 150 and all(lim.cost == 250 for lim in limits)
+
+
+def _runtime() -> Runtime:
+    policy = parse_policy(POLICY)
+    prices = PriceBook(policy)
+    return Runtime(policy, Router(policy), Failover(policy, {}), {}, "t", datetime.now(UTC), prices)
+
+
+async def _lines(*chunks: bytes, limit: int = 64) -> list[str]:
+    loop = asyncio.get_running_loop()
+    reader = aiohttp.StreamReader(BaseProtocol(loop), 1 << 16, loop=loop)
+    for chunk in chunks:
+        reader.feed_data(chunk)
+    reader.feed_eof()
+    return [line async for line in sse_lines(reader, limit)]
+
+
+def test_sse_lines_split_across_chunks_and_survive_bytes_that_are_not_utf8() -> None:
+    lines = asyncio.run(_lines(b'data: {"a"', b":1}\r\n\r\ndata: \xff\xfe ok\n", b"data: [DO", b"NE]"))
+    assert lines == ['data: {"a":1}', "", "data: \ufffd\ufffd ok", "data: [DONE]"]
+
+
+def test_a_line_past_the_bound_is_a_stream_error_not_a_crash() -> None:
+    with pytest.raises(UpstreamStreamError, match="longer than 64 bytes"):
+        asyncio.run(_lines(b"data: " + b"x" * 40, b"y" * 40 + b"\n"))
+    assert asyncio.run(_lines(b"data: " + b"x" * 50 + b"\n", b"data: y\n")) == [
+        "data: " + "x" * 50,
+        "data: y",
+    ]
+
+
+class _BrokenKeys:
+    async def authenticate(self, presented: str | None, client: object = None) -> KeyInfo:
+        raise RuntimeError("postgresql://user:secret@10.0.0.5/db exploded")
+
+
+class _Refusals:
+    tracing = None
+
+    def refuse(self, started: float, status: int, message: str, type_: str, code: str | None,
+               trace: object) -> Reply:  # fmt: skip
+        return error_reply(status, message, type_, None, code)
+
+
+def test_an_unexpected_failure_before_the_proxy_is_an_openai_503_without_its_text() -> None:
+    endpoint = CompletionsEndpoint(lambda: (_BrokenKeys(), _Refusals()), 1 << 20)  # type: ignore[arg-type, return-value]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "client": ("127.0.0.1", 1),
+             "headers": [(b"authorization", b"Bearer sk-x"), (b"content-length", b"2")]}  # fmt: skip
+    asyncio.run(endpoint(scope, receive, send))
+    assert sent[0]["status"] == 503
+    error = orjson.loads(sent[1]["body"])["error"]
+    assert error["code"] == "authentication_unavailable" and "secret" not in error["message"]

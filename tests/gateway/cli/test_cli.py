@@ -1,0 +1,122 @@
+"""`python -m gateway`: each command asks only for the secrets it uses, and says which are missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from gateway.api.http_protocol import GatewayHttpProtocol, LimitedConfig
+from gateway.cli import main as cli
+from gateway.store.migrate import upgrade
+
+POLICY = Path("policies/default.yaml")
+
+
+@pytest.fixture
+def database(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """A migrated SQLite database in GATEWAY_DATABASE_URL, and no other GATEWAY_* variable."""
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    url = f"sqlite+aiosqlite:///{tmp_path / 'gateway.store.db'}"
+    upgrade(url)
+    monkeypatch.setenv("GATEWAY_DATABASE_URL", url)
+    return url
+
+
+class _ServerStarted(AssertionError):
+    """serve got as far as starting uvicorn."""
+
+
+@pytest.fixture
+def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve fails the test instead of listening, should it get that far."""
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise _ServerStarted("serve started a server without its secrets")
+
+    monkeypatch.setattr(cli, "_CleanExitServer", started)
+    monkeypatch.setattr(cli, "Multiprocess", started)
+    monkeypatch.setattr(uvicorn, "run", started)
+
+
+@pytest.mark.usefixtures("database", "no_server")
+@pytest.mark.parametrize(
+    ("env", "missing"),
+    [
+        ({}, "GATEWAY_MASTER_KEY, GATEWAY_KEY_SECRET"),
+        ({"GATEWAY_MASTER_KEY": "m"}, "GATEWAY_KEY_SECRET"),
+        ({"GATEWAY_MASTER_KEY": "", "GATEWAY_KEY_SECRET": "s"}, "GATEWAY_MASTER_KEY"),
+    ],
+)
+def test_serve_refuses_to_start_without_its_secrets_and_names_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str], missing: str
+) -> None:
+    monkeypatch.setenv("GATEWAY_POLICY_PATH", str(POLICY))  # serve sets it for its workers: undone after
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["serve", "--policy", str(POLICY), "--workers", "2"]) == 2
+    assert f"error: {missing} must be set to a non-empty value" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("database")
+def test_keys_create_needs_the_key_secret_but_not_the_master_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["keys", "create", "--name", "app"]) == 2
+    assert "error: GATEWAY_KEY_SECRET must be set" in capsys.readouterr().err
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    assert cli.main(["keys", "create", "--name", "app"]) == 0
+    assert json.loads(capsys.readouterr().out)["key"].startswith("sk-")
+
+
+@pytest.mark.usefixtures("database")
+def test_reports_and_policy_checks_run_without_the_secrets(capsys: pytest.CaptureFixture[str]) -> None:
+    report = ["report", "spend", "--from", "2026-01-01", "--to", "2026-01-31", "--format", "json"]
+    assert cli.main(report) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == []
+    assert cli.main(["policy", "check", str(POLICY)]) == 0
+
+
+@pytest.mark.usefixtures("database")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
+    monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    limits = {
+        "GATEWAY_MAX_HEADER_BYTES": "16384", "GATEWAY_HEADER_TIMEOUT": "7.5",
+        "GATEWAY_LIMIT_CONCURRENCY": "321", "GATEWAY_KEEP_ALIVE_TIMEOUT": "9", "GATEWAY_BACKLOG": "77",
+    }  # fmt: skip
+    for name, value in {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", **limits}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("GATEWAY_POLICY_PATH", str(POLICY))  # serve sets it for its workers: undone after
+    started: list[uvicorn.Config] = []
+
+    class Recorder:
+        def __init__(self, config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> None:
+            started.append(config)
+            for sock in sockets or []:
+                sock.close()
+            self.started = True
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "_CleanExitServer", Recorder)
+    monkeypatch.setattr(cli, "Multiprocess", Recorder)
+    argv = ["serve", "--policy", str(POLICY), "--port", "0", "--workers", str(workers)]
+    assert cli.main(argv) == 0
+    (config,) = started
+    assert isinstance(config, LimitedConfig)
+    assert (config.max_header_bytes, config.header_timeout) == (16384, 7.5)
+    assert (config.limit_concurrency, config.timeout_keep_alive, config.backlog) == (321, 9, 77)
+    assert config.h11_max_incomplete_event_size == 16384
+    assert pickle.loads(pickle.dumps(config)).max_header_bytes == 16384  # spawned workers get it whole
+    config.load()
+    assert config.http_protocol_class is GatewayHttpProtocol
+    assert config.ws == "none" and not config.server_header

@@ -1,0 +1,51 @@
+"""`policy check`, `route eval` and `route explain` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEV = Path(__file__).resolve().parents[4] / "shared" / "data" / "routing_dev.jsonl"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_policy_check_exits_0_for_a_valid_file_and_1_naming_the_path_for_a_broken_one(tmp_path: Path) -> None:
+    assert _cli("policy", "check", "policies/default.yaml").returncode == 0
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(Path("policies/default.yaml").read_text().replace("threshold: 0.575", "threshold: 7"))
+    done = _cli("policy", "check", str(broken))
+    assert done.returncode == 1
+    assert "routes.auto.tiers[1].threshold: must be between 0 and 1" in done.stdout
+
+
+def test_route_explain_shows_what_drove_the_score_and_where_it_goes() -> None:
+    done = _cli("route", "explain", "Prove that there are infinitely many primes, rigorously, step by step.")
+    assert done.returncode == 0, done.stderr
+    assert "score" in done.stdout and "tier=complex" in done.stdout
+    assert "chain   gpt-4o-mini" in done.stdout and "contribution" in done.stdout
+
+
+def test_route_explain_applies_team_overrides_and_reads_message_files(tmp_path: Path) -> None:
+    messages = tmp_path / "m.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "hi there"}]))
+    done = _cli("route", "explain", "--messages", str(messages))
+    assert done.returncode == 0 and "tier=simple" in done.stdout
+    done = _cli("route", "explain", "--route", "nope", "hi")
+    assert done.returncode == 2 and "neither a model nor a route" in done.stderr
+
+
+@pytest.mark.skipif(not DEV.exists(), reason="the labelled dev set is not on this machine")
+def test_route_eval_on_the_dev_set_meets_the_accuracy_target() -> None:
+    done = _cli("route", "eval", "--data", str(DEV))
+    assert done.returncode == 0, done.stderr
+    figures = dict(zip(done.stdout.split()[::2], done.stdout.split()[1::2], strict=False))
+    assert float(figures["accuracy"]) >= 0.9 and int(figures["n"]) == 120

@@ -1,0 +1,157 @@
+"""Policy files: strict validation with errors that name the path."""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from gateway.backends.health import BreakerState, CircuitBreaker
+from gateway.config.policy import Breaker, Policy, PolicyError, load_policy, parse_policy
+
+GOOD = """
+backends:
+  local: {type: engine, urls: ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]}
+models:
+  small: {backend: local, model: SmolLM2-135M-Instruct}
+  direct: {backend: local}
+"""
+
+
+def test_the_shipped_default_policy_is_valid() -> None:
+    policy = load_policy(Path("policies/default.yaml"))
+    assert "SmolLM2-135M-Instruct" in policy.models
+    assert {"auto", "fast", "smart"} <= set(policy.routes)
+
+
+def test_the_commented_example_uses_every_feature_and_is_valid() -> None:
+    policy = load_policy(Path("policies/example.yaml"))
+    assert policy.routes["auto"].tiers and policy.routes["fast"].candidates
+    assert {o.data_residency for o in policy.overrides} == {"any", "self_hosted_only"}
+    assert policy.health_for("gpu-pool").max_queue_depth == 32 and policy.health.max_queue_depth is None
+
+
+_ROUTES = """  hosted: {backend: api}
+routes:
+  auto:
+    tiers:
+      - {name: simple, threshold: 0, candidates: [small]}
+      - {name: complex, threshold: 0.6, candidates: [hosted]}
+    fallbacks: [direct]
+overrides:
+  - {team: legal, tier: complex}
+"""
+ROUTED = (GOOD + _ROUTES).replace("models:", "  api: {type: hosted, model: openai/x}\nmodels:")
+
+
+def test_a_routed_policy_parses_with_tiers_fallbacks_and_overrides() -> None:
+    policy = parse_policy(ROUTED)
+    assert [t.threshold for t in policy.routes["auto"].tiers] == [0, 0.6]
+    assert policy.exposed() == ["small", "direct", "hosted", "auto"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("threshold: 0.6", "threshold: 1.5"), "routes.auto.tiers[1].threshold: must be between 0 and 1"),
+        (("threshold: 0.6", "threshold: 0"), "routes.auto.tiers[1].threshold: must be above tiers[0]"),
+        (("threshold: 0,", "threshold: 0.2,"), "routes.auto.tiers[0].threshold: the first tier must"),
+        (("candidates: [hosted]", "candidates: [x]"), "auto.tiers[1].candidates[0]: unknown model 'x'"),
+        (("fallbacks: [direct]", "fallbacks: [gone]"), "routes.auto.fallbacks[0]: unknown model 'gone'"),
+        (("tier: complex}", "tier: huge}"), "overrides[0].tier: unknown tier 'huge'"),
+        (("{team: legal, tier: complex}", "{team: legal}"), "overrides[0]: an override must set tier"),
+        (("{team: legal, tier: complex}", "{team: a, key: b, tier: x}"), "overrides[0]: give exactly one"),
+        (("  auto:\n", "  small:\n"), "routes.small: already a name in models"),
+        (("    fallbacks: [direct]", "    fallbacks: [direct]\n    retries: {count: -1}"),
+         "routes.auto.retries.count: Input should be greater than or equal to 0"),
+    ],
+)  # fmt: skip
+def test_routing_errors_name_their_path(change: tuple[str, str], message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(ROUTED.replace(*change), "p.yaml")
+    assert message in str(info.value)
+
+
+def test_upstream_model_defaults_to_the_exposed_name() -> None:
+    policy = parse_policy(GOOD)
+    assert policy.upstream_model("small") == "SmolLM2-135M-Instruct"
+    assert policy.upstream_model("direct") == "direct"
+    assert len(policy.backends["local"].urls) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("backends: {}\nmodels: {}", "backends: "),
+        (
+            GOOD.replace("backend: local}", "backend: nowhere}", 1),
+            "models.direct.backend: unknown backend 'nowhere'",
+        ),
+        (GOOD.replace("type: engine,", "type: engine, colour: red,"), "backends.local.colour: unknown key"),
+        (GOOD.replace('"http://127.0.0.1:8002"', '"ftp://x"'), "urls[1]: must start with http"),
+        (GOOD + "extra_top_level: 1\n", "extra_top_level: unknown key"),
+        ("- a list", "must be a mapping"),
+        ("backends: [unclosed", "not valid YAML"),
+    ],
+)
+def test_invalid_policies_name_the_offending_path(text: str, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert message in str(info.value) and str(info.value).startswith("p.yaml: ")
+
+
+def test_missing_policy_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="cannot read policy"):
+        load_policy(tmp_path / "none.yaml")
+
+
+def test_a_backends_breaker_override_gives_its_replicas_a_working_breaker() -> None:
+    policy = parse_policy("""
+backends:
+  local:
+    type: engine
+    urls: ["http://127.0.0.1:8001"]
+    health: {breaker: {cooldown: 9, consecutive_failures: 1}}
+models:
+  small: {backend: local}
+""")  # fmt: skip
+    breaker = policy.health_for("local").breaker
+    assert isinstance(breaker, Breaker)  # was a dict: its replicas failed on their first failure
+    assert (breaker.cooldown, breaker.consecutive_failures, breaker.window) == (9, 1, 10)  # unset: defaults
+    replica = CircuitBreaker(breaker, lambda: 0.0)
+    replica.record(False)
+    assert replica.state is BreakerState.OPEN
+
+
+def _schema_names(model: type[BaseModel], seen: set[type[BaseModel]]) -> set[str]:
+    """Every key of `model` and of the models inside it, and every allowed literal value."""
+    names: set[str] = set()
+    seen.add(model)
+    for name, field in model.model_fields.items():
+        names.add(name)
+        stack: list[object] = [field.annotation]
+        while stack:
+            tp = stack.pop()
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                if tp not in seen:
+                    names |= _schema_names(tp, seen)
+            elif typing.get_origin(tp) is typing.Literal:
+                names |= {str(v) for v in typing.get_args(tp)}
+            elif typing.get_origin(tp) is typing.Annotated:
+                stack.append(typing.get_args(tp)[0])
+            elif typing.get_origin(tp) in (list, dict, types.UnionType, typing.Union):
+                stack.extend(typing.get_args(tp))
+    return names
+
+
+def test_docs_policy_md_documents_every_key_and_value_of_the_schema() -> None:
+    text = re.sub(r"```.*?```", "", Path("docs/policy.md").read_text(), flags=re.DOTALL)  # no fenced blocks
+    code = re.findall(r"`([^`\n]+)`", text)  # `cooldown`, `type: engine`, ...
+    documented = {word for span in code for word in re.findall(r"[a-z_]+", span)}
+    names = _schema_names(Policy, set())
+    assert {"log_bodies", "cooldown", "tokenizer", "total", "self_hosted_only"} <= names  # the walk works
+    assert names - documented == set()

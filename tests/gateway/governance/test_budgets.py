@@ -1,0 +1,290 @@
+"""Budgets: periods, reservations all or nothing, settlement, reseeding from the aggregates."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.governance.budgets import (
+    Budget,
+    BudgetExceededError,
+    BudgetUnavailableError,
+    Charge,
+    LocalBudgetStore,
+    RedisBudgetStore,
+    SpendUnavailableError,
+    period_bounds,
+    spend_seed,
+)
+from gateway.store.db import create_engine
+from gateway.store.migrate import upgrade
+from gateway.store.models import to_picousd
+from gateway.store.request_log import RequestLogWriter
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _at(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(("period", "now", "start", "reset"), [
+    ("daily", _at(2026, 11, 22, 23, 59), _at(2026, 11, 22), _at(2026, 11, 23)),
+    ("weekly", _at(2026, 11, 22, 12), _at(2026, 11, 16), _at(2026, 11, 23)),  # Sunday -> Monday 16th
+    ("monthly", _at(2026, 12, 31, 23), _at(2026, 12, 1), _at(2027, 1, 1)),
+    ("monthly", _at(2026, 2, 10), _at(2026, 2, 1), _at(2026, 3, 1)),
+])  # fmt: skip
+def test_periods_start_and_reset_at_utc_midnight(
+    period: str, now: datetime, start: datetime, reset: datetime
+) -> None:
+    assert period_bounds(period, now) == (start, reset)  # type: ignore[arg-type]
+    assert period_bounds("total", now)[1] is None
+
+
+async def _nothing_spent(budget: Budget, start: datetime) -> int:
+    return 0
+
+
+def _charge(budget: Budget, now: datetime, usd: str) -> Charge:
+    counter, start, reset = budget.counter(now)
+    return Charge(budget, counter, start, reset, to_picousd(Decimal(usd)))
+
+
+def test_reservations_refuse_past_the_limit_and_settle_to_the_real_cost() -> None:
+    store = LocalBudgetStore()
+    key = Budget("key", "k1", Decimal("1.00"), "daily")
+    now = _at(2026, 11, 22, 10)
+
+    async def run() -> None:
+        first = _charge(key, now, "0.60")
+        await store.reserve([first], _nothing_spent)
+        with pytest.raises(BudgetExceededError) as info:
+            await store.reserve([_charge(key, now, "0.50")], _nothing_spent)
+        assert info.value.reset == _at(2026, 11, 23) and "resets at 2026-11-23" in str(info.value)
+        await store.settle(first, to_picousd(Decimal("0.10")))  # it really cost 10 cents
+        await store.reserve([_charge(key, now, "0.50")], _nothing_spent)
+
+    asyncio.run(run())
+
+
+def test_a_new_period_starts_from_nothing() -> None:
+    store = LocalBudgetStore()
+    key = Budget("key", "k1", Decimal("1.00"), "daily")
+
+    async def run() -> None:
+        await store.reserve([_charge(key, _at(2026, 11, 22, 23, 59), "1.00")], _nothing_spent)
+        with pytest.raises(BudgetExceededError):
+            await store.reserve([_charge(key, _at(2026, 11, 22, 23, 59, 59), "0.01")], _nothing_spent)
+        await store.reserve([_charge(key, _at(2026, 11, 23, 0, 0, 1), "1.00")], _nothing_spent)
+
+    asyncio.run(run())
+
+
+def test_key_and_team_are_charged_together_or_not_at_all() -> None:
+    store = LocalBudgetStore()
+    key, team = Budget("key", "k1", Decimal("10"), "monthly"), Budget("team", "t", Decimal("1"), "monthly")
+    now = _at(2026, 11, 22)
+
+    async def run() -> None:
+        with pytest.raises(BudgetExceededError) as info:
+            await store.reserve([_charge(key, now, "5"), _charge(team, now, "5")], _nothing_spent)
+        assert info.value.budget is team
+        await store.reserve([_charge(key, now, "10")], _nothing_spent)  # the refusal spent nothing
+
+    asyncio.run(run())
+
+
+def test_spend_is_reseeded_from_the_daily_aggregates(database_url: str) -> None:
+    upgrade(database_url)
+
+    async def run() -> tuple[int, int, int]:
+        engine = create_engine(database_url)
+        writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
+        writer.start()
+        for i, day in enumerate((_at(2026, 10, 31, 12), _at(2026, 11, 1, 12), _at(2026, 11, 21, 12))):
+            writer.record({"id": f"r{i}", "created_at": day, "status": 200, "key_id": "k1", "team": "t",
+                           "cost_picousd": Decimal("0.25")})  # fmt: skip
+        await writer.stop()
+        seed = spend_seed(engine)
+        month = await seed(Budget("key", "k1", Decimal(5), "monthly"), _at(2026, 11, 1))
+        team = await seed(Budget("team", "t", Decimal(5), "total"), _at(1970, 1, 1))
+        other = await seed(Budget("key", "k2", Decimal(5), "monthly"), _at(2026, 11, 1))
+        await engine.dispose()
+        return month, team, other
+
+    assert asyncio.run(run()) == (to_picousd(Decimal("0.50")), to_picousd(Decimal("0.75")), 0)
+
+
+def test_redis_budget_admits_no_more_than_the_budget_under_concurrency() -> None:
+    subject = uuid.uuid4().hex
+    budget = Budget("key", subject, Decimal("1.00"), "daily")
+    now = datetime.now(UTC)
+    seeded = []
+
+    async def seed(b: Budget, start: datetime) -> int:
+        seeded.append(b.subject)
+        return to_picousd(Decimal("0.30"))  # already spent this period
+
+    async def run() -> int:
+        a, b = RedisBudgetStore(REDIS), RedisBudgetStore(REDIS)
+
+        async def one(store: RedisBudgetStore) -> bool:
+            try:
+                await store.reserve([_charge(budget, now, "0.05")], seed)
+                return True
+            except BudgetExceededError:
+                return False
+
+        admitted = sum(await asyncio.gather(*(one(a if i % 2 else b) for i in range(100))))
+        await a.close()
+        await b.close()
+        return admitted
+
+    assert asyncio.run(run()) == 14  # (1.00 - 0.30) / 0.05
+    assert 1 <= len(seeded) <= 100 and set(seeded) == {subject}
+
+
+def test_redis_charges_key_and_team_together_or_not_at_all() -> None:
+    subject = uuid.uuid4().hex
+    key, team = (
+        Budget("key", subject, Decimal("10"), "monthly"),
+        Budget("team", subject, Decimal("1"), "monthly"),
+    )
+    now = datetime.now(UTC)
+
+    async def run() -> None:
+        store = RedisBudgetStore(REDIS)
+        await store.reserve([_charge(key, now, "0.5"), _charge(team, now, "0.5")], _nothing_spent)
+        with pytest.raises(BudgetExceededError) as info:
+            await store.reserve([_charge(key, now, "0.6"), _charge(team, now, "0.6")], _nothing_spent)
+        assert info.value.budget is team
+        await store.reserve([_charge(key, now, "9.5")], _nothing_spent)  # the refusal spent nothing of key's
+        with pytest.raises(BudgetExceededError):
+            await store.reserve([_charge(key, now, "0.000001")], _nothing_spent)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_unreachable_redis_fails_budgets_closed_by_default_or_open_when_asked() -> None:
+    budget = Budget("key", "k", Decimal("1"), "daily")
+    now = datetime.now(UTC)
+
+    async def run() -> None:
+        closed = RedisBudgetStore("redis://127.0.0.1:1/0")
+        with pytest.raises(BudgetUnavailableError, match="Redis is unreachable"):
+            await closed.reserve([_charge(budget, now, "0.1")], _nothing_spent)
+        opened = RedisBudgetStore("redis://127.0.0.1:1/0", fail_open=True)
+        await opened.reserve([_charge(budget, now, "0.1")], _nothing_spent)
+        await closed.close()
+        await opened.close()
+
+    asyncio.run(run())
+
+
+def test_one_redis_script_admits_limits_and_budgets_all_or_nothing() -> None:
+    from gateway.governance.ratelimit import Limit, RateLimitedError
+
+    subject = uuid.uuid4().hex
+    budget = Budget("key", subject, Decimal("1"), "daily")
+    rpm = Limit(f"key:{subject}:rpm", 2, 1, "requests per minute for this key")
+    now = datetime.now(UTC)
+
+    async def run() -> None:
+        store = RedisBudgetStore(REDIS)
+        prefix = "switchboard:rl:"
+        await store.admit([rpm], prefix, [_charge(budget, now, "0.9")], _nothing_spent)
+        with pytest.raises(BudgetExceededError):  # refused by the budget: the limit is not spent
+            await store.admit([rpm], prefix, [_charge(budget, now, "0.2")], _nothing_spent)
+        await store.admit([rpm], prefix, [_charge(budget, now, "0.1")], _nothing_spent)  # rpm unit 2 of 2
+        with pytest.raises(RateLimitedError):  # refused by the limit: the budget is not spent
+            await store.admit([rpm], prefix, [], _nothing_spent)
+        await store.settle(_charge(budget, now, "0.9"), 0)  # the first request cost nothing after all
+        await store.admit([], prefix, [_charge(budget, now, "0.9")], _nothing_spent)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_spend_seed_reports_an_unreachable_database_as_the_database() -> None:
+    async def run() -> None:
+        engine = create_engine("postgresql+asyncpg://postgres@127.0.0.1:1/test")  # refuses connections
+        with pytest.raises(SpendUnavailableError, match="ConnectionRefusedError"):
+            await spend_seed(engine)(Budget("key", "k", Decimal(1), "daily"), datetime.now(UTC))
+        await engine.dispose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("redis_url", [None, REDIS])
+def test_a_database_gone_while_seeding_answers_503_naming_the_database(
+    postgres_url: str, tmp_path: Path, redis_url: str | None
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from gateway.config.settings import GatewaySettings
+    from gateway.main import create_app
+
+    async def drop_database() -> None:
+        import asyncpg
+
+        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+        await conn.execute(f'DROP DATABASE "{postgres_url.rsplit("/", 1)[1]}" WITH (FORCE)')
+        await conn.close()
+
+    upgrade(postgres_url)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        'backends:\n  gone: {type: engine, urls: ["http://127.0.0.1:9"], price: {input_per_mtok: 1, '
+        "output_per_mtok: 2}}\nmodels:\n  fast: {backend: gone}\n"
+    )
+    settings = GatewaySettings(master_key="m", key_secret="s", database_url=postgres_url, redis_url=redis_url,
+                               policy_path=policy, key_cache_ttl=60)  # fmt: skip
+    with TestClient(create_app(settings)) as client:
+        created = client.post("/admin/keys", json={"name": "b", "budget_usd": "5"},
+                              headers={"Authorization": "Bearer m"}).json()  # fmt: skip
+        # the key stays cached, but its budget counter has never been seeded: the database must answer
+        asyncio.run(drop_database())
+        body = {"model": "fast", "messages": [{"role": "user", "content": "x"}]}
+        r = client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {created['key']}"}
+        )
+    error = r.json()["error"]
+    assert (r.status_code, error["code"]) == (503, "budget_unavailable")
+    assert "database" in error["message"] and "Redis" not in error["message"], error["message"]
+
+
+def test_budget_errors_name_redis_or_the_database_but_never_their_error_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1"), "daily")
+    now = datetime.now(UTC)
+
+    async def run() -> list[str]:
+        messages = []
+        redis_down = RedisBudgetStore("redis://127.0.0.1:1/0")
+        with pytest.raises(BudgetUnavailableError) as info:
+            await redis_down.reserve([_charge(budget, now, "0.1")], _nothing_spent)
+        messages.append(str(info.value))
+        await redis_down.close()
+        engine = create_engine("postgresql+asyncpg://postgres@127.0.0.1:1/test")
+        for store in (LocalBudgetStore(), RedisBudgetStore(REDIS)):
+            with pytest.raises(BudgetUnavailableError) as info:
+                await store.reserve([_charge(budget, now, "0.1")], spend_seed(engine))
+            messages.append(str(info.value))
+            await store.close()
+        await engine.dispose()
+        return messages
+
+    messages = asyncio.run(run())
+    assert "Redis is unreachable" in messages[0]
+    assert all("database" in m for m in messages[1:])
+    for message in messages:
+        assert "127.0.0.1" not in message and "Connect call failed" not in message and "111" not in message
+    assert "127.0.0.1" in caplog.text  # the details are in the gateway's log

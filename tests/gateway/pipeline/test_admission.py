@@ -1,0 +1,183 @@
+"""Admission: a key's rate limits and budget spent together, and which store an outage is blamed on.
+
+The database and Redis that refuse connections are real addresses nothing listens on; the working
+Redis is the one on 127.0.0.1:6379.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+
+from gateway.config.policy import parse_policy
+from gateway.governance.budgets import (
+    Budget,
+    BudgetExceededError,
+    BudgetStore,
+    BudgetUnavailableError,
+    LocalBudgetStore,
+    RedisBudgetStore,
+    Seed,
+    SpendUnavailableError,
+    spend_seed,
+)
+from gateway.governance.costs import PriceBook
+from gateway.governance.keys import KeyInfo
+from gateway.governance.ratelimit import LocalRateLimiter, RateLimitedError, RateLimiter, RedisRateLimiter
+from gateway.pipeline.admission import Admission
+from gateway.pipeline.failover import Failover
+from gateway.pipeline.runtime import Runtime
+from gateway.routing.router import RouteDecision, Router
+from gateway.store.db import create_engine
+from gateway.store.models import to_picousd
+
+REDIS = "redis://127.0.0.1:6379/0"
+NO_REDIS = "redis://127.0.0.1:1/0"
+NO_DATABASE = "postgresql+asyncpg://postgres@127.0.0.1:1/test"
+POLICY = """
+backends:
+  local: {type: engine, urls: ["http://127.0.0.1:9"], price: {input_per_mtok: 1, output_per_mtok: 2}}
+models:
+  fast: {backend: local}
+"""
+BODY = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+DECISION = RouteDecision("fast", ("fast",), "test")
+
+# (limiter, budgets) for each way admission may spend: all in-process, budgets alone in Redis,
+# and limits and budgets in one Redis script
+Stores = Callable[[bool], tuple[RateLimiter, BudgetStore]]
+STORES: dict[str, Stores] = {
+    "local": lambda fail_open: (LocalRateLimiter(), LocalBudgetStore(fail_open)),
+    "redis-budgets": lambda fail_open: (LocalRateLimiter(), RedisBudgetStore(REDIS, fail_open)),
+    "redis-together": lambda fail_open: (RedisRateLimiter(REDIS), RedisBudgetStore(REDIS, fail_open)),
+}
+
+
+def _runtime() -> Runtime:
+    policy = parse_policy(POLICY)
+    return Runtime(
+        policy, Router(policy), Failover(policy, {}), {}, "test", datetime.now(UTC), PriceBook(policy)
+    )
+
+
+def _key(rpm_limit: int | None = None) -> KeyInfo:
+    now = datetime.now(UTC)
+    return KeyInfo(uuid.uuid4().hex, "k", "sk-test", None, None, {}, now, None, None, None,
+                   rpm_limit=rpm_limit, budget_usd=Decimal(1), budget_period="daily")  # fmt: skip
+
+
+async def _counter_exists(key: KeyInfo) -> bool:
+    import redis.asyncio as aioredis
+
+    counter, _, _ = Budget("key", key.id, Decimal(1), "daily").counter(datetime.now(UTC))
+    client = aioredis.from_url(REDIS)
+    try:
+        return bool(await client.exists("switchboard:" + counter))
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("stores", STORES)
+def test_a_database_down_while_seeding_a_budget_is_blamed_on_the_database_not_redis(stores: str) -> None:
+    async def run() -> str:
+        engine = create_engine(NO_DATABASE)
+        admission = Admission(*STORES[stores](False), spend_seed(engine))
+        try:
+            with pytest.raises(BudgetUnavailableError) as info:
+                await admission.admit(_runtime(), _key(rpm_limit=5), DECISION, BODY, 100)
+            return str(info.value)
+        finally:
+            await admission.close()
+            await engine.dispose()
+
+    message = asyncio.run(run())
+    assert "database" in message and "ConnectionRefusedError" in message
+    assert "Redis" not in message
+
+
+@pytest.mark.parametrize("stores", STORES)
+def test_budgets_failing_open_admit_without_a_budget_while_the_database_is_down_and_keep_rate_limits(
+    stores: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = _key(rpm_limit=1)
+
+    async def run() -> None:
+        engine = create_engine(NO_DATABASE)
+        admission = Admission(*STORES[stores](True), spend_seed(engine))
+        try:
+            ticket = await admission.admit(_runtime(), key, DECISION, BODY, 100)
+            assert ticket is not None and ticket.charges == []  # nothing reserved, nothing to settle
+            admission.release(ticket, {"prompt_tokens": 1, "completion_tokens": 1}, Decimal("0.5"))
+            with pytest.raises(RateLimitedError):  # Redis works: the key's rpm_limit of 1 still holds
+                await admission.admit(_runtime(), key, DECISION, BODY, 100)
+        finally:
+            await admission.close()
+            await engine.dispose()
+        if stores != "local":
+            assert not await _counter_exists(key)  # to be seeded once the database is back
+
+    with caplog.at_level(logging.WARNING, logger="gateway.governance.budgets"):
+        asyncio.run(run())
+    assert "budgets not enforced: the spend so far cannot be read from the database" in caplog.text
+
+
+class FlakyDatabase:
+    """A seed whose database is down until `up` is set; then all but a thousandth of a cent is spent."""
+
+    def __init__(self) -> None:
+        self.up = False
+
+    async def __call__(self, budget: Budget, start: datetime) -> int:
+        if not self.up:
+            raise SpendUnavailableError("ConnectionRefusedError: the test's database is down")
+        return to_picousd(Decimal("0.99999"))  # the next request (~$0.00005) does not fit
+
+
+@pytest.mark.parametrize("stores", STORES)
+def test_an_unbudgeted_admission_leaves_no_counter_behind_so_the_next_request_is_seeded(stores: str) -> None:
+    key = _key()
+
+    async def run() -> None:
+        database = FlakyDatabase()
+        seed: Seed = database
+        admission = Admission(*STORES[stores](True), seed)
+        try:
+            ticket = await admission.admit(_runtime(), key, DECISION, BODY, 100)
+            assert ticket is not None
+            admission.release(ticket, {"prompt_tokens": 1, "completion_tokens": 1}, Decimal("0.5"))
+            await asyncio.sleep(0.05)  # the settlement, if any, runs in the background
+            database.up = True
+            with pytest.raises(BudgetExceededError):  # seeded with what was spent, not a stray settlement
+                await admission.admit(_runtime(), key, DECISION, BODY, 100)
+        finally:
+            await admission.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("budget_fail_open", [False, True])
+def test_redis_down_is_still_blamed_on_redis(budget_fail_open: bool) -> None:
+    async def run() -> str:
+        engine = create_engine(NO_DATABASE)  # down too: Redis is asked first
+        limiter, budgets = RedisRateLimiter(NO_REDIS), RedisBudgetStore(NO_REDIS, budget_fail_open)
+        admission = Admission(limiter, budgets, spend_seed(engine))
+        try:
+            if budget_fail_open:  # and rate limits fail open by default: admitted, nothing reserved
+                ticket = await admission.admit(_runtime(), _key(rpm_limit=5), DECISION, BODY, 100)
+                assert ticket is not None and ticket.charges == []
+                return ""
+            with pytest.raises(BudgetUnavailableError) as info:
+                await admission.admit(_runtime(), _key(rpm_limit=5), DECISION, BODY, 100)
+            return str(info.value)
+        finally:
+            await admission.close()
+            await engine.dispose()
+
+    message = asyncio.run(run())
+    assert budget_fail_open or ("Redis is unreachable" in message and "database" not in message)

@@ -1,0 +1,166 @@
+"""Failover along a chain, in-process with scripted pools: what is retried, in which order, and what the
+client gets when everything fails."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from gateway.backends.base import UpstreamReply, UpstreamStream, UpstreamUnavailableError
+from gateway.config.policy import Policy, Retries, Timeouts, parse_policy
+from gateway.pipeline.failover import ChainExhaustedError, Failover, backoff
+from gateway.routing.router import RouteDecision
+
+POLICY = """
+backends:
+  pool: {type: engine, urls: ["http://r1", "http://r2"]}
+  hosted: {type: hosted, model: openai/x}
+models:
+  local: {backend: pool}
+  frontier: {backend: hosted}
+"""
+
+
+class ScriptedPool:
+    """Each call takes the next scripted outcome for the replica it lands on."""
+
+    def __init__(self, name: str, replicas: list[str], script: dict[str, list[Any]]) -> None:
+        self.name, self.replicas, self.script = name, replicas, script
+        self.calls: list[str] = []
+        self.reason: str | None = None
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return Timeouts(first_token=0.2)
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        return self.reason
+
+    def _next(self, avoid: frozenset[str]) -> tuple[str, Any]:
+        free = [r for r in self.replicas if r not in avoid]
+        if not free:
+            raise UpstreamUnavailableError(f"{self.name}: no replica left", timeout=False)  # as EnginePool
+        replica = free[0]
+        self.calls.append(replica)
+        outcomes = self.script[replica]
+        return replica, outcomes.pop(0) if len(outcomes) > 1 else outcomes[0]
+
+    async def send(self, path: str, body: bytes, timeouts: Timeouts | None = None,
+                   avoid: frozenset[str] = frozenset(), headers: Any = None) -> UpstreamReply:  # fmt: skip
+        replica, outcome = self._next(avoid)
+        if outcome in ("refused", "timeout"):
+            raise UpstreamUnavailableError(
+                f"{replica} {outcome}", timeout=outcome == "timeout", deployment=replica
+            )
+        return UpstreamReply(int(outcome), b'{"status": %d}' % int(outcome), replica)
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: bytes, timeouts: Timeouts | None = None,
+                     avoid: frozenset[str] = frozenset(),
+                     headers: Any = None) -> AsyncIterator[UpstreamStream]:  # fmt: skip
+        replica, outcome = self._next(avoid)
+        if outcome == "refused":
+            raise UpstreamUnavailableError(f"{replica} refused", timeout=False, deployment=replica)
+
+        async def lines() -> AsyncIterator[str]:
+            yield 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+            if outcome == "stall":
+                await asyncio.sleep(10)
+            yield 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
+            yield "data: [DONE]"
+
+        yield UpstreamStream(200, lines(), b"", replica)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def _setup(
+    script: dict[str, list[Any]], hosted: list[Any] | None = None
+) -> tuple[Failover, ScriptedPool, ScriptedPool]:
+    policy: Policy = parse_policy(POLICY)
+    pool = ScriptedPool("pool", ["http://r1", "http://r2"], script)
+    frontier = ScriptedPool("hosted", ["openai/x"], {"openai/x": hosted or [200]})
+    return Failover(policy, {"pool": pool, "hosted": frontier}, random.Random(0)), pool, frontier
+
+
+def _decision(chain: tuple[str, ...] = ("local", "frontier"), count: int = 0) -> RouteDecision:
+    return RouteDecision("auto", chain, "test", retries=Retries(count=count, backoff=0.001))
+
+
+def test_a_failed_replica_moves_to_the_other_replica_before_the_next_model() -> None:
+    failover, _, frontier = _setup({"http://r1": ["refused"], "http://r2": [200]})
+    served = asyncio.run(failover.send(_decision(), "/v1/chat/completions", {"messages": []}))
+    assert (served.backend, served.deployment) == ("pool", "http://r2")
+    assert [a.describe() for a in served.attempts] == ["local@http://r1=unreachable"]
+    assert frontier.calls == []
+
+
+def test_every_replica_failing_moves_to_the_next_model_after_retries() -> None:
+    failover, pool, _ = _setup({"http://r1": [503], "http://r2": ["timeout"]})
+    served = asyncio.run(failover.send(_decision(count=1), "/v1/chat/completions", {"messages": []}))
+    assert served.backend == "hosted"
+    assert pool.calls == ["http://r1", "http://r2", "http://r1", "http://r2"]  # one retry round
+
+
+def test_429_moves_on_at_once_and_4xx_is_returned_as_is() -> None:
+    failover, pool, _ = _setup({"http://r1": [429], "http://r2": [200]})
+    served = asyncio.run(failover.send(_decision(count=3), "/v1/chat/completions", {}))
+    assert served.backend == "hosted" and pool.calls == ["http://r1"]
+    failover, pool, _ = _setup({"http://r1": [400], "http://r2": [200]})
+    served = asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert served.reply is not None and served.reply.status == 400 and served.backend == "pool"
+
+
+def test_when_everything_fails_the_last_answer_or_the_kind_of_failure_is_reported() -> None:
+    failover, _, _ = _setup({"http://r1": ["refused"], "http://r2": ["refused"]}, hosted=[503])
+    with pytest.raises(ChainExhaustedError) as info:
+        asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert info.value.last is not None and info.value.last.status == 503
+    failover, _, _ = _setup({"http://r1": ["timeout"], "http://r2": ["timeout"]})
+    with pytest.raises(ChainExhaustedError) as info:
+        asyncio.run(failover.send(_decision(("local",)), "/v1/chat/completions", {}))
+    assert info.value.last is None and info.value.timeout and not info.value.unavailable
+
+
+def test_unavailable_models_are_skipped_without_a_call() -> None:
+    failover, pool, frontier = _setup({"http://r1": [200], "http://r2": [200]})
+    pool.reason = "no healthy replica"
+    served = asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert served.backend == "hosted" and pool.calls == []
+    assert served.attempts[0].outcome.startswith("unavailable")
+    frontier.reason = "set OPENAI_API_KEY"
+    with pytest.raises(ChainExhaustedError) as info:
+        asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert info.value.unavailable and "OPENAI_API_KEY" in info.value.detail()
+    assert "OPENAI_API_KEY" not in str(info.value) and "http://" not in str(info.value)  # the client's text
+
+
+def test_each_candidate_gets_its_own_upstream_model_name() -> None:
+    failover, _, _ = _setup({"http://r1": [200], "http://r2": [200]})
+    assert failover._payload({"model": "auto", "x": 1}, "frontier") == b'{"model":"openai/x","x":1}'
+
+
+def test_a_stream_stalled_after_its_role_chunk_fails_over_before_anything_is_sent() -> None:
+    failover, _, _ = _setup({"http://r1": ["stall"], "http://r2": ["ok"]})
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}))
+    assert served.deployment == "http://r2"
+    assert served.attempts[0].outcome == "first token timeout"
+    assert served.head[-1].endswith('"content":"hi"}}]}') and len(served.head) == 2
+
+
+def test_backoff_doubles_caps_and_jitters_within_bounds() -> None:
+    retries = Retries(count=5, backoff=0.1, max_backoff=0.3, jitter=0.5)
+    rng = random.Random(1)
+    for round_, base in ((1, 0.1), (2, 0.2), (3, 0.3), (4, 0.3)):
+        value = backoff(retries, round_, rng)
+        assert base * 0.5 <= value <= base * 1.5

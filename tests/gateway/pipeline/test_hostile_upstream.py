@@ -1,0 +1,301 @@
+"""The gateway in front of an upstream that misbehaves on purpose (tests/fakes/hostile_upstream.py).
+
+Every misbehaviour, for an engine backend and a hosted one (litellm), whole and streamed: the
+client gets a 2xx/4xx or a documented 502/503/504 in OpenAI's format, a stream that started ends
+with [DONE] or an error event, each request leaves exactly one log row with believable usage
+(bad usage: counted by the gateway, `cost_estimated`), and nothing stays reserved. Then the
+exfiltration test: a client's litellm parameters never send the provider key anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from gateway.governance.usage import checked_usage
+from tests.fuzz.answers import Answer, problems, row_problems, stream_error
+from tests.fuzz.client import chat, post
+from tests.fuzz.stack import PROVIDER_KEY, HostileStack
+
+BAD_USAGE = ["negative", "huge", "int32", "string", "lots", "float", "null", "mismatch", "cached", "bool",
+             "list"]  # fmt: skip
+MODES = [
+    "ok", "bad_utf8", "long_line:2", "truncate", "cut", "reset", "not_json", "json_list", "slow:2",
+    "slow:100", "stall", "stall_first", "content_type", "status:500", "status:400", "status:418",
+    "status:503", "error_event", "odd_chunk", *(f"usage:{kind}" for kind in BAD_USAGE),
+]  # fmt: skip
+ENGINE_ONLY = ["long_line:16", "huge:70"]  # past the engine pool's 8 MiB line and 64 MiB reply bounds
+CASES = [(model, mode, stream) for model in ("eng", "host") for mode in MODES for stream in (False, True)]
+CASES += [("eng", mode, stream) for mode in ENGINE_ONLY for stream in (False, True)]
+
+
+def _id(case: tuple[str, str, bool]) -> str:
+    model, mode, stream = case
+    return f"{model}-{mode}-{'stream' if stream else 'whole'}"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
+    s = HostileStack(tmp_path_factory.mktemp("hostile"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def answers(stack: HostileStack) -> dict[tuple[str, str, bool], Answer]:
+    """Every case, sent concurrently once (the slow and stalled ones take the timeouts' seconds)."""
+
+    async def run() -> list[Answer]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            return await asyncio.gather(*(
+                post(client, "/v1/chat/completions", stack.key, chat(m, f"say mode={mode}", s, max_tokens=50))
+                for m, mode, s in CASES
+            ))  # fmt: skip
+
+    return dict(zip(CASES, asyncio.run(run()), strict=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_a_misbehaving_upstream_gets_the_client_a_well_formed_answer(
+    answers: dict[tuple[str, str, bool], Answer], case: tuple[str, str, bool]
+) -> None:
+    answer = answers[case]
+    assert problems(answer) == []
+    assert answer.request_id is not None
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_a_misbehaving_upstream_leaves_one_row_with_believable_usage(
+    stack: HostileStack, answers: dict[tuple[str, str, bool], Answer], case: tuple[str, str, bool]
+) -> None:
+    answer = answers[case]
+    assert answer.request_id is not None
+    rows = stack.rows_for({answer.request_id})
+    assert list(rows) == [answer.request_id], "the request has no log row"
+    row = rows[answer.request_id]
+    assert row_problems(row) == []
+    assert row["status"] == (
+        answer.status if not answer.is_stream or stream_error(answer.body) is None else 502
+    )
+    model, mode, _stream = case
+    if mode.startswith("usage:") and row["status"] == 200:
+        # The gateway sees an engine's usage as sent: bad usage is counted again and marked. litellm
+        # replaces a provider's bad stream usage (and a numeric string) with its own count before we
+        # see it: believable numbers, but not marked (docs: security.md, limits of the usage check).
+        if model == "eng":
+            assert row["cost_estimated"] in (True, 1), "bad upstream usage was billed as reported"
+        assert row["prompt_tokens"] is not None and 0 < row["prompt_tokens"] < 1000
+        assert row["completion_tokens"] is not None and 0 < row["completion_tokens"] < 1000
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1].startswith("usage:") and not c[2]], ids=_id)
+def test_a_whole_answer_never_relays_usage_the_gateway_did_not_believe(
+    answers: dict[tuple[str, str, bool], Answer], case: tuple[str, str, bool]
+) -> None:
+    answer = answers[case]
+    if answer.status != 200:
+        return  # refused as a whole (e.g. litellm could not parse it): nothing relayed
+    usage = orjson.loads(answer.body).get("usage")
+    if usage is not None:  # relayed only when believable: non-negative, bounded, adding up
+        assert checked_usage(usage) is not None, usage
+
+
+def test_every_request_has_exactly_one_row(
+    stack: HostileStack, answers: dict[tuple[str, str, bool], Answer]
+) -> None:
+    ids = [a.request_id for a in answers.values()]
+    assert None not in ids and len(set(ids)) == len(ids)
+    rows = stack.rows_for({i for i in ids if i is not None})
+    assert len(rows) == len(ids)
+    all_ids = [r["id"] for r in stack.log_rows()]
+    assert len(all_ids) == len(set(all_ids)), "a request was logged twice"
+
+
+def test_stream_errors_name_no_replica_and_no_provider_text(answers: dict[tuple[str, str, bool], Answer],
+                                                            stack: HostileStack) -> None:  # fmt: skip
+    for answer in answers.values():
+        text = answer.body.decode("utf-8", "replace")
+        assert stack.upstream.base_url not in text and "127.0.0.1" not in text
+        assert PROVIDER_KEY not in text
+        assert "127.0.0.1" not in answer.headers.get("x-gateway-failover", "")
+
+
+FAILING = ["truncate", "cut", "reset", "not_json", "json_list", "status:500", "status:503", "bad_utf8",
+           "content_type", "error_event", "usage:negative", "usage:huge", "usage:lots"]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["eng", "host"])
+def test_failed_requests_release_their_budget_and_token_reservations(stack: HostileStack, model: str) -> None:
+    # Each request reserves $0.008 (4000 tokens at $2/M) and 4000+ tokens: three leaked
+    # reservations would exhaust the $0.02 budget, five the 20k tokens per minute.
+    key = stack.create_key(name=f"small-{model}", budget_usd=0.02, tpm_limit=20_000)
+
+    async def run() -> list[Answer]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            out = []
+            for mode in FAILING:
+                for stream in (False, True):
+                    body = chat(model, f"mode={mode}", stream, max_tokens=4000)
+                    out.append(await post(client, "/v1/chat/completions", key, body))
+            return out
+
+    answers = asyncio.run(run())
+    assert [problems(a) for a in answers] == [[] for _ in answers]
+    assert all(a.status != 429 for a in answers), [a.body for a in answers if a.status == 429]
+    stack.rows_for({a.request_id for a in answers if a.request_id})  # every row finished: all released
+    last = asyncio.run(_one(stack, key, chat(model, "mode=ok", False, max_tokens=4000)))
+    assert last.status == 200, last.body
+
+
+async def _one(stack: HostileStack, key: str, body: dict[str, object]) -> Answer:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        return await post(client, "/v1/chat/completions", key, body)
+
+
+LITELLM_PARAMS = ["api_base", "base_url", "extra_headers", "mock_response", "fallbacks", "model_list",
+                  "custom_llm_provider", "num_retries", "api_key", "metadata", "extra_body", "headers",
+                  "api_version", "organization", "azure_ad_token", "aws_secret_access_key"]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_client_litellm_parameters_never_send_the_provider_key_elsewhere(
+    stack: HostileStack, stream: bool
+) -> None:
+    evil = f"{stack.attacker.base_url}/v1"
+    body = chat(
+        "host", f"exfiltrate {stream}", stream,
+        api_base=evil, base_url=evil, extra_headers={"x-evil": "1", "authorization": "Bearer sk-client"},
+        mock_response="pwned", fallbacks=[{"model": "openai/x", "api_base": evil}],
+        model_list=[{"model_name": "host", "litellm_params": {"model": "openai/x", "api_base": evil}}],
+        custom_llm_provider="openai", num_retries=3, api_key="sk-client-chosen",
+        metadata={"api_base": evil}, extra_body={"api_base": evil}, headers={"x-evil": "1"},
+        api_version="evil", organization="evil-org", azure_ad_token="t", aws_secret_access_key="k",
+    )  # fmt: skip
+    before = len(stack.received())
+    answer = asyncio.run(_one(stack, stack.key, body))
+    assert problems(answer) == [] and answer.status == 200
+    assert b"pwned" not in answer.body
+    assert stack.received(stack.attacker) == [], "the attacker's server was called"
+    received = stack.received()[before:]
+    assert len(received) == 1, received
+    (request,) = received
+    assert request["headers"]["authorization"] == f"Bearer {PROVIDER_KEY}"
+    assert "x-evil" not in request["headers"] and "sk-client" not in str(request["headers"])
+    assert "openai-organization" not in request["headers"]
+    forwarded = request["body"]
+    for name in LITELLM_PARAMS:
+        assert f'"{name}"' not in forwarded, f"{name} reached the provider"
+    assert evil not in forwarded and "sk-client" not in forwarded
+
+
+def test_engine_backend_never_calls_a_client_chosen_url(stack: HostileStack) -> None:
+    evil = f"{stack.attacker.base_url}/v1"
+    body = chat("eng", "route me", False, api_base=evil, base_url=evil, extra_headers={"x-evil": "1"})
+    answer = asyncio.run(_one(stack, stack.key, body))
+    assert answer.status == 200 and stack.received(stack.attacker) == []
+
+
+def test_the_gateway_still_answers_and_exits_cleanly_after_the_hostile_cases(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """The same misbehaviours on PostgreSQL (one row each, believable usage), then a clean exit."""
+    stack = HostileStack(tmp_path, postgres_url, total_timeout=3.0)
+    try:
+        cases = [(m, mode, s) for m in ("eng", "host") for mode in FAILING for s in (False, True)]
+
+        async def run() -> list[Answer]:
+            async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+                return await asyncio.gather(*(
+                    post(client, "/v1/chat/completions", stack.key, chat(m, f"mode={mode}", s))
+                    for m, mode, s in cases
+                ))  # fmt: skip
+
+        answers = asyncio.run(run())
+        assert [problems(a) for a in answers] == [[] for _ in answers]
+        ids = {a.request_id for a in answers if a.request_id}
+        assert len(ids) == len(cases)
+        rows = stack.rows_for(ids)
+        assert len(rows) == len(cases)
+        assert [row_problems(r) for r in rows.values()] == [[] for _ in rows]
+        assert asyncio.run(_one(stack, stack.key, chat("eng", "mode=ok"))).status == 200
+    finally:
+        assert stack.close() == 0
+
+
+def test_a_stream_opening_with_oddly_shaped_chunks_is_relayed_not_failed(
+    answers: dict[tuple[str, str, bool], Answer],
+) -> None:
+    # The first-token check used to raise on `"choices": 7` or a string delta: a 502 for a stream
+    # that was fine to relay (gateway/pipeline/failover.py `_has_token`).
+    answer = answers[("eng", "odd_chunk", True)]
+    assert answer.status == 200 and answer.body.endswith(b"data: [DONE]\n\n")
+
+
+def test_an_upstream_500_or_a_non_json_error_reaches_the_client_as_an_openai_error(
+    answers: dict[tuple[str, str, bool], Answer],
+) -> None:
+    for stream in (False, True):
+        for model in ("eng", "host"):
+            assert answers[(model, "status:500", stream)].status == 502  # a bad gateway, never a 500
+        assert answers[("eng", "status:503", stream)].status == 503
+        teapot = answers[("eng", "status:418", stream)]
+        assert teapot.status == 418 and teapot.headers["content-type"] == "application/json"
+        assert teapot.body.startswith(b'{"error":{"message":"the upstream for \'eng\' answered HTTP 418"')
+
+
+def test_a_stream_event_that_is_not_a_json_object_ends_the_stream_with_an_error_event(
+    answers: dict[tuple[str, str, bool], Answer],
+) -> None:
+    for mode in ("not_json", "json_list"):
+        error = stream_error(answers[("eng", mode, True)].body)
+        assert error is not None and error["code"] == "upstream_stream_error"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_stalled_hosted_provider_is_called_once_and_answered_504_within_its_timeout(
+    stack: HostileStack, stream: bool
+) -> None:
+    # The provider's SDK retried a timeout twice by itself: 3 calls and 3x the policy's 6 s.
+    token = f"stalled-{stream}"
+    started = time.monotonic()
+    answer = asyncio.run(_one(stack, stack.key, chat("host", f"{token} mode=stall_first", stream)))
+    elapsed = time.monotonic() - started
+    assert answer.status == 504 and problems(answer) == []
+    assert sum(token in r["body"] for r in stack.received()) == 1
+    assert elapsed < 12
+
+
+def test_a_hosted_request_with_many_messages_does_not_stall_other_requests(stack: HostileStack) -> None:
+    async def run() -> float:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+            many = chat("host", "x", False)
+            many["messages"] = [{"role": "user", "content": "x"}] * 10_000  # a 300 KB body
+            task = asyncio.create_task(post(client, "/v1/chat/completions", stack.key, many))
+            worst = 0.0
+            await asyncio.sleep(0.2)
+            while not task.done():
+                started = time.monotonic()
+                await client.get("/health")
+                worst = max(worst, time.monotonic() - started)
+                await asyncio.sleep(0.02)
+            assert (await task).status == 200
+            return worst
+
+    assert asyncio.run(run()) < 0.25
+
+
+def test_a_stream_that_ends_right_after_its_role_chunk_ends_cleanly(stack: HostileStack) -> None:
+    # [DONE] arrives while the failover still reads the head: a complete (empty) answer, not a cut
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "empty-stream mode=empty", True)))
+    assert answer.status == 200 and problems(answer) == []
+    assert stream_error(answer.body) is None and answer.body.rstrip().endswith(b"data: [DONE]")
+    assert answer.request_id is not None
+    assert stack.rows_for({answer.request_id})[answer.request_id]["status"] == 200

@@ -1,0 +1,401 @@
+"""The gateway in a subprocess, in front of a fake OpenAI upstream, through the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.governance import tokens
+from gateway.governance.costs import map_price
+from gateway.store.models import PICO
+from tests.engine.server_proc import ManagedServer
+from tests.gateway.processes import read_log_rows, start_gateway
+
+MASTER = "sk-master-proxy"
+
+
+class Stack:
+    """A fake upstream, a gateway in front of it, and keys."""
+
+    def __init__(self, root: Path, database_url: str | None = None) -> None:
+        self.upstream = ManagedServer(
+            lambda port: [sys.executable, "tests/fakes/openai_upstream.py", "--port", str(port)], 60
+        )
+        policy = root / "policy.yaml"
+        policy.write_text(
+            f"""
+backends:
+  fake: {{type: engine, urls: ["{self.upstream.base_url}"], timeouts: {{connect: 1, total: 10}},
+         price: {{input_per_mtok: 0.3, output_per_mtok: 1.7}}}}
+  down: {{type: engine, urls: ["http://127.0.0.1:9"], timeouts: {{connect: 1, total: 2}}}}
+  frontier: {{type: hosted, model: openai/fake-model, api_key_env: FAKE_PROVIDER_KEY,
+             base_url: "{self.upstream.base_url}/v1"}}
+  nokey: {{type: hosted, model: openai/gpt-4o-mini, api_key_env: SWITCHBOARD_TEST_UNSET_KEY}}
+models:
+  hosted: {{backend: frontier}}
+  hosted-nokey: {{backend: nokey}}
+  fast: {{backend: fake, model: fake-model}}
+  smart: {{backend: fake}}
+  broken: {{backend: down}}
+costs: {{reference_model: gpt-4o-mini}}
+"""
+        )
+        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.store.db'}"
+        self.env = {
+            "GATEWAY_MASTER_KEY": MASTER,
+            "GATEWAY_KEY_SECRET": "proxy-secret",
+            "GATEWAY_DATABASE_URL": self.database_url,
+            "GATEWAY_KEY_CACHE_TTL": "0.2",
+            "FAKE_PROVIDER_KEY": "sk-fake-provider",
+        }
+        self.gateway = start_gateway(policy, self.env)
+        self.key = self.create_key(name="all")
+
+    def create_key(self, **body: Any) -> str:
+        r = httpx.post(
+            f"{self.gateway.base_url}/admin/keys", json=body, headers={"Authorization": f"Bearer {MASTER}"}
+        )
+        r.raise_for_status()
+        return str(r.json()["key"])
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.gateway.base_url}/v1", api_key=key or self.key, max_retries=0)
+
+    def log_rows(self) -> list[dict[str, Any]]:
+        return read_log_rows(self.database_url)
+
+    def close(self) -> int:
+        code = self.gateway.stop()
+        self.upstream.stop()
+        return code
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("gw"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_chat_goes_through_with_usage_and_gateway_headers(stack: Stack) -> None:
+    raw = stack.client().chat.completions.with_raw_response.create(
+        model="fast", messages=[{"role": "user", "content": "hello there"}]
+    )
+    resp = raw.parse()
+    assert resp.choices[0].message.content == "echo: hello there"
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+    assert raw.headers["x-request-id"].startswith("req-")
+    assert raw.headers["x-gateway-backend"] == "fake"
+    assert 0.0 <= float(raw.headers["x-gateway-overhead-ms"]) < 50.0
+
+
+def test_streams_pass_through_chunk_by_chunk(stack: Stack) -> None:
+    client = stack.client()
+    chunks = list(
+        client.chat.completions.create(
+            model="fast", messages=[{"role": "user", "content": "a b c"}], stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "echo: a b c"
+    assert all(c.usage is None for c in chunks)  # usage was not asked for: not shown
+    with_usage = list(
+        client.completions.create(
+            model="smart", prompt="x y", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 3
+
+
+def test_models_lists_only_what_the_key_may_use(stack: Stack) -> None:
+    limited = stack.create_key(name="limited", allowed_models=["fast"])
+    assert [m.id for m in stack.client(limited).models.list().data] == ["fast"]
+    assert {m.id for m in stack.client().models.list().data} == {
+        "fast",
+        "smart",
+        "broken",
+        "hosted",
+        "hosted-nokey",
+    }
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        stack.client(limited).chat.completions.create(
+            model="smart", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.code == "model_not_allowed"
+
+
+def test_auth_matrix(stack: Stack) -> None:
+    url = f"{stack.gateway.base_url}/v1/chat/completions"
+    body = {"model": "fast", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer sk-nope"}).status_code == 401
+    revoked = stack.create_key(name="revoked")
+    key_id = httpx.get(
+        f"{stack.gateway.base_url}/admin/keys", headers={"Authorization": f"Bearer {MASTER}"}
+    ).json()
+    target = next(k["id"] for k in key_id["data"] if k["name"] == "revoked")
+    httpx.post(
+        f"{stack.gateway.base_url}/admin/keys/{target}/revoke", headers={"Authorization": f"Bearer {MASTER}"}
+    )
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {revoked}"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"  # as an unknown key
+    expired = stack.create_key(name="old", expires_at="2020-01-01T00:00:00Z")
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {expired}"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert (
+        httpx.get(
+            f"{stack.gateway.base_url}/admin/keys", headers={"Authorization": f"Bearer {stack.key}"}
+        ).status_code
+        == 403
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1]", 400, "invalid_type"),
+        (b'{"messages": []}', 400, "missing_required_parameter"),
+        (b'{"model": "nope", "messages": []}', 404, "model_not_found"),
+        (b'{"model": "fast", "pad": "' + b"x" * (9 << 20) + b'"}', 413, "body_too_large"),
+    ],
+)
+def test_bad_requests_are_clear_4xx(stack: Stack, content: bytes, status: int, code: str) -> None:
+    r = httpx.post(
+        f"{stack.gateway.base_url}/v1/chat/completions",
+        content=content,
+        headers={"Authorization": f"Bearer {stack.key}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_a_pool_whose_only_replica_is_down_is_503_without_naming_the_replica(stack: Stack) -> None:
+    deadline = time.monotonic() + 5  # the first health check marks it down; until then calls fail (502)
+    while True:
+        with pytest.raises(openai.APIStatusError) as info:
+            stack.client().chat.completions.create(model="broken", messages=[{"role": "user", "content": ""}])
+        if info.value.status_code == 503 or time.monotonic() > deadline:
+            break
+        assert info.value.status_code == 502 and info.value.code == "upstream_unavailable"
+        time.sleep(0.1)
+    assert info.value.status_code == 503 and info.value.code == "model_unavailable"
+    assert "127.0.0.1" not in info.value.message and "broken" in info.value.message  # no internal URL
+
+
+def test_upstream_errors_pass_through_with_their_status(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": 429})
+    try:
+        with pytest.raises(openai.RateLimitError):
+            stack.client().chat.completions.create(model="fast", messages=[{"role": "user", "content": "x"}])
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
+
+
+def test_burst_of_500_requests_logs_500_rows_with_the_upstream_token_totals(
+    tmp_path: Path, database_url: str
+) -> None:
+    stack = Stack(tmp_path, database_url)
+    try:
+
+        async def burst() -> None:
+            client = openai.AsyncOpenAI(
+                base_url=f"{stack.gateway.base_url}/v1", api_key=stack.key, max_retries=0, timeout=120,
+                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=64)),
+            )  # fmt: skip
+
+            async def one(i: int) -> None:
+                words = " ".join(["w"] * (i % 7 + 1))
+                if i % 2:
+                    await client.chat.completions.create(
+                        model="fast", messages=[{"role": "user", "content": words}]
+                    )
+                else:
+                    stream = await client.completions.create(model="smart", prompt=words, stream=True)
+                    async for _ in stream:
+                        pass
+
+            await asyncio.gather(*(one(i) for i in range(500)))
+            await client.close()
+
+        asyncio.run(burst())
+        stats = httpx.get(f"{stack.upstream.base_url}/stats").json()
+    finally:
+        assert stack.close() == 0  # SIGTERM: the log writer flushes before exit
+    rows = stack.log_rows()
+    assert len(rows) == 500 == stats["requests"]
+    assert all(r["status"] == 200 for r in rows)
+    assert sum(r["prompt_tokens"] for r in rows) == stats["prompt_tokens"]
+    assert sum(r["completion_tokens"] for r in rows) == stats["completion_tokens"]
+    assert all(r["overhead_ms"] is not None and r["key_id"] for r in rows)
+    picousd = sum(int(r["cost_picousd"]) for r in rows)  # exact integers on both databases
+    want = stats["prompt_tokens"] * Decimal("0.3") + stats["completion_tokens"] * Decimal("1.7")
+    assert Decimal(picousd) / PICO == want / 1_000_000
+    reference = map_price("gpt-4o-mini")
+    assert reference is not None
+    reference_total = sum(int(r["reference_cost_picousd"]) for r in rows)
+    daily = read_log_rows(stack.database_url, "usage_daily")  # the aggregates agree with the raw rows
+    assert sum(d["requests"] for d in daily) == 500
+    assert sum(d["prompt_tokens"] for d in daily) == stats["prompt_tokens"]
+    assert sum(int(d["cost_picousd"]) for d in daily) == picousd
+    assert Decimal(reference_total) / PICO == reference.cost(
+        stats["prompt_tokens"], stats["completion_tokens"]
+    )
+    assert stack.key not in json.dumps([dict(r) for r in rows], default=str)
+
+
+def test_hosted_model_through_litellm_whole_and_streamed(stack: Stack) -> None:
+    client = stack.client()
+    raw = client.chat.completions.with_raw_response.create(
+        model="hosted", messages=[{"role": "user", "content": "over the wire"}]
+    )
+    resp = raw.parse()
+    assert resp.choices[0].message.content == "echo: over the wire"
+    assert resp.usage is not None and resp.usage.completion_tokens == 4
+    assert raw.headers["x-gateway-backend"] == "frontier"
+    chunks = list(
+        client.chat.completions.create(
+            model="hosted", messages=[{"role": "user", "content": "a b"}], stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "echo: a b"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+def test_hosted_model_without_its_key_is_listed_unavailable_and_refused(stack: Stack) -> None:
+    listed = httpx.get(
+        f"{stack.gateway.base_url}/v1/models", headers={"Authorization": f"Bearer {stack.key}"}
+    ).json()
+    entry = next(m for m in listed["data"] if m["id"] == "hosted-nokey")
+    assert entry["available"] is False and "SWITCHBOARD_TEST_UNSET_KEY" not in entry["unavailable_reason"]
+    with pytest.raises(openai.APIStatusError) as info:
+        stack.client().chat.completions.create(
+            model="hosted-nokey", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.status_code == 503 and info.value.code == "model_unavailable"
+    assert "SWITCHBOARD_TEST_UNSET_KEY" not in info.value.message  # the configuration stays private
+
+
+def test_hosted_provider_errors_keep_their_status(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": 400})
+    try:
+        with pytest.raises(openai.BadRequestError):
+            stack.client().chat.completions.create(
+                model="hosted", messages=[{"role": "user", "content": "x"}]
+            )
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
+
+
+def test_client_leaving_a_stream_closes_the_upstream_stream(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"chunk_delay_ms": 100})
+    try:
+        before = httpx.get(f"{stack.upstream.base_url}/stats").json()["streams_cut_off"]
+        body = {
+            "model": "fast",
+            "messages": [{"role": "user", "content": " ".join(["w"] * 50)}],
+            "stream": True,
+        }
+        headers = {"Authorization": f"Bearer {stack.key}"}
+        with httpx.stream(
+            "POST", f"{stack.gateway.base_url}/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += bool(line)
+                if seen == 3:
+                    break
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{stack.upstream.base_url}/stats").json()["streams_cut_off"] == before:
+            assert time.monotonic() < deadline, "the upstream stream kept running after the client left"
+            time.sleep(0.05)
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"chunk_delay_ms": 0})
+
+
+def test_client_leaving_before_a_whole_answer_cancels_the_upstream_call_and_logs_499(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"latency_ms": 3000})
+    try:
+        before = httpx.get(f"{stack.upstream.base_url}/stats").json()["waits_cut_off"]
+        with pytest.raises(openai.APITimeoutError):
+            stack.client().with_options(timeout=0.5).chat.completions.create(
+                model="fast", messages=[{"role": "user", "content": "left early"}]
+            )
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{stack.upstream.base_url}/stats").json()["waits_cut_off"] == before:
+            assert time.monotonic() < deadline, "the upstream call kept waiting after the client left"
+            time.sleep(0.05)
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"latency_ms": 0})
+    deadline = time.monotonic() + 5
+    while not any(r["error_type"] == "client_disconnected" for r in stack.log_rows()):
+        assert time.monotonic() < deadline, "no log row for the request whose client left"
+        time.sleep(0.1)
+    row = next(r for r in stack.log_rows() if r["error_type"] == "client_disconnected")
+    assert row["status"] == 499 and row["requested_model"] == "fast"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_completion_paths_refuse_other_methods_with_405(stack: Stack, path: str) -> None:
+    r = httpx.get(f"{stack.gateway.base_url}{path}", headers={"Authorization": f"Bearer {stack.key}"})
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_errors_after_auth_carry_the_request_id(stack: Stack) -> None:
+    r = httpx.post(
+        f"{stack.gateway.base_url}/v1/chat/completions",
+        json={"model": "nope", "messages": []},
+        headers={"Authorization": f"Bearer {stack.key}"},
+    )
+    assert r.status_code == 404 and r.headers["x-request-id"].startswith("req-")
+    assert any(row["id"] == r.headers["x-request-id"] for row in _eventually_logged(stack, r))
+
+
+def _eventually_logged(stack: Stack, r: httpx.Response) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 5
+    while True:
+        rows = stack.log_rows()
+        if any(row["id"] == r.headers["x-request-id"] for row in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def test_answers_without_usage_are_counted_with_a_tokenizer_and_marked_estimated(stack: Stack) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": True})
+    try:
+        client = stack.client()
+        whole = client.chat.completions.with_raw_response.create(
+            model="fast", messages=[{"role": "user", "content": "count these words please"}]
+        )
+        streamed = client.chat.completions.with_raw_response.create(
+            model="fast", messages=[{"role": "user", "content": "and these too"}], stream=True
+        )
+        list(streamed.parse())
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": False})
+    ids = {whole.headers["x-request-id"]: "echo: count these words please",
+           streamed.headers["x-request-id"]: "echo: and these too"}  # fmt: skip
+    deadline = time.monotonic() + 5
+    while len(rows := [r for r in stack.log_rows() if r["id"] in ids]) < 2:
+        assert time.monotonic() < deadline, "the rows were not written"
+        time.sleep(0.1)
+    for row in rows:
+        assert row["cost_estimated"] in (True, 1) and row["status"] == 200
+        assert row["completion_tokens"] == tokens.count(ids[row["id"]], "fast")
+        assert row["prompt_tokens"] == tokens.count(ids[row["id"]].removeprefix("echo: "), "fast")
+        assert int(row["cost_picousd"]) > 0

@@ -1,0 +1,160 @@
+"""Spend reports read the daily aggregates; their totals equal the sum of the raw request rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from gateway.config.settings import GatewaySettings
+from gateway.main import create_app
+from gateway.store.db import create_engine
+from gateway.store.migrate import upgrade
+from gateway.store.models import PICO
+from gateway.store.reports import render, spend
+from gateway.store.request_log import RequestLogWriter
+from tests.gateway.processes import read_log_rows
+
+
+def _rows() -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for i in range(60):
+        self_hosted = i % 3 != 0
+        rows.append({
+            "id": f"r{i}", "created_at": datetime(2026, 11, 20 + i % 3, 12, i % 60, tzinfo=UTC),
+            "status": 200 if i % 7 else 500, "key_id": f"k{i % 4}", "team": "red" if i % 2 else "blue",
+            "requested_model": "auto" if i % 5 else "gpt", "backend": "pool" if self_hosted else "openai",
+            "prompt_tokens": 100 + i, "completion_tokens": 10 + i % 9, "cached_tokens": i % 4,
+            "cost_picousd": Decimal("0.000123456789") * (i + 1),
+            "reference_cost_picousd": Decimal("0.002") * (i + 1) if self_hosted else None,
+        })  # fmt: skip
+    return rows
+
+
+def _write(url: str) -> None:
+    upgrade(url)
+
+    async def run() -> None:
+        engine = create_engine(url)
+        writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=17, interval=0.05)
+        writer.start()
+        for row in _rows():
+            writer.record(row)
+        await writer.stop()
+        await engine.dispose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("by", ["key", "team", "model", "backend", "day"])
+def test_report_totals_equal_the_raw_rows(database_url: str, by: str) -> None:
+    _write(database_url)
+
+    async def run() -> list:  # type: ignore[type-arg]
+        engine = create_engine(database_url)
+        try:
+            return await spend(engine, date(2026, 11, 1), date(2026, 11, 30), by)  # type: ignore[arg-type]
+        finally:
+            await engine.dispose()
+
+    report = asyncio.run(run())
+    raw = read_log_rows(database_url)
+    assert sum(r.requests for r in report) == len(raw) == 60
+    assert sum(r.errors for r in report) == sum(1 for r in raw if r["status"] != 200)
+    assert sum(r.prompt_tokens for r in report) == sum(r["prompt_tokens"] for r in raw)
+    assert (
+        sum((r.cost_usd for r in report), Decimal(0))
+        == Decimal(sum(int(r["cost_picousd"]) for r in raw)) / PICO
+    )
+    want_savings = sum(
+        (Decimal(int(r["reference_cost_picousd"]) - int(r["cost_picousd"])) / PICO
+         for r in raw if r["reference_cost_picousd"] is not None), Decimal(0),
+    )  # fmt: skip
+    assert sum((r.savings_usd for r in report), Decimal(0)) == want_savings
+    if by == "day":
+        assert [r.group for r in report] == ["2026-11-20", "2026-11-21", "2026-11-22"]
+
+
+def test_a_range_selects_whole_days_and_formats_agree(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    _write(url)
+
+    async def run() -> list:  # type: ignore[type-arg]
+        engine = create_engine(url)
+        try:
+            return await spend(engine, date(2026, 11, 21), date(2026, 11, 21), "team")
+        finally:
+            await engine.dispose()
+
+    report = asyncio.run(run())
+    assert sum(r.requests for r in report) == 20  # one day of three
+    as_json = json.loads(render(report, "json", "team"))
+    assert as_json["total"]["requests"] == 20 and Decimal(as_json["total"]["cost_usd"]) == sum(
+        (r.cost_usd for r in report), Decimal(0)
+    )
+    as_csv = render(report, "csv", "team").splitlines()
+    assert as_csv[0].startswith("group,label,requests") and len(as_csv) == 1 + len(report)
+    assert "total" in render(report, "table", "team")
+
+
+def test_report_cli_and_admin_endpoint(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    _write(url)
+    env = dict(os.environ, GATEWAY_MASTER_KEY="m", GATEWAY_KEY_SECRET="s", GATEWAY_DATABASE_URL=url)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "report", "spend", "--from", "2026-11-01", "--to", "2026-11-30",
+         "--by", "backend", "--format", "json"], env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert {r["group"] for r in json.loads(done.stdout)["rows"]} == {"pool", "openai"}
+    settings = GatewaySettings(master_key="m", key_secret="s", database_url=url)  # type: ignore[arg-type]
+    with TestClient(create_app(settings)) as client:
+        month = {"from": "2026-11-01", "to": "2026-11-30", "by": "day", "format": "csv"}
+        r = client.get("/admin/reports/spend", params=month, headers={"Authorization": "Bearer m"})
+        assert (
+            r.status_code == 200 and r.text.count("\n") == 4
+        )  # header and 3 days (no total to double-count)
+        bad = client.get("/admin/reports/spend", params={"from": "2026-11-30", "to": "2026-11-01"},
+                         headers={"Authorization": "Bearer m"})  # fmt: skip
+        assert bad.status_code == 400 and "before it starts" in bad.json()["error"]["message"]
+        assert (
+            client.get("/admin/reports/spend", params={"from": "2026-11-01", "to": "2026-11-02"}).status_code
+            == 401
+        )
+
+
+def test_html_report_is_one_self_contained_file_with_its_charts(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    _write(url)
+    policy = tmp_path / "p.yaml"
+    pool = '  pool: {type: engine, urls: ["http://127.0.0.1:1"]}\n'
+    policy.write_text(
+        f"backends:\n{pool}  openai: {{type: hosted, model: openai/x}}\nmodels:\n  m: {{backend: pool}}\n"
+    )
+    env = dict(os.environ, GATEWAY_MASTER_KEY="m", GATEWAY_KEY_SECRET="s", GATEWAY_DATABASE_URL=url)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "report", "spend", "--from", "2026-11-20", "--to", "2026-11-22",
+         "--format", "html", "--policy", str(policy)], env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    html = done.stdout
+    assert html.startswith("<!DOCTYPE html>") and html.count("<svg") == 5
+    assert "<script" not in html and "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    for heading in ("Daily spend by backend", "Top keys", "Top teams", "self-hosted vs frontier",
+                    "actual cost vs the reference model"):  # fmt: skip
+        assert heading in html
+    raw = read_log_rows(url)
+    own = sum(r["prompt_tokens"] + r["completion_tokens"] for r in raw if r["backend"] == "pool")
+    whole = sum(r["prompt_tokens"] + r["completion_tokens"] for r in raw)
+    assert f"{100 * own / whole:.1f}%" in html
+    total = Decimal(sum(int(r["cost_picousd"]) for r in raw)) / PICO
+    assert f"${total:,.4f}" in html
