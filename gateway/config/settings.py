@@ -96,7 +96,7 @@ class GatewaySettings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         """The configured URL, else a SQLite file in the data directory."""
-        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'gateway.store.db'}"
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'gateway.db'}"
 
     @property
     def resolved_log_spool_dir(self) -> Path:

@@ -6,7 +6,11 @@ completion tokens, usage included); `"stream": true` gets it as SSE chunks, a us
 few tens of microseconds, so the benchmark measures the proxy in front of it, not the fake.
 `GET /health` answers `{"status":"ready"}`; `GET /stats` counts the requests served.
 
-Run: python tests/fakes/fast_upstream.py --port 9001
+With `--gap-ms G` a stream is sent as it would come from a model: chunked, one event per write,
+G ms apart, a role-only first chunk (chat) then `--tokens` one-word chunks (bench/stream_relay.py
+measures the first chunk that carries text, and the relay's CPU per chunk, against it).
+
+Run: python tests/fakes/fast_upstream.py --port 9001 [--gap-ms 5 --tokens 20]
 """
 
 from __future__ import annotations
@@ -40,22 +44,27 @@ def _completion(chat: bool, model: str) -> bytes:
 
 
 def _stream(chat: bool, model: str, include_usage: bool) -> bytes:
+    return b"".join(_events(chat, model, include_usage, _WORDS))
+
+
+def _events(chat: bool, model: str, include_usage: bool, words: tuple[str, ...]) -> list[bytes]:
+    """The SSE events of a streamed answer of `words`, `[DONE]` included."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": "cmpl-fast", "object": kind, "created": 0, "model": model}
     events: list[dict[str, Any]] = []
     if chat:
         events.append({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None}]})  # fmt: skip
-    for i, word in enumerate(_WORDS):
-        last = i == len(_WORDS) - 1
+    for i, word in enumerate(words):
+        last = i == len(words) - 1
         part: dict[str, Any] = {"content": word} if chat else {"text": word}
         choice = {"index": 0, ("delta" if chat else "text"): part if chat else word,
                   "finish_reason": "stop" if last else None}  # fmt: skip
         events.append({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
     if include_usage:
-        usage = {"prompt_tokens": 5, "completion_tokens": len(_WORDS), "total_tokens": 5 + len(_WORDS)}
+        usage = {"prompt_tokens": 5, "completion_tokens": len(words), "total_tokens": 5 + len(words)}
         events.append({**base, "choices": [], "usage": usage})
-    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    return [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
 
 def _response(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -66,7 +75,9 @@ def _response(status: int, body: bytes, content_type: bytes = b"application/json
 class _Connection(asyncio.Protocol):
     """One keep-alive client connection."""
 
-    def __init__(self, stats: dict[str, int]) -> None:
+    def __init__(self, stats: dict[str, int], gap: float, tokens: int) -> None:
+        self._gap = gap  # seconds between streamed events (0: the whole stream in one write)
+        self._words = tuple(f" w{i}" for i in range(tokens)) if gap else _WORDS
         self._parser = httptools.HttpRequestParser(self)
         self._stats = stats
         self._transport: asyncio.Transport | None = None
@@ -95,9 +106,28 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self._transport is not None
-        self._transport.write(self._answer(self._url.split(b"?")[0], b"".join(self._body)))
+        answer = self._answer(self._url.split(b"?")[0], b"".join(self._body))
+        if isinstance(answer, list):
+            asyncio.get_running_loop().create_task(self._paced(answer))
+        else:
+            self._transport.write(answer)
 
-    def _answer(self, path: bytes, raw: bytes) -> bytes:
+    async def _paced(self, events: list[bytes]) -> None:
+        """One event per HTTP chunk, `gap` apart (the client waits for the end before its next request)."""
+        transport = self._transport
+        assert transport is not None
+        transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for i, event in enumerate(events):
+            if i:
+                await asyncio.sleep(self._gap)
+            if transport.is_closing():
+                return
+            transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+        transport.write(b"0\r\n\r\n")
+
+    def _answer(self, path: bytes, raw: bytes) -> bytes | list[bytes]:
         if path == b"/health":
             return _response(200, b'{"status":"ready"}')
         if path == b"/stats":
@@ -110,15 +140,17 @@ class _Connection(asyncio.Protocol):
         model = str(body.get("model", "fake-model"))
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if self._gap:
+                return _events(chat, model, usage, self._words)
             return _response(200, _stream(chat, model, usage), b"text/event-stream")
         return _response(200, _completion(chat, model))
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int, gap: float = 0.0, tokens: int = 20) -> None:
     """Serve until cancelled."""
     stats = {"requests": 0}
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Connection(stats), host, port, backlog=1024)
+    server = await loop.create_server(lambda: _Connection(stats, gap, tokens), host, port, backlog=1024)
     async with server:
         await server.serve_forever()
 
@@ -127,8 +159,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9001)
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="pace streamed events this far apart")
+    parser.add_argument("--tokens", type=int, default=20, help="content chunks per paced stream")
     args = parser.parse_args()
-    uvloop.run(serve(args.host, args.port))
+    uvloop.run(serve(args.host, args.port, args.gap_ms / 1e3, args.tokens))
 
 
 if __name__ == "__main__":

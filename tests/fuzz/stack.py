@@ -56,7 +56,7 @@ health:
   interval: 0.5
   breaker: {{consecutive_failures: 1000000, error_rate: 1.0, min_requests: 1000000, cooldown: 0.1}}
 """)  # fmt: skip
-        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.store.db'}"
+        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         env = {
             "GATEWAY_MASTER_KEY": MASTER,
             "GATEWAY_KEY_SECRET": "hostile-secret",

@@ -24,7 +24,7 @@ async def _pg(statement: str) -> None:
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """An empty database: a SQLite file, or a fresh PostgreSQL database dropped afterwards."""
     if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'gateway.store.db'}"
+        yield f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
         return
     yield from _fresh_postgres()
 

@@ -71,7 +71,7 @@ class InProcessGateway:
     def __init__(
         self, root: Path, policy: Path, master_key: str, tracing: GatewayTracing | None = None
     ) -> None:
-        url = f"sqlite+aiosqlite:///{root / 'gateway.store.db'}"
+        url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         upgrade(url)
         settings = GatewaySettings(
             master_key=master_key, key_secret="in-process-secret", database_url=url, policy_path=policy,
@@ -122,7 +122,7 @@ class FailingPairStack:
         httpx.post(f"{self.bad.base_url}/control", json={"fail_status": 500}).raise_for_status()
         self.policy = root / "policy.yaml"
         self.write_policy(log_bodies)
-        self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.store.db'}"
+        self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         env = {"GATEWAY_MASTER_KEY": self.MASTER, "GATEWAY_KEY_SECRET": "observed-secret",
                "GATEWAY_DATABASE_URL": self.database_url}  # fmt: skip
         if otlp_endpoint is not None:

@@ -41,7 +41,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]
         "GATEWAY_MASTER_KEY": MASTER,
         "GATEWAY_KEY_SECRET": "limits-secret",
         "GATEWAY_METRICS_TOKEN": METRICS_TOKEN,
-        "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'gateway.store.db'}",
+        "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'gateway.db'}",
         **LIMITS,
     }
     server = start_gateway(Path("policies/default.yaml"), env)

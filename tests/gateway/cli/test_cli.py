@@ -23,7 +23,7 @@ def database(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
     """A migrated SQLite database in GATEWAY_DATABASE_URL, and no other GATEWAY_* variable."""
     for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
         monkeypatch.delenv(name)
-    url = f"sqlite+aiosqlite:///{tmp_path / 'gateway.store.db'}"
+    url = f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
     upgrade(url)
     monkeypatch.setenv("GATEWAY_DATABASE_URL", url)
     return url

@@ -104,7 +104,7 @@ health:
 overrides:
   - {{team: eu, data_residency: self_hosted_only}}
 """)  # fmt: skip
-        self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.store.db'}"
+        self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         self.env = {"GATEWAY_MASTER_KEY": MASTER, "GATEWAY_KEY_SECRET": "chaos-secret",
                     "GATEWAY_DATABASE_URL": self.database_url, "FAKE_PROVIDER_KEY": "sk-fake"}  # fmt: skip
         self.gateway = start_gateway(policy, self.env)

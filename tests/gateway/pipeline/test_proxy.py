@@ -50,7 +50,7 @@ models:
 costs: {{reference_model: gpt-4o-mini}}
 """
         )
-        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.store.db'}"
+        self.database_url = database_url or f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         self.env = {
             "GATEWAY_MASTER_KEY": MASTER,
             "GATEWAY_KEY_SECRET": "proxy-secret",

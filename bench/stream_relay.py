@@ -1,0 +1,210 @@
+"""Streams as an outside harness sees them, in one run: direct to a paced fake upstream vs our gateway.
+
+The fake (tests/fakes/fast_upstream.py --gap-ms) streams like a model: chunked, one SSE event per
+write, GAP ms apart, a role-only first chunk and then TOKENS chunks of one word each. Measured:
+- at concurrency 1, with httpx as the official client reads a stream: the time to the first chunk
+  that carries text (not the role-only chunk) and to the end; "added" = through the proxy minus
+  direct;
+- at concurrency C for S seconds: the proxy process's CPU time (user + system, from /proc) per
+  relayed chunk, and that CPU less what the same number of whole (non-streamed) requests costs,
+  which is the relay's own cost per chunk.
+LiteLLM proxy can run beside ours (`--litellm`: bench/gateway_overhead.py installs it).
+
+Usage: python bench/stream_relay.py [--gap-ms 5] [--tokens 20] [--requests 200] [--litellm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.gateway_overhead import LITELLM_MASTER, start_litellm  # noqa: E402
+from tests.engine.server_proc import ManagedServer  # noqa: E402
+from tests.gateway.processes import create_key_cli, start_gateway  # noqa: E402
+
+PATH = "/v1/chat/completions"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Target:
+    """One way to reach the upstream, and the process whose CPU it costs (None: direct)."""
+
+    name: str
+    url: str
+    headers: dict[str, str]
+    server: ManagedServer | None
+
+
+@dataclass
+class Timing:
+    """One streamed request at concurrency 1 (seconds from sending it)."""
+
+    first_byte: float
+    first_text: float
+    total: float
+    chunks: int
+
+
+def body(stream: bool) -> dict[str, object]:
+    return {"model": "fast", "messages": [{"role": "user", "content": "one two three"}], "stream": stream}
+
+
+def stream_once(client: httpx.Client, target: Target) -> Timing:
+    """One streamed request read line by line; which chunk first carried text, and when."""
+    start = time.perf_counter()
+    first_byte = first_text = 0.0
+    chunks = 0
+    with client.stream("POST", target.url, json=body(True), headers=target.headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{target.name}: status {response.status_code}")
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter() - start
+            first_byte = first_byte or now
+            if line == "data: [DONE]":
+                break
+            chunks += 1
+            event = json.loads(line[6:])
+            choices = event.get("choices") or [{}]
+            if not first_text and (choices[0].get("delta") or {}).get("content"):
+                first_text = now
+    return Timing(first_byte, first_text, time.perf_counter() - start, chunks)
+
+
+def cpu_seconds(server: ManagedServer) -> float:
+    """User + system CPU of the server process so far."""
+    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def load(target: Target, stream: bool, concurrency: int, seconds: float) -> tuple[int, int]:
+    """`concurrency` clients for `seconds`: (requests, chunks received)."""
+    totals = [0, 0]
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=30) as client:
+            while time.monotonic() < end:
+                if stream:
+                    chunks = stream_once(client, target).chunks
+                else:
+                    r = client.post(target.url, json=body(False), headers=target.headers)
+                    r.raise_for_status()
+                    chunks = 0
+                with lock:
+                    totals[0] += 1
+                    totals[1] += chunks
+
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return totals[0], totals[1]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+
+def measure(targets: list[Target], requests: int, concurrency: int, seconds: float) -> None:
+    timings: dict[str, list[Timing]] = {t.name: [] for t in targets}
+    clients = {t.name: httpx.Client(timeout=30) for t in targets}
+    try:
+        for _ in range(20):  # warm-up
+            for t in targets:
+                stream_once(clients[t.name], t)
+        for _ in range(requests):  # interleaved: drift on a noisy machine hits every target alike
+            for t in targets:
+                timings[t.name].append(stream_once(clients[t.name], t))
+    finally:
+        for client in clients.values():
+            client.close()
+    direct = timings["direct"]
+    print(f"\nconcurrency 1, {requests} streams each, ms (p50 / p99):")
+    print(f"{'':>9} {'1st byte':>17} {'1st text':>17} {'whole':>17}")
+    for name, ts in timings.items():
+        cols = [(pct([getattr(x, f) for x in ts], 0.5), pct([getattr(x, f) for x in ts], 0.99))
+                for f in ("first_byte", "first_text", "total")]  # fmt: skip
+        print(f"{name:>9} " + " ".join(f"{a:8.3f} /{b:7.3f}" for a, b in cols))
+    for name, ts in timings.items():
+        if name == "direct":
+            continue
+        added = pct([x.first_text for x in ts], 0.5) - pct([x.first_text for x in direct], 0.5)
+        whole = pct([x.total for x in ts], 0.5) - pct([x.total for x in direct], 0.5)
+        print(f"  {name} adds: first text chunk {added:.3f} ms (p50), whole stream {whole:.3f} ms")
+    print(f"\nCPU of each proxy process, {concurrency} clients for {seconds:g} s each:")
+    for t in targets:
+        if t.server is None:
+            continue
+        before = cpu_seconds(t.server)
+        whole_requests, _ = load(t, False, concurrency, seconds)
+        per_request = (cpu_seconds(t.server) - before) / whole_requests
+        before = cpu_seconds(t.server)
+        streams, chunks = load(t, True, concurrency, seconds)
+        cpu = cpu_seconds(t.server) - before
+        relay = (cpu - streams * per_request) / chunks
+        print(f"  {t.name:>8}: {per_request * 1e3:.3f} ms per whole request; streams: "
+              f"{cpu / chunks * 1e3:.3f} ms per chunk in all, {relay * 1e3:.3f} ms per chunk "
+              f"for the relay ({streams} streams, {chunks} chunks)")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="upstream gap between events")
+    parser.add_argument("--tokens", type=int, default=20, help="text chunks per stream")
+    parser.add_argument("--requests", type=int, default=200, help="streams per target at concurrency 1")
+    parser.add_argument("--concurrency", type=int, default=4, help="clients for the CPU measurement")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each CPU measurement")
+    parser.add_argument("--litellm", action="store_true", help="measure LiteLLM proxy beside ours")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="relay-bench-"))
+    servers: list[ManagedServer] = []
+    try:
+        upstream = ManagedServer(
+            lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port),
+                          "--gap-ms", str(args.gap_ms), "--tokens", str(args.tokens)]
+        )  # fmt: skip
+        servers.append(upstream)
+        policy = root / "policy.yaml"
+        policy.write_text(f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
+                          "models:\n  fast: {backend: fake}\n")  # fmt: skip
+        env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s",
+               "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'g.db'}"}  # fmt: skip
+        gateway = start_gateway(policy, env)
+        servers.append(gateway)
+        key = create_key_cli(env, "bench")
+        targets = [
+            Target("direct", upstream.base_url + PATH, {}, None),
+            Target("gateway", gateway.base_url + PATH, {"authorization": f"Bearer {key}"}, gateway),
+        ]
+        if args.litellm:
+            litellm = start_litellm(root, upstream.base_url)
+            servers.append(litellm)
+            auth = {"authorization": f"Bearer {LITELLM_MASTER}"}
+            targets.append(Target("litellm", litellm.base_url + PATH, auth, litellm))
+        print(f"upstream: {args.tokens} text chunks {args.gap_ms:g} ms apart; {os.cpu_count()} CPUs")
+        measure(targets, args.requests, args.concurrency, args.seconds)
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
