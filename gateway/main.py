@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
 from gateway.api.admin_gate import AdminGate
@@ -22,11 +23,11 @@ from gateway.api.services import Services, app_services, install_services
 from gateway.config.policy import parse_policy, policy_version, read_policy_text
 from gateway.config.secrets import resolve_secrets
 from gateway.config.settings import GatewaySettings
-from gateway.governance.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spend_seed
+from gateway.governance.budgets import LocalBudgetStore, RedisBudgetStore, spend_seed
 from gateway.governance.keys import AuthLimits, KeyHasher, KeyStore
-from gateway.governance.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter
+from gateway.governance.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.governance.redis_pool import pool_config
-from gateway.pipeline.admission import Admission
+from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.routing.complexity import ComplexityModel
@@ -100,17 +101,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         retention = LogRetention(db, settings.log_retention_days) if settings.log_retention_days else None
         if retention is not None:
             retention.start()
-        limiter: RateLimiter = (
-            RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open, pool=pool_config(settings))
-            if settings.redis_url
-            else LocalRateLimiter()
-        )
-        budgets: BudgetStore = (
-            RedisBudgetStore(settings.redis_url, settings.budget_fail_open, pool=pool_config(settings))
-            if settings.redis_url
-            else LocalBudgetStore(settings.budget_fail_open)
-        )
-        admission = Admission(limiter, budgets, spend_seed(db))
+        admission = _admission(settings, db)
         tracer = tracing or _tracing(settings)
         metrics = GatewayMetrics(registry, lambda: holder.runtime.pools)
         access = AccessLog()
@@ -152,6 +143,18 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return GatewayApp(app, settings)
+
+
+def _admission(settings: GatewaySettings, db: AsyncEngine) -> Admission:
+    """Rate limits and budgets in Redis when one is configured (one script a request), else in memory."""
+    seed = spend_seed(db)
+    if not settings.redis_url:
+        return Admission(LocalRateLimiter(), LocalBudgetStore(settings.budget_fail_open), seed)
+    pool = pool_config(settings)
+    limiter = RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open, pool=pool)
+    return RedisAdmission(
+        limiter, RedisBudgetStore(settings.redis_url, settings.budget_fail_open, pool=pool), seed
+    )
 
 
 def _tracing(settings: GatewaySettings) -> GatewayTracing | None:
