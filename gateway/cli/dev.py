@@ -126,8 +126,8 @@ Ctrl-C stops both.
 
 def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.1") -> int:
     """Start the engine, then the gateway in dev mode; stop both on Ctrl-C or SIGTERM."""
-    os.environ["GATEWAY_DEV_MODE"] = "1"
-    settings = GatewaySettings()
+    settings = GatewaySettings(dev_mode=True)
+    gateway_env = {**os.environ, "GATEWAY_DEV_MODE": "1"}  # the child's environment; ours is unchanged
     engine_url, gateway_url = f"http://{host}:{engine_port}", f"http://{host}:{port}"
     procs: list[subprocess.Popen[bytes]] = []
     stop = False
@@ -151,7 +151,7 @@ def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.
         key = asyncio.run(_dev_key(settings))
         gateway_cmd = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", host,
                        "--port", str(port)]  # fmt: skip
-        procs.append(subprocess.Popen(gateway_cmd))
+        procs.append(subprocess.Popen(gateway_cmd, env=gateway_env))
         _wait_healthy("gateway", procs[1], gateway_url, timeout=120)
         exposed = yaml.safe_load(policy.read_text())
         models = [*exposed["models"], *(exposed.get("routes") or {})]
