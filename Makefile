@@ -24,8 +24,13 @@ $(STAMP): requirements.lock pyproject.toml
 model: install
 	$(PY) -m engine prepare-model
 
+# On a terminal the recipe's shell runs `gateway dev` as a job (set -m): in a process group of its
+# own that the terminal gives Ctrl-C to. make, in the group Ctrl-C would otherwise reach, kills
+# itself with SIGINT after its child however the child exited (status 130); this way only `gateway
+# dev` gets it, stops both processes and exits 0, and so does make. `; exit $$?` keeps the shell
+# from exec'ing the command in its own place (and group). Without a terminal: as before.
 run: model
-	$(PY) -m gateway dev --model default --port 8000 --engine-port 8001
+	@if [ -t 0 ]; then set -m; fi; $(PY) -m gateway dev --model default --port 8000 --engine-port 8001; exit $$?
 
 demo: model
 	$(PY) -m engine demo

@@ -6,10 +6,11 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Response
 from prometheus_client import CollectorRegistry, generate_latest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
 from gateway.api.admin_gate import AdminGate
@@ -18,14 +19,15 @@ from gateway.api.body_limit import BodyLimit
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint
 from gateway.api.errors import install_error_handlers
 from gateway.api.metrics_auth import require_metrics_reader
+from gateway.api.services import Services, app_services, install_services
 from gateway.config.policy import parse_policy, policy_version, read_policy_text
 from gateway.config.secrets import resolve_secrets
 from gateway.config.settings import GatewaySettings
-from gateway.governance.budgets import BudgetStore, LocalBudgetStore, RedisBudgetStore, spend_seed
+from gateway.governance.budgets import LocalBudgetStore, RedisBudgetStore, spend_seed
 from gateway.governance.keys import AuthLimits, KeyHasher, KeyStore
-from gateway.governance.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter
+from gateway.governance.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.governance.redis_pool import pool_config
-from gateway.pipeline.admission import Admission
+from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.routing.complexity import ComplexityModel
@@ -52,16 +54,14 @@ class GatewayApp:
 
     def __init__(self, api: FastAPI, settings: GatewaySettings) -> None:
         self.api = api
-        self.completions = CompletionsEndpoint(
-            lambda: (api.state.keys, api.state.proxy), settings.max_body_bytes
-        )
+        self.completions = CompletionsEndpoint(lambda: app_services(api), settings.max_body_bytes)
         limited = BodyLimit(api, settings.max_admin_body_bytes)
         self.guarded = AdminGate(limited, api, settings.max_admin_body_bytes)
 
     @property
-    def state(self) -> Any:
-        """The FastAPI app's state (settings, keys, proxy once started)."""
-        return self.api.state
+    def services(self) -> Services:
+        """The services the lifespan wired (AttributeError before the app started)."""
+        return app_services(self.api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
@@ -82,14 +82,10 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.resolved_database_url
         await ensure_schema(url, auto_upgrade=settings.dev_mode)
-        engine = create_engine(url)
-        app.state.engine = engine
+        db = create_engine(url)
         secrets = resolve_secrets(settings)
-        app.state.settings = settings
-        app.state.secrets = secrets
-        sessions = session_factory(engine)
-        app.state.keys = KeyStore(
-            sessions,
+        keys = KeyStore(
+            session_factory(db),
             KeyHasher(secrets.key_secret),
             settings.key_cache_ttl,
             limits=AuthLimits.from_settings(settings),
@@ -100,27 +96,17 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         holder = RuntimeHolder(await build_runtime(policy, policy_version(text), model))
         watcher = PolicyWatcher(settings.policy_path, holder, model, registry)
         watcher.start()
-        app.state.policy_watcher = watcher
-        log = RequestLogWriter.from_settings(engine, registry, settings)
+        log = RequestLogWriter.from_settings(db, registry, settings)
         log.start()
-        retention = LogRetention(engine, settings.log_retention_days) if settings.log_retention_days else None
+        retention = LogRetention(db, settings.log_retention_days) if settings.log_retention_days else None
         if retention is not None:
             retention.start()
-        limiter: RateLimiter = (
-            RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open, pool=pool_config(settings))
-            if settings.redis_url
-            else LocalRateLimiter()
-        )
-        budgets: BudgetStore = (
-            RedisBudgetStore(settings.redis_url, settings.budget_fail_open, pool=pool_config(settings))
-            if settings.redis_url
-            else LocalBudgetStore(settings.budget_fail_open)
-        )
-        admission = Admission(limiter, budgets, spend_seed(engine))
+        admission = _admission(settings, db)
         tracer = tracing or _tracing(settings)
         metrics = GatewayMetrics(registry, lambda: holder.runtime.pools)
         access = AccessLog()
-        app.state.proxy = Proxy(holder, log, admission, metrics, access, tracer)
+        proxy = Proxy(holder, log, admission, metrics, access, tracer)
+        install_services(app, Services(settings, secrets, db, keys, watcher, proxy))
         gc.freeze()  # what start-up allocated is never garbage: keep it out of every later collection
         try:
             yield
@@ -128,13 +114,13 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
             await watcher.stop()
             if retention is not None:
                 await retention.stop()
-            await app.state.proxy.drain()  # rows still being counted go to the writer before it stops
+            await proxy.drain()  # rows still being counted go to the writer before it stops
             await log.stop()
             access.flush()
             await admission.close()
             for pool in holder.runtime.pools.values():
                 await pool.close()
-            await engine.dispose()
+            await db.dispose()
             if tracer is not None:
                 tracer.shutdown()  # exports the spans still buffered
 
@@ -157,6 +143,18 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return GatewayApp(app, settings)
+
+
+def _admission(settings: GatewaySettings, db: AsyncEngine) -> Admission:
+    """Rate limits and budgets in Redis when one is configured (one script a request), else in memory."""
+    seed = spend_seed(db)
+    if not settings.redis_url:
+        return Admission(LocalRateLimiter(), LocalBudgetStore(settings.budget_fail_open), seed)
+    pool = pool_config(settings)
+    limiter = RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open, pool=pool)
+    return RedisAdmission(
+        limiter, RedisBudgetStore(settings.redis_url, settings.budget_fail_open, pool=pool), seed
+    )
 
 
 def _tracing(settings: GatewaySettings) -> GatewayTracing | None:

@@ -10,8 +10,12 @@ from typing import Any
 import pytest
 import torch
 
+from gateway.cli.environment import offline_defaults
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+for _name, _value in offline_defaults().items():  # what `python -m gateway` sets: litellm, tiktoken offline
+    os.environ.setdefault(_name, _value)
 # Without CUDA the Triton kernels run through Triton's CPU interpreter, which reads this when a
 # kernel is defined: set it before any test module imports kernels.
 if not torch.cuda.is_available():

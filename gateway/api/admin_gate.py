@@ -27,7 +27,7 @@ class AdminGate:
 
     def __init__(self, app: ASGIApp, api: FastAPI, max_body_bytes: int) -> None:
         self.app = app
-        self.api = api  # its state holds the master key once the lifespan ran
+        self.api = api  # its services hold the master key once the lifespan ran
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -9,32 +9,29 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.api.services import Keys, app_services
 from gateway.governance.budgets import Period
-from gateway.governance.keys import AuthError, KeyStore
+from gateway.governance.keys import AuthError
 
 router = APIRouter(prefix="/admin/keys")
 
 
 async def require_master_key(request: Request) -> None:
-    """Dependency: `Authorization: Bearer <master key>`, compared in constant time."""
-    expected: str = request.app.state.secrets.master_key
+    """Dependency: `Authorization: Bearer <master key>`, compared in constant time.
+
+    It takes the request, not the services, because AdminGate also calls it before FastAPI.
+    """
+    services = app_services(request.app)
+    expected = services.secrets.master_key
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise AuthError(
             401, "Missing master key: send 'Authorization: Bearer <master key>'", "missing_api_key"
         )
-    keys: KeyStore = request.app.state.keys
+    keys = services.keys
     client = (request.client.host, request.client.port) if request.client else None
     keys.check_master(token.strip(), expected, client)
 
-
-async def key_store(request: Request) -> KeyStore:
-    """Dependency: the app's KeyStore."""
-    store: KeyStore = request.app.state.keys
-    return store
-
-
-Keys = Annotated[KeyStore, Depends(key_store)]
 
 # What the columns hold: the limits are INTEGER, budgets BIGINT picodollars (at most ~9.2e18).
 # Non-finite values (NaN, Infinity, which Python's JSON parser accepts) are refused explicitly.

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
 from gateway.api.admin_keys import require_master_key
-from gateway.pipeline.runtime import PolicyWatcher
+from gateway.api.services import Watcher
 
 router = APIRouter(prefix="/admin/policy", dependencies=[Depends(require_master_key)])
 
 
 @router.get("")
-async def policy_status(request: Request) -> dict[str, Any]:
+async def policy_status(watcher: Watcher) -> dict[str, Any]:
     """Active version hash and load time, the last reload error (if any), each backend's replicas."""
-    watcher: PolicyWatcher = request.app.state.policy_watcher
     return watcher.status()

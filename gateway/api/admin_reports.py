@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import date
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Response
 
 from gateway.api.admin_keys import require_master_key
+from gateway.api.services import Database
 from gateway.errors import GatewayError
 from gateway.store.db import DATABASE_ERRORS, unavailable
 from gateway.store.reports import Dimension, render, spend
@@ -17,7 +18,7 @@ router = APIRouter(prefix="/admin/reports", dependencies=[Depends(require_master
 
 @router.get("/spend")
 async def spend_report(
-    request: Request,
+    db: Database,
     start: Annotated[date, Query(alias="from")],
     end: Annotated[date, Query(alias="to")],
     by: Dimension = "key",
@@ -25,7 +26,7 @@ async def spend_report(
 ) -> Response:
     """Spend from `from` to `to` (both included, UTC days) grouped `by` key, team, model, backend or day."""
     try:
-        rows = await spend(request.app.state.engine, start, end, by)
+        rows = await spend(db, start, end, by)
     except ValueError as exc:
         raise GatewayError(400, str(exc), param="to", code="invalid_value") from exc
     except DATABASE_ERRORS as exc:

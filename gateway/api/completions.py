@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 
 from gateway.api.asgi import Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
+from gateway.api.services import Services
 from gateway.errors import GatewayError, auth_error_type
-from gateway.governance.keys import AuthError, KeyStore
-from gateway.pipeline.proxy import Proxy
+from gateway.governance.keys import AuthError
 from gateway.pipeline.reply import Reply
 from gateway.store.db import DatabaseUnavailableError
 
@@ -27,18 +27,19 @@ COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class CompletionsEndpoint:
-    """Answers the completion paths; `services()` gives the KeyStore and Proxy once the app started.
+    """Answers the completion paths; `services()` gives the app's Services once it started.
 
     The key is checked before the body is read, and the body is read at most `max_body_bytes`.
     """
 
-    def __init__(self, services: Callable[[], tuple[KeyStore, Proxy]], max_body_bytes: int) -> None:
+    def __init__(self, services: Callable[[], Services], max_body_bytes: int) -> None:
         self._services = services
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        keys, proxy = self._services()
+        services = self._services()
+        keys, proxy = services.keys, services.proxy
         trace = proxy.tracing.start(scope["path"], scope["headers"]) if proxy.tracing is not None else None
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here: use POST"

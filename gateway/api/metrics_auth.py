@@ -9,10 +9,11 @@ import hmac
 
 from fastapi import Request
 
-from gateway.governance.keys import AuthError, KeyStore
+from gateway.api.services import ServicesDep
+from gateway.governance.keys import AuthError
 
 
-async def require_metrics_reader(request: Request) -> None:
+async def require_metrics_reader(request: Request, services: ServicesDep) -> None:
     """Dependency: `Authorization: Bearer <metrics token or master key>`, compared in constant time."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     presented = token.strip().encode() if scheme.lower() == "bearer" else b""
@@ -22,11 +23,11 @@ async def require_metrics_reader(request: Request) -> None:
             "Missing credentials: send 'Authorization: Bearer <metrics token or master key>'",
             "missing_api_key",
         )
-    keys: KeyStore = request.app.state.keys
+    keys = services.keys
     client = (request.client.host, request.client.port) if request.client else None
     keys.refuse_if_blocked(client)  # the master key is accepted here too: no faster guessing through /metrics
-    metrics_token = request.app.state.settings.metrics_token
-    accepted = [request.app.state.secrets.master_key.encode()]
+    metrics_token = services.settings.metrics_token
+    accepted = [services.secrets.master_key.encode()]
     if metrics_token is not None and metrics_token.get_secret_value().strip():
         accepted.append(metrics_token.get_secret_value().strip().encode())
     # every candidate is compared: the time taken does not say which one nearly matched

@@ -6,28 +6,20 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway.governance.keys import KeyInfo, KeyStore
-from gateway.pipeline.proxy import Proxy
+from gateway.api.services import Keys, ProxyDep
+from gateway.governance.keys import KeyInfo
 
 router = APIRouter()
 
 
-async def authenticated_key(request: Request) -> KeyInfo:
+async def authenticated_key(request: Request, keys: Keys) -> KeyInfo:
     """Dependency: the key in `Authorization: Bearer sk-...` (else 401/403; 503 if the database is down)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     presented = token.strip() if scheme.lower() == "bearer" else None
-    keys: KeyStore = request.app.state.keys
     return await keys.authenticate(presented or None, request.client)
 
 
-async def proxy(request: Request) -> Proxy:
-    """Dependency: the app's Proxy."""
-    service: Proxy = request.app.state.proxy
-    return service
-
-
 AuthedKey = Annotated[KeyInfo, Depends(authenticated_key)]
-ProxyDep = Annotated[Proxy, Depends(proxy)]
 
 
 @router.get("/v1/models")

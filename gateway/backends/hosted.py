@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import litellm  # LITELLM_LOCAL_MODEL_COST_MAP keeps its import off the network: gateway/cli/environment.py
 import orjson
 
 from gateway.backends.base import (
@@ -20,10 +21,6 @@ from gateway.backends.base import (
 )
 from gateway.backends.side_loop import SideLoop
 from gateway.config.policy import HostedBackend, Timeouts
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the cost map at import
-
-import litellm
 
 logger = logging.getLogger(__name__)
 litellm.suppress_debug_info = True

@@ -124,19 +124,30 @@ Ctrl-C stops both.
 """
 
 
+class _StopRequested(BaseException):
+    """SIGINT or SIGTERM arrived: stop both processes and exit 0.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it.
+    """
+
+
+def _request_stop(signum: int, _frame: object) -> None:
+    raise _StopRequested(signal.Signals(signum).name)
+
+
 def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.1") -> int:
-    """Start the engine, then the gateway in dev mode; stop both on Ctrl-C or SIGTERM."""
-    os.environ["GATEWAY_DEV_MODE"] = "1"
-    settings = GatewaySettings()
+    """Start the engine, then the gateway in dev mode; stop both on Ctrl-C (SIGINT) or SIGTERM.
+
+    Both signals get our own handler: Python installs its KeyboardInterrupt handler only when
+    SIGINT was not ignored at start-up, and a background job, `nohup` or a CI runner starts us with
+    it ignored. The handler raises, so a signal during the (long) start-up stops at once too.
+    """
+    settings = GatewaySettings(dev_mode=True)
+    gateway_env = {**os.environ, "GATEWAY_DEV_MODE": "1"}  # the child's environment; ours is unchanged
     engine_url, gateway_url = f"http://{host}:{engine_port}", f"http://{host}:{port}"
     procs: list[subprocess.Popen[bytes]] = []
-    stop = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, _request_stop)
+    signal.signal(signal.SIGTERM, _request_stop)
     try:
         engine_cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--host", host,
                       "--port", str(engine_port), "--no-access-log"]  # fmt: skip
@@ -151,16 +162,16 @@ def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.
         key = asyncio.run(_dev_key(settings))
         gateway_cmd = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", host,
                        "--port", str(port)]  # fmt: skip
-        procs.append(subprocess.Popen(gateway_cmd))
+        procs.append(subprocess.Popen(gateway_cmd, env=gateway_env))
         _wait_healthy("gateway", procs[1], gateway_url, timeout=120)
         exposed = yaml.safe_load(policy.read_text())
         models = [*exposed["models"], *(exposed.get("routes") or {})]
         master = resolve_secrets(settings).master_key
         print(_banner(gateway_url, master, key, models, _hosted_lines(policy)), flush=True)
-        while not stop and all(p.poll() is None for p in procs):
+        while all(p.poll() is None for p in procs):
             time.sleep(0.2)
-        return 0 if stop else 1
-    except KeyboardInterrupt:
+        return 1  # one of them exited by itself
+    except _StopRequested:
         return 0
     finally:
 
@@ -169,7 +180,8 @@ def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.
                 if p.poll() is None:
                     p.kill()
 
-        signal.signal(signal.SIGINT, kill_all)  # a second Ctrl-C while they stop: kill, do not wait
+        signal.signal(signal.SIGINT, kill_all)  # a second signal while they stop: kill, do not wait
+        signal.signal(signal.SIGTERM, kill_all)
         for p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

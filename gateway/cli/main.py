@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from types import FrameType
@@ -14,8 +14,10 @@ from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.importer import import_from_string
 from uvicorn.supervisors import Multiprocess
 
+from gateway.api.asgi import ASGIApp
 from gateway.api.http_protocol import LimitedConfig
 from gateway.config.policy import EngineBackend, PolicyError, load_policy
 from gateway.config.secrets import resolve_key_secret
@@ -91,8 +93,7 @@ class _CleanExitServer(uvicorn.Server):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    os.environ["GATEWAY_POLICY_PATH"] = str(args.policy)  # worker processes read their settings anew
-    settings = GatewaySettings()
+    settings = GatewaySettings(policy_path=args.policy)  # the flag wins over GATEWAY_POLICY_PATH
     settings.require_secrets()  # fail here, naming the missing variables, not in a worker
     load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
     config = server_config(settings, args)
@@ -104,10 +105,28 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+@dataclass(frozen=True)
+class AppFactory:
+    """uvicorn's app factory for `serve`: create_app with the settings this command read.
+
+    Spawned worker processes get it pickled inside the config, settings included, so the CLI need
+    not write `--policy` into the environment for them. create_app is named by its import string,
+    as uvicorn names apps: the composition root sits above the CLI.
+    """
+
+    settings: GatewaySettings
+    target: str = "gateway.main:create_app"
+
+    def __call__(self) -> ASGIApp:
+        create_app = import_from_string(self.target)
+        app: ASGIApp = create_app(self.settings)
+        return app
+
+
 def server_config(settings: GatewaySettings, args: argparse.Namespace) -> LimitedConfig:
     """uvicorn's configuration for `serve`: the app factory, the address and the connection limits."""
     return LimitedConfig(
-        "gateway.main:app_from_env", factory=True, host=args.host, port=args.port, workers=args.workers,
+        AppFactory(settings), factory=True, host=args.host, port=args.port, workers=args.workers,
         log_level=args.log_level, access_log=False,
         log_config=log_config(uvicorn.config.LOGGING_CONFIG, enabled=not args.no_access_log),
         max_header_bytes=settings.max_header_bytes, header_timeout=settings.header_timeout,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,7 @@ EXACT_CHARS = 1 << 18
 
 @lru_cache(maxsize=2)
 def _encoding(name: str) -> Any:
-    bundled = litellm_file("litellm_core_utils", "tokenizers")
-    if bundled is not None:
-        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(bundled))  # never fetch the BPE files
-    import tiktoken
+    import tiktoken  # TIKTOKEN_CACHE_DIR names litellm's bundled BPE files (gateway/cli/environment.py)
 
     return tiktoken.get_encoding(name)
 

@@ -6,6 +6,10 @@ a Ticket. `release` replaces the ticket's reservations by what the request reall
 in the background: the answer never waits for it. The limits and budgets are the key's as this
 process last read it (the KeyStore caches a KeyInfo for its TTL): an admin change applies from the
 next request after that.
+
+Two classes, chosen once when the app is wired: `Admission` asks its limiter, then its budget
+store; `RedisAdmission`, whose limiter and budgets share Redis, spends a request that has both in
+one script (one round trip instead of two).
 """
 
 from __future__ import annotations
@@ -75,42 +79,28 @@ class Admission:
         charges = self._charges(rt, key, decision, body, body_bytes)
         if not limits and not charges:
             return None
-        if (
-            limits
-            and charges
-            and isinstance(self.budgets, RedisBudgetStore)
-            and isinstance(self.limiter, RedisRateLimiter)
-        ):
-            if await self._together(limits, charges):  # one round trip to Redis instead of two
-                ticket.charges = charges
+        if limits and charges:
+            await self._spend_both(limits, charges, ticket)
             return ticket
         if limits:
             await self.limiter.acquire(limits)
         if charges:
-            try:
-                reserved = await self.budgets.reserve(charges, self._seed)
-            except BaseException:
-                self._reconcile(ticket, 0)  # refused: give the tokens back (the request still counts)
-                raise
-            if reserved:  # not reserved (budgets failing open): nothing to settle
-                ticket.charges = charges
+            await self._reserve(charges, ticket)
         return ticket
 
-    async def _together(self, limits: list[Limit], charges: list[Charge]) -> bool:
-        """Limits and budgets in one script; False: admitted without the budgets (they fail open)."""
-        assert isinstance(self.budgets, RedisBudgetStore) and isinstance(self.limiter, RedisRateLimiter)
+    async def _spend_both(self, limits: list[Limit], charges: list[Charge], ticket: Ticket) -> None:
+        """A request with rate limits and budgets: the limits first, then the budgets."""
+        await self.limiter.acquire(limits)
+        await self._reserve(charges, ticket)
+
+    async def _reserve(self, charges: list[Charge], ticket: Ticket) -> None:
         try:
-            await self.budgets.admit(limits, self.limiter.prefix, charges, self._seed)
-        except SpendUnavailableError as exc:  # the database, not Redis: the limits can still be checked
-            self.budgets.unreachable(exc)  # budgets fail closed (raises) or open
-            await self.limiter.acquire(limits)
-            return False
-        except self.budgets.errors as exc:
-            self.budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
-            if not self.limiter.fail_open:  # the cause is in the server's log, not the client's answer
-                raise LimiterUnavailableError("rate limits cannot be checked: Redis is unreachable") from exc
-            return False
-        return True
+            reserved = await self.budgets.reserve(charges, self._seed)
+        except BaseException:
+            self._reconcile(ticket, 0)  # refused: give the tokens back (the request still counts)
+            raise
+        if reserved:  # not reserved (budgets failing open): nothing to settle
+            ticket.charges = charges
 
     def release(self, ticket: Ticket, usage: dict[str, Any], cost: Decimal | None) -> None:
         """After the request: tokens and money reconciled with what it really used (background)."""
@@ -182,3 +172,30 @@ class Admission:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.limiter.close()
         await self.budgets.close()
+
+
+class RedisAdmission(Admission):
+    """Admission whose limiter and budgets share Redis: limits and budgets spent in one script."""
+
+    def __init__(
+        self, limiter: RedisRateLimiter, budgets: RedisBudgetStore, seed: Seed | None = None
+    ) -> None:
+        super().__init__(limiter, budgets, seed)
+        self._redis_limiter = limiter  # the same objects, with the types the script needs
+        self._redis_budgets = budgets
+
+    async def _spend_both(self, limits: list[Limit], charges: list[Charge], ticket: Ticket) -> None:
+        """One round trip to Redis instead of two; admitted without the budgets when they fail open."""
+        limiter, budgets = self._redis_limiter, self._redis_budgets
+        try:
+            await budgets.admit(limits, limiter.prefix, charges, self._seed)
+        except SpendUnavailableError as exc:  # the database, not Redis: the limits can still be checked
+            budgets.unreachable(exc)  # budgets fail closed (raises) or open
+            await limiter.acquire(limits)
+            return
+        except budgets.errors as exc:
+            budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
+            if not limiter.fail_open:  # the cause is in the server's log, not the client's answer
+                raise LimiterUnavailableError("rate limits cannot be checked: Redis is unreachable") from exc
+            return
+        ticket.charges = charges

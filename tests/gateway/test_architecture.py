@@ -82,3 +82,32 @@ def test_gateway_modules_import_no_cycle() -> None:
 
     for module in sorted(graph):
         visit(module)
+
+
+def _environment_writes(path: Path) -> list[str]:
+    """Where `path` changes os.environ: item assignment or deletion, a mutating method, putenv."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else []
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        written = [t.value for t in targets if isinstance(t, ast.Subscript)]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("setdefault", "update", "pop", "popitem", "clear", "__setitem__"):
+                written.append(node.func.value)
+            elif node.func.attr in ("putenv", "unsetenv"):
+                found.append(f"{path.name}:{node.lineno}")
+        found += [
+            f"{path.name}:{node.lineno}" for v in written if ast.unparse(v) in ("os.environ", "environ")
+        ]
+    return found
+
+
+def test_only_the_entry_point_writes_the_process_environment() -> None:
+    writes = [
+        f"{_module(path)}: {where}"
+        for path in sorted(GATEWAY.rglob("*.py"))
+        if path.name != "__main__.py"
+        for where in _environment_writes(path)
+    ]
+    assert not writes, "library modules writing os.environ:\n" + "\n".join(writes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -178,7 +179,7 @@ class _Refusals:
 
 
 def test_an_unexpected_failure_before_the_proxy_is_an_openai_503_without_its_text() -> None:
-    endpoint = CompletionsEndpoint(lambda: (_BrokenKeys(), _Refusals()), 1 << 20)  # type: ignore[arg-type, return-value]
+    endpoint = CompletionsEndpoint(lambda: SimpleNamespace(keys=_BrokenKeys(), proxy=_Refusals()), 1 << 20)  # type: ignore[arg-type, return-value]
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:

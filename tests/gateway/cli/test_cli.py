@@ -57,7 +57,6 @@ def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_serve_refuses_to_start_without_its_secrets_and_names_them(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str], missing: str
 ) -> None:
-    monkeypatch.setenv("GATEWAY_POLICY_PATH", str(POLICY))  # serve sets it for its workers: undone after
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert cli.main(["serve", "--policy", str(POLICY), "--workers", "2"]) == 2
@@ -94,7 +93,8 @@ def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
     }  # fmt: skip
     for name, value in {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", **limits}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("GATEWAY_POLICY_PATH", str(POLICY))  # serve sets it for its workers: undone after
+    monkeypatch.setenv("GATEWAY_POLICY_PATH", "elsewhere.yaml")  # the --policy flag wins over it
+    before = dict(os.environ)
     started: list[uvicorn.Config] = []
 
     class Recorder:
@@ -111,7 +111,9 @@ def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
     monkeypatch.setattr(cli, "Multiprocess", Recorder)
     argv = ["serve", "--policy", str(POLICY), "--port", "0", "--workers", str(workers)]
     assert cli.main(argv) == 0
+    assert dict(os.environ) == before  # the workers get the settings in their config, not our environment
     (config,) = started
+    assert pickle.loads(pickle.dumps(config.app)).settings.policy_path == POLICY
     assert isinstance(config, LimitedConfig)
     assert (config.max_header_bytes, config.header_timeout) == (16384, 7.5)
     assert (config.limit_concurrency, config.timeout_keep_alive, config.backlog) == (321, 9, 77)

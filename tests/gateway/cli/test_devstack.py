@@ -1,4 +1,8 @@
-"""`python -m gateway dev` (what `make run` starts): engine and gateway up, a working key, clean stop."""
+"""`python -m gateway dev` (what `make run` starts): engine and gateway up, a working key, clean stop.
+
+The stack runs in its own session, so that whatever happens in a test, the `finally` can kill its
+whole process group: no engine or gateway outlives a failed test.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -15,23 +21,48 @@ import httpx
 from tests.engine.server_proc import free_port
 
 
-def test_dev_stack_serves_through_the_gateway_and_stops_on_sigint(
-    tiny_chat_model: Path, tmp_path: Path
-) -> None:
-    port, engine_port = free_port(), free_port()
-    env = dict(os.environ, GATEWAY_DATA_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
+@contextmanager
+def _dev_stack(
+    model: Path, data_dir: Path, port: int, engine_port: int, preexec: Callable[[], None] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`gateway dev` started and past its banner: (the process, what it printed)."""
+    env = dict(os.environ, GATEWAY_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
     for name in ("GATEWAY_MASTER_KEY", "GATEWAY_KEY_SECRET", "GATEWAY_DATABASE_URL"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "gateway", "dev", "--model", str(tiny_chat_model), "--port", str(port),
+    cmd = [sys.executable, "-m", "gateway", "dev", "--model", str(model), "--port", str(port),
            "--engine-port", str(engine_port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = ""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, preexec_fn=preexec,
+    )  # fmt: skip
     try:
+        out = ""
         deadline = time.monotonic() + 120
         assert proc.stdout is not None
         while "Ctrl-C stops both." not in out:
             assert time.monotonic() < deadline and proc.poll() is None, out
             out += proc.stdout.readline()
+        yield proc, out
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the stack and its children, stopped or not
+        proc.wait(10)
+
+
+def _nothing_listens_on(*ports: int) -> None:
+    for p in ports:
+        try:
+            httpx.get(f"http://127.0.0.1:{p}/health", timeout=2)
+            raise AssertionError(f"something still listens on {p}")
+        except httpx.TransportError:
+            pass
+
+
+def test_dev_stack_serves_through_the_gateway_and_stops_on_sigint(
+    tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    port, engine_port = free_port(), free_port()
+    with _dev_stack(tiny_chat_model, tmp_path, port, engine_port) as (proc, out):
         key = re.search(r"^\s+key\s+(sk-\S+)", out, re.M)
         example = re.search(r'"model": "([^"]+)"', out)  # the model the printed examples use
         assert key is not None and example is not None, out
@@ -44,12 +75,20 @@ def test_dev_stack_serves_through_the_gateway_and_stops_on_sigint(
             )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 3
-    finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
-    for p in (port, engine_port):
-        try:
-            httpx.get(f"http://127.0.0.1:{p}/health", timeout=2)
-            raise AssertionError(f"something still listens on {p}")
-        except httpx.TransportError:
-            pass
+    _nothing_listens_on(port, engine_port)
+
+
+def test_dev_stack_started_with_sigint_ignored_still_stops_both_on_sigint(
+    tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    port, engine_port = free_port(), free_port()
+
+    def ignore_sigint() -> None:  # what a background job, `nohup` or a CI runner does
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    with _dev_stack(tiny_chat_model, tmp_path, port, engine_port, ignore_sigint) as (proc, _):
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        _nothing_listens_on(port, engine_port)

@@ -17,7 +17,7 @@ from gateway.governance.budgets import Budget, BudgetExceededError, LocalBudgetS
 from gateway.governance.keys import KeyInfo
 from gateway.governance.ratelimit import RateLimitedError, RedisRateLimiter
 from gateway.governance.redis_pool import RedisPoolConfig
-from gateway.pipeline.admission import Admission
+from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.store.models import PICO, to_picousd
 from tests.gateway.pipeline.test_admission import BODY, DECISION, REDIS, _runtime  # the same one-model policy
 
@@ -46,7 +46,9 @@ async def _burst(key: KeyInfo, seed: Seed) -> list[str]:
     """PER_REPLICA admissions on each of two replicas at once; each outcome's name."""
     rt = _runtime()
     replicas = [
-        Admission(RedisRateLimiter(REDIS, fail_open=True), RedisBudgetStore(REDIS, fail_open=False), seed)
+        RedisAdmission(
+            RedisRateLimiter(REDIS, fail_open=True), RedisBudgetStore(REDIS, fail_open=False), seed
+        )
         for _ in range(2)
     ]
 

@@ -19,7 +19,6 @@ from gateway.config.policy import parse_policy
 from gateway.governance.budgets import (
     Budget,
     BudgetExceededError,
-    BudgetStore,
     BudgetUnavailableError,
     LocalBudgetStore,
     RedisBudgetStore,
@@ -29,8 +28,8 @@ from gateway.governance.budgets import (
 )
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
-from gateway.governance.ratelimit import LocalRateLimiter, RateLimitedError, RateLimiter, RedisRateLimiter
-from gateway.pipeline.admission import Admission
+from gateway.governance.ratelimit import LocalRateLimiter, RateLimitedError, RedisRateLimiter
+from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.pipeline.failover import Failover
 from gateway.pipeline.runtime import Runtime
 from gateway.routing.router import RouteDecision, Router
@@ -49,13 +48,17 @@ models:
 BODY = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
 DECISION = RouteDecision("fast", ("fast",), "test")
 
-# (limiter, budgets) for each way admission may spend: all in-process, budgets alone in Redis,
-# and limits and budgets in one Redis script
-Stores = Callable[[bool], tuple[RateLimiter, BudgetStore]]
+# (budgets fail open, seed) -> admission, for each way admission may spend: all in-process, budgets
+# alone in Redis, and limits and budgets in one Redis script
+Stores = Callable[[bool, Seed], Admission]
 STORES: dict[str, Stores] = {
-    "local": lambda fail_open: (LocalRateLimiter(), LocalBudgetStore(fail_open)),
-    "redis-budgets": lambda fail_open: (LocalRateLimiter(), RedisBudgetStore(REDIS, fail_open)),
-    "redis-together": lambda fail_open: (RedisRateLimiter(REDIS), RedisBudgetStore(REDIS, fail_open)),
+    "local": lambda fail_open, seed: Admission(LocalRateLimiter(), LocalBudgetStore(fail_open), seed),
+    "redis-budgets": lambda fail_open, seed: Admission(
+        LocalRateLimiter(), RedisBudgetStore(REDIS, fail_open), seed
+    ),
+    "redis-together": lambda fail_open, seed: RedisAdmission(
+        RedisRateLimiter(REDIS), RedisBudgetStore(REDIS, fail_open), seed
+    ),
 }
 
 
@@ -87,7 +90,7 @@ async def _counter_exists(key: KeyInfo) -> bool:
 def test_a_database_down_while_seeding_a_budget_is_blamed_on_the_database_not_redis(stores: str) -> None:
     async def run() -> str:
         engine = create_engine(NO_DATABASE)
-        admission = Admission(*STORES[stores](False), spend_seed(engine))
+        admission = STORES[stores](False, spend_seed(engine))
         try:
             with pytest.raises(BudgetUnavailableError) as info:
                 await admission.admit(_runtime(), _key(rpm_limit=5), DECISION, BODY, 100)
@@ -109,7 +112,7 @@ def test_budgets_failing_open_admit_without_a_budget_while_the_database_is_down_
 
     async def run() -> None:
         engine = create_engine(NO_DATABASE)
-        admission = Admission(*STORES[stores](True), spend_seed(engine))
+        admission = STORES[stores](True, spend_seed(engine))
         try:
             ticket = await admission.admit(_runtime(), key, DECISION, BODY, 100)
             assert ticket is not None and ticket.charges == []  # nothing reserved, nothing to settle
@@ -146,7 +149,7 @@ def test_an_unbudgeted_admission_leaves_no_counter_behind_so_the_next_request_is
     async def run() -> None:
         database = FlakyDatabase()
         seed: Seed = database
-        admission = Admission(*STORES[stores](True), seed)
+        admission = STORES[stores](True, seed)
         try:
             ticket = await admission.admit(_runtime(), key, DECISION, BODY, 100)
             assert ticket is not None
@@ -166,7 +169,7 @@ def test_redis_down_is_still_blamed_on_redis(budget_fail_open: bool) -> None:
     async def run() -> str:
         engine = create_engine(NO_DATABASE)  # down too: Redis is asked first
         limiter, budgets = RedisRateLimiter(NO_REDIS), RedisBudgetStore(NO_REDIS, budget_fail_open)
-        admission = Admission(limiter, budgets, spend_seed(engine))
+        admission = RedisAdmission(limiter, budgets, spend_seed(engine))
         try:
             if budget_fail_open:  # and rate limits fail open by default: admitted, nothing reserved
                 ticket = await admission.admit(_runtime(), _key(rpm_limit=5), DECISION, BODY, 100)

@@ -203,7 +203,7 @@ def test_without_an_otlp_endpoint_no_span_is_made_and_the_sdk_is_never_imported(
         auth = {{"Authorization": "Bearer " + key}}
         r = httpx.post(gateway.base_url + "/v1/chat/completions", headers=auth, json=body, timeout=30)
         assert r.status_code in (502, 503), r.text
-        assert gateway.app.state.proxy.tracing is None
+        assert gateway.app.services.proxy.tracing is None
         gateway.stop()
         ours = ("gateway.telemetry.tracing", "engine.tracing", "opentelemetry.sdk", "opentelemetry.exporter")
         loaded = sorted(m for m in sys.modules if m.startswith(ours))  # FastAPI imports the API itself
