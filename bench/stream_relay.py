@@ -166,7 +166,9 @@ def measure(targets: list[Target], requests: int, concurrency: int, seconds: flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gap-ms", type=float, default=5.0, help="upstream gap between events")
     parser.add_argument("--tokens", type=int, default=20, help="text chunks per stream")
     parser.add_argument("--requests", type=int, default=200, help="streams per target at concurrency 1")
