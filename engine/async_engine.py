@@ -2,8 +2,9 @@
 
 The thread owns the LLMEngine: every add and abort travels to it through a command queue and
 is applied between steps, so a request that arrives while others run joins the next step.
-Outputs travel back through `loop.call_soon_threadsafe` into one RequestStream per request,
-which keeps only the latest cumulative output (a slow reader gets several tokens at once).
+Each step's deltas travel back through `loop.call_soon_threadsafe` into one RequestStream per
+request, which folds the deltas its reader has not taken yet (a slow reader gets several tokens
+at once).
 
 Prompts are tokenized and length-checked in a small worker pool before they reach the thread:
 a 16 MiB prompt used to hold every running request for 25 s. An unexpected error in a step
@@ -185,7 +186,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         add_special_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs; leaving early aborts it."""
+        """Add a request and yield its deltas (coalesced when read slowly); leaving early aborts it."""
         stream = await self.add_request(request_id, prompt, params, add_special_tokens)
         try:
             async for out in stream:

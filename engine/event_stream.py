@@ -75,16 +75,20 @@ def close_all(streams: list[RequestStream]) -> None:
         stream.close()
 
 
-async def last_output(outputs: RequestStream) -> RequestOutput:
-    last = None
-    async for out in outputs:
-        last = out
-    assert last is not None and last.finished
-    return last
+async def whole_output(deltas: RequestStream) -> RequestOutput:
+    """A request's deltas folded into its whole output (for a response that is not streamed)."""
+    whole = None
+    async for delta in deltas:
+        if whole is None:
+            whole = delta
+        else:
+            whole.add(delta)
+    assert whole is not None and whole.finished
+    return whole
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's position."""
+    """Deltas of several streams as they come, tagged with the stream's position."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out

@@ -17,12 +17,13 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCacheCapacityError
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompt_length import tokens_at_least
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Logprob, Sequence
+from engine.sequence import Sequence
 from engine.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.step_request_ids: list[str] = []  # requests the current (or last) step runs
@@ -224,14 +226,15 @@ class LLMEngine:
         )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (None if unknown)."""
+        """Stop a request now and free its blocks; returns its final delta (None if unknown)."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-        return self._make_output(req)
+        running = [seq for seq in req.seqs if not seq.is_finished]
+        for seq in running:
+            self.scheduler.finish(seq, "abort")
+        ends = [self.output_processor.completion(seq, None, None) for seq in running]
+        return self._request_output(req, ends)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""
@@ -264,7 +267,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of requests that made progress."""
+        """Run one iteration; returns a delta for each request that made progress."""
         self.step_request_ids = []
         sched = self.scheduler.schedule()
         # the requests this step runs: if the step raises, they are the ones to fail
@@ -279,39 +282,25 @@ class LLMEngine:
         result = self.sampler(logits, sampled) if sampled else SamplerOutput([], [])
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
-        touched: dict[str, None] = {}
+        deltas: dict[str, list[CompletionOutput]] = {}
         for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
             seq.append_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if logprob is not None:
-                self._record_logprobs(seq, token, logprob)
             stop = self._check_stop(seq, token)
             if stop is not None:
                 self.scheduler.finish(seq, *stop)
-            touched[seq.request_id] = None
+            delta = self.output_processor.completion(seq, token, logprob)
+            deltas.setdefault(seq.request_id, []).append(delta)
         outputs = []
-        for request_id in touched:
+        for request_id, comps in deltas.items():
             req = self._requests[request_id]
-            out = self._make_output(req)
+            comps.sort(key=lambda c: c.index)
+            out = self._request_output(req, comps)
             if out.finished:
                 del self._requests[request_id]
             outputs.append(out)
         return outputs
-
-    def _record_logprobs(
-        self, seq: Sequence, token: int, logprob: tuple[float, int, list[tuple[int, float]]]
-    ) -> None:
-        value, rank, top = logprob
-        entry = {token: Logprob(value, rank, self._decode_one(token))}
-        for i, (tid, lp) in enumerate(top):
-            if tid not in entry:
-                entry[tid] = Logprob(lp, i + 1, self._decode_one(tid))
-        assert seq.logprobs is not None
-        seq.logprobs.append(entry)
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
         """Stop token / EOS, stop string, max_tokens, context length: the first that holds."""
@@ -331,50 +320,10 @@ class LLMEngine:
             return "length", None
         return None
 
-    def _make_output(self, req: _Request) -> RequestOutput:
-        completions = []
-        for seq in req.seqs:
-            logprobs = list(seq.logprobs) if seq.logprobs is not None else None
-            cumulative = (
-                sum(e[t].logprob for e, t in zip(logprobs, seq.output_token_ids, strict=False))
-                if logprobs
-                else None
-            )
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.output_text if seq.is_finished else seq.stable_output_text,
-                    token_ids=seq.output_token_ids,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=logprobs,
-                    cumulative_logprob=cumulative,
-                )
-            )
-        first = req.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_scheduled_time=_min_time(s.first_scheduled_time for s in req.seqs),
-            first_token_time=_min_time(s.first_token_time for s in req.seqs),
-            finished_time=max((s.finished_time or 0.0) for s in req.seqs)
-            if all(s.is_finished for s in req.seqs)
-            else None,
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+    def _request_output(self, req: _Request, completions: list[CompletionOutput]) -> RequestOutput:
+        return self.output_processor.request(
+            req.request_id, req.prompt, req.prompt_token_ids, req.seqs, completions
         )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=all(s.is_finished for s in req.seqs),
-            metrics=metrics,
-        )
-
-
-def _min_time(values: Any) -> float | None:
-    present = [v for v in values if v is not None]
-    return min(present) if present else None
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

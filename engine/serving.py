@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
-from engine.event_stream import EventStream, close_all, last_output, merged
+from engine.event_stream import EventStream, close_all, merged, whole_output
 from engine.openai_format import (
     SSE_DONE,
     Call,
@@ -29,7 +29,7 @@ from engine.openai_format import (
     text_pieces,
     usage,
 )
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -169,7 +169,7 @@ class OpenAIServing:
         if req.stream:
             return EventStream(self._chat_events(call, stream, params, top, req.include_usage), [stream])
         try:
-            final = await last_output(stream)
+            final = await whole_output(stream)
         finally:
             stream.close()
         raise_if_aborted(final)
@@ -177,7 +177,7 @@ class OpenAIServing:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, 0, top) if top is not None else None,
+                "logprobs": chat_logprobs(c, top) if top is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -204,24 +204,23 @@ class OpenAIServing:
 
         for i in range(params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        sent = _Progress(params.n)
+        ended = [False] * params.n
         last: RequestOutput | None = None
         async for out in outputs:
             last = out
             for c in out.outputs:
-                if sent.finished[c.index]:
+                if ended[c.index]:
                     continue
                 if c.finish_reason == "abort":
                     yield aborted_event()
                     return
-                text, first_token = sent.advance(c)
-                logprobs = chat_logprobs(c, first_token, top) if top is not None else None
+                logprobs = chat_logprobs(c, top) if top is not None else None
                 entries = logprobs["content"] if logprobs is not None else []
-                for piece, start, end in event_pieces(text, len(entries)):
+                for piece, start, end in event_pieces(c.text, len(entries)):
                     piece_logprobs = {"content": entries[start:end]} if logprobs is not None else None
                     yield chunk(c.index, {"content": piece}, piece_logprobs)
                 if c.finish_reason is not None:
-                    sent.finished[c.index] = True
+                    ended[c.index] = True
                     yield chunk(c.index, {}, finish=c.finish_reason)
         if include_usage and last is not None:
             yield sse({**head, "choices": [], "usage": usage([last])})
@@ -255,7 +254,7 @@ class OpenAIServing:
                 self._completion_events(call, streams, params, echo, req.include_usage), streams
             )
         try:
-            finals = list(await asyncio.gather(*(last_output(s) for s in streams)))
+            finals = list(await asyncio.gather(*(whole_output(s) for s in streams)))
         finally:
             close_all(streams)
         choices = []
@@ -267,7 +266,7 @@ class OpenAIServing:
                     {
                         "index": k * params.n + c.index,
                         "text": prefix + c.text,
-                        "logprobs": completion_logprobs(c, 0, 0, params.logprobs)
+                        "logprobs": completion_logprobs(c, 0, params.logprobs)
                         if params.logprobs is not None
                         else None,
                         "finish_reason": c.finish_reason,
@@ -292,7 +291,8 @@ class OpenAIServing:
         head = response_head(call)
         extra = {"usage": None} if include_usage else {}
         n = params.n
-        sent = [_Progress(n) for _ in streams]
+        ended = [[False] * n for _ in streams]
+        # where the next delta's text starts in each choice's text (logprobs' text_offset)
         offsets = [[len(echo[k]) if echo else 0] * n for k in range(len(streams))]
         finals: dict[int, RequestOutput] = {}
         if echo is not None:
@@ -303,15 +303,15 @@ class OpenAIServing:
         async for k, out in merged(streams):
             finals[k] = out
             for c in out.outputs:
-                if sent[k].finished[c.index]:
+                if ended[k][c.index]:
                     continue
                 if c.finish_reason == "abort":
                     yield aborted_event()
                     return
-                text, first_token = sent[k].advance(c)
+                text = c.text
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = completion_logprobs(c, first_token, offsets[k][c.index], params.logprobs)
+                    logprobs = completion_logprobs(c, offsets[k][c.index], params.logprobs)
                     offsets[k][c.index] += len(text)
                 finish = c.finish_reason
                 pieces = event_pieces(text, len(logprobs["tokens"]) if logprobs is not None else 0)
@@ -327,28 +327,10 @@ class OpenAIServing:
                     )
                     yield sse({**head, "choices": [choice], **extra})
                 if finish is not None:
-                    sent[k].finished[c.index] = True
+                    ended[k][c.index] = True
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage([finals[k] for k in sorted(finals)])})
         yield SSE_DONE
-
-
-class _Progress:
-    """What a stream has already sent, per completion index."""
-
-    def __init__(self, n: int) -> None:
-        self.text = [0] * n
-        self.tokens = [0] * n
-        self.finished = [False] * n
-
-    def advance(self, c: CompletionOutput) -> tuple[str, int]:
-        """The new text since last time, and the index of the first token not sent yet."""
-        i = c.index
-        text = c.text[self.text[i] :]
-        first_token = self.tokens[i]
-        self.text[i] = len(c.text)
-        self.tokens[i] = len(c.token_ids)
-        return text, first_token
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
