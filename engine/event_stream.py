@@ -11,10 +11,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from engine.engine_state import EngineDeadError, RequestFailedError
+from engine.error_mapping import api_error
 from engine.openai_format import error_event
 from engine.outputs import RequestOutput
-from engine.protocol import ENGINE_DEAD, INTERNAL_ERROR, REQUEST_FAILED, APIError
+from engine.protocol import INTERNAL_ERROR, APIError
 from engine.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -22,14 +22,10 @@ logger = logging.getLogger(__name__)
 
 def stream_error(exc: Exception) -> APIError:
     """The OpenAI error that ends a stream broken by `exc` (no internal text)."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestFailedError):
-        return REQUEST_FAILED
-    if isinstance(exc, EngineDeadError):
-        return ENGINE_DEAD
-    logger.error("a stream failed", exc_info=exc)
-    return INTERNAL_ERROR
+    error = api_error(exc)
+    if error is INTERNAL_ERROR:
+        logger.error("a stream failed", exc_info=exc)
+    return error
 
 
 class EventStream:

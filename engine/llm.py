@@ -9,7 +9,8 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, Prompt
+from engine.input_processor import Prompt
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 

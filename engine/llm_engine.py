@@ -1,8 +1,11 @@
-"""LLMEngine: add_request / step / abort over the scheduler, model runner and sampler."""
+"""LLMEngine: add_request / step / abort over the scheduler, model runner and sampler.
+
+Text work lives beside it: InputProcessor tokenizes and checks prompts and builds sequences,
+OutputProcessor turns sampled tokens into deltas; the engine keeps the stop check.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -13,13 +16,12 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCacheCapacityError
+from engine.errors import InvalidRequestError
+from engine.input_processor import InputProcessor, PreparedPrompt, Prompt
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompt_length import tokens_at_least
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -27,8 +29,6 @@ from engine.sequence import Sequence
 from engine.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,12 @@ class EngineStats:
     num_preemptions: int
 
 
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A prompt that passed admission checks: its text, token ids and the completion's token bound."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    max_tokens: int
-
-
 @dataclass
 class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
-    arrival_time: float
 
 
 class LLMEngine:
@@ -85,9 +75,16 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            layout.num_token_slots,
+            self.eos_token_ids,
+            self.runner.device,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}
-        self._seq_ids = itertools.count()
         self.step_request_ids: list[str] = []  # requests the current (or last) step runs
 
     # ------------------------------------------------------------------ requests
@@ -104,19 +101,8 @@ class LLMEngine:
         `add_special_tokens=False` is for text that already holds them (a rendered chat template).
         """
         params = params or SamplingParams()
-        self.add_prepared(request_id, self.prepare(prompt, params, add_special_tokens), params, arrival_time)
-
-    def prepare(
-        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
-    ) -> PreparedPrompt:
-        """Tokenize and check lengths; raises an InvalidRequestError subclass when it cannot run.
-
-        Safe to call from any thread (it reads only what loading fixed), so the server runs it in a
-        worker: a long prompt never holds up the step loop.
-        """
-        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
-        max_tokens = self._check_lengths(len(prompt_ids), params)
-        return PreparedPrompt(prompt_text, prompt_ids, max_tokens)
+        prepared = self.inputs.prepare(prompt, params, add_special_tokens)
+        self.add_prepared(request_id, prepared, params, arrival_time)
 
     def add_prepared(
         self,
@@ -125,105 +111,14 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request `prepare()` accepted (step-loop thread only)."""
+        """Queue a request `inputs.prepare()` accepted (step-loop thread only)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_ids, max_tokens = prepared.prompt_token_ids, prepared.max_tokens
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [
-            self._new_sequence(request_id, i, prompt_ids, params, max_tokens, arrival)
-            for i in range(params.n)
-        ]
-        self._requests[request_id] = _Request(request_id, prepared.prompt, prompt_ids, seqs, arrival)
+        seqs = self.inputs.sequences(request_id, prepared, params, arrival)
+        self._requests[request_id] = _Request(request_id, prepared.prompt, prepared.prompt_token_ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
-
-    def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
-            at_least = tokens_at_least(self.tokenizer, prompt, self.max_model_len)
-            if at_least is not None:
-                raise ContextLengthExceededError(
-                    f"This model's maximum context length is {self.max_model_len} tokens, "
-                    f"but the prompt has at least {at_least} tokens"
-                )
-            ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
-            text: str | None = prompt
-        else:
-            ids, text = list(prompt), None
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            return text, ids  # _check_lengths rejects it; no need to look at every id
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        return text, ids
-
-    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens, "
-                f"but the prompt has {prompt_len} tokens"
-            )
-        capacity = self.runner.layout.num_token_slots
-        if params.max_tokens is None:  # as much as fits, in the context and in the whole KV pool
-            max_tokens = min(limit, capacity) - prompt_len
-            if max_tokens < 1:
-                raise KVCacheCapacityError(
-                    f"the prompt needs {prompt_len} tokens of KV cache but the whole pool holds "
-                    f"{capacity}: give the engine more kv_cache_memory"
-                )
-            return max_tokens
-        max_tokens = params.max_tokens
-        if prompt_len + max_tokens > limit:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                f"{max_tokens} for the completion)"
-            )
-        if prompt_len + max_tokens > capacity:
-            raise KVCacheCapacityError(
-                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache "
-                "but the whole pool holds "
-                f"{capacity}: lower max_tokens or give the engine more kv_cache_memory"
-            )
-        return max_tokens
-
-    def _new_sequence(
-        self,
-        request_id: str,
-        index: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        arrival: float,
-    ) -> Sequence:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed((params.seed + index * 0x9E3779B9) % (1 << 63))
-        detok = None
-        if self.tokenizer is not None:
-            tok, skip = self.tokenizer, params.skip_special_tokens
-            detok = IncrementalDetokenizer(
-                lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings
-            )
-        return Sequence(
-            next(self._seq_ids),
-            request_id,
-            index,
-            prompt_ids,
-            params,
-            max_tokens,
-            self.eos_token_ids,
-            detok,
-            generator,
-            arrival,
-        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final delta (None if unknown)."""

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
@@ -38,7 +38,6 @@ from engine.protocol import (
     build_sampling_params,
     chat_messages,
     completion_prompts,
-    load_generation_defaults,
 )
 from engine.request_limits import check_request_limits
 from engine.request_stream import RequestStream
@@ -63,7 +62,6 @@ class OpenAIServing:
         self.engine = engine
         self.served_names = served_names
         self.created = int(time.time())
-        self._defaults: dict[str, float] | None = None
 
     # ----------------------------------------------------------------- common
     def resolve_model(self, name: str | None) -> str:
@@ -81,7 +79,8 @@ class OpenAIServing:
 
     def models(self) -> dict[str, Any]:
         """Body of GET /v1/models."""
-        max_len = self.engine.engine.max_model_len if self.engine.engine is not None else None
+        info = self.engine.model_info
+        max_len = info.max_model_len if info is not None else None
         data = [
             {
                 "id": name,
@@ -95,14 +94,10 @@ class OpenAIServing:
         ]
         return {"object": "list", "data": data}
 
-    def generation_defaults(self) -> dict[str, float]:
-        """The model's own sampling defaults (generation_config.json), read once after loading."""
-        if self._defaults is None:
-            engine = self.engine.engine
-            if engine is None:
-                return {}
-            self._defaults = load_generation_defaults(engine.model_dir)
-        return self._defaults
+    def generation_defaults(self) -> Mapping[str, float]:
+        """The model's own sampling defaults (generation_config.json); none while it loads."""
+        info = self.engine.model_info
+        return info.generation_defaults if info is not None else {}
 
     def sampling_params(
         self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None
@@ -111,8 +106,8 @@ class OpenAIServing:
         return build_sampling_params(req, max_tokens, logprobs, self.generation_defaults())
 
     def _tokenizer(self) -> Any:
-        engine = self.engine.engine
-        tokenizer = engine.tokenizer if engine is not None else None
+        info = self.engine.model_info
+        tokenizer = info.tokenizer if info is not None else None
         if tokenizer is None:
             raise APIError(
                 400, "this model has no tokenizer: send token ids to /v1/completions", param="model"
@@ -135,12 +130,9 @@ class OpenAIServing:
                 stream.on_final = span.finished
             return stream
         except InvalidRequestError as exc:
-            text = str(exc)
-            if "max_tokens" in text or "requested" in text:
-                param = "max_tokens"
-            else:
-                param = "prompt" if add_special_tokens else "messages"
-            raise APIError(400, text, param=param, code=exc.code) from exc
+            if exc.param is None:  # the prompt is to blame: name the field it came in
+                exc.param = "prompt" if add_special_tokens else "messages"
+            raise
 
     # ------------------------------------------------------------------- chat
     async def render_chat(self, req: ChatCompletionRequest) -> str:

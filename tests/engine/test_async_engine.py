@@ -14,10 +14,11 @@ from engine.engine_state import EngineDeadError, EngineUnavailableError, Request
 from engine.errors import ContextLengthExceededError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from tests.engine.hooked_server import HookedAsyncLLMEngine
 
 
-def _engine(model: Path, **kwargs: float) -> AsyncLLMEngine:
-    return AsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=16 << 20), "tiny", **kwargs)
+def _engine(model: Path, **kwargs: float) -> HookedAsyncLLMEngine:
+    return HookedAsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=16 << 20), "tiny", **kwargs)
 
 
 @pytest.fixture
