@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from engine.config import EngineConfig
 
@@ -170,11 +171,6 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
     )
-    parser.add_argument(
-        "--enable-test-hooks",
-        action="store_true",
-        help="expose POST /debug/stall and /debug/fail-steps (tests only)",
-    )
     http = parser.add_argument_group(
         "HTTP limits (each also read from SWITCHBOARD_ENGINE_<NAME>, e.g. SWITCHBOARD_ENGINE_MAX_BODY_BYTES)"
     )
@@ -233,7 +229,8 @@ def _env(name: str, kind: type[int] | type[float], fallback: float | None) -> fl
         raise SystemExit(f"error: SWITCHBOARD_ENGINE_{name.upper()} must be a number, got {raw!r}") from None
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, **server_kwargs: Any) -> int:
+    """`serve`: run the HTTP server (`server_kwargs` go to `run_server`, e.g. an engine class)."""
     from engine.http_limits import HTTPLimits
     from engine.server import ServerOptions, run_server
 
@@ -252,7 +249,6 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()),
         stall_timeout=args.health_stall_timeout,
         shutdown_timeout=args.shutdown_timeout,
-        enable_test_hooks=args.enable_test_hooks,
         api_key=args.api_key or os.environ.get("SWITCHBOARD_ENGINE_API_KEY") or None,
         access_log=not args.no_access_log,
         log_level=args.log_level,
@@ -260,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
         otel_service_name=os.environ.get("OTEL_SERVICE_NAME") or "switchboard-engine",
         limits=limits,
     )
-    return run_server(_config(args), options)
+    return run_server(_config(args), options, **server_kwargs)
 
 
 def otlp_traces_endpoint(environ: Mapping[str, str]) -> str | None:
@@ -314,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command == "serve":
-            return _serve(args)
+            return serve(args)
         return _demo(args) if args.command == "demo" else _generate(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -2,8 +2,9 @@
 
 The thread owns the LLMEngine: every add and abort travels to it through a command queue and
 is applied between steps, so a request that arrives while others run joins the next step.
-Outputs travel back through `loop.call_soon_threadsafe` into one RequestStream per request,
-which keeps only the latest cumulative output (a slow reader gets several tokens at once).
+Each step's deltas travel back through `loop.call_soon_threadsafe` into one RequestStream per
+request, which folds the deltas its reader has not taken yet (a slow reader gets several tokens
+at once).
 
 Prompts are tokenized and length-checked in a small worker pool before they reach the thread:
 a 16 MiB prompt used to hold every running request for 25 s. An unexpected error in a step
@@ -33,8 +34,10 @@ from engine.engine_state import (
     RequestFailedError,
 )
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, PreparedPrompt, Prompt
+from engine.input_processor import InputProcessor, PreparedPrompt, Prompt
+from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
+from engine.model_info import ModelInfo, model_info
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
@@ -70,7 +73,9 @@ class AsyncLLMEngine:
         self.model_name = model_name
         self.stall_timeout = stall_timeout
         self.metrics = EngineMetrics(model_name)
-        self.engine: LLMEngine | None = None
+        self.engine: LLMEngine | None = None  # the engine thread's own; others read `model_info`
+        self.model_info: ModelInfo | None = None  # published once the model is loaded
+        self._inputs: InputProcessor | None = None  # thread-safe part of the engine: prompt checks
         self._state = EngineState.LOADING
         self._error: str | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -78,8 +83,6 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._heartbeat = time.monotonic()
-        self._stall_until = 0.0
-        self._fail_steps = 0  # test hook: how many coming steps raise
         self._failures = 0  # failed steps in a row
         self._stopping = False
         self._tokenizers: concurrent.futures.ThreadPoolExecutor | None = None
@@ -172,10 +175,10 @@ class AsyncLLMEngine:
         self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool
     ) -> PreparedPrompt:
         """Tokenize and check lengths in a worker thread: off the event loop and off the step loop."""
-        engine = self.engine
-        assert engine is not None and self._tokenizers is not None and self._loop is not None
+        inputs = self._inputs
+        assert inputs is not None and self._tokenizers is not None and self._loop is not None
         return await self._loop.run_in_executor(
-            self._tokenizers, engine.prepare, prompt, params, add_special_tokens
+            self._tokenizers, inputs.prepare, prompt, params, add_special_tokens
         )
 
     async def generate(
@@ -185,7 +188,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         add_special_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative outputs; leaving early aborts it."""
+        """Add a request and yield its deltas (coalesced when read slowly); leaving early aborts it."""
         stream = await self.add_request(request_id, prompt, params, add_special_tokens)
         try:
             async for out in stream:
@@ -241,34 +244,29 @@ class AsyncLLMEngine:
         }[state]
         return Health(state.value, False, detail, since)
 
-    def fail_steps(self, count: int) -> None:
-        """Test hook: make the next `count` steps raise (as a device error would)."""
-        self._fail_steps = count
-
     @property
     def is_dead(self) -> bool:
         """The engine cannot serve any more: loading or the step loop failed, or its thread is gone."""
         return self.health().state == "dead"
 
-    def stall_for(self, seconds: float) -> None:
-        """Test hook: make the step loop hang for `seconds` (as a stuck step would)."""
-        self._stall_until = time.monotonic() + seconds
-        self._commands.put(_Abort(""))  # wake an idle loop so it starts stalling now
-
     # ------------------------------------------------------------- engine thread
     def _run(self) -> None:
         try:
-            self.engine = LLMEngine(self.config)
+            engine = LLMEngine(self.config)
+            info = model_info(
+                self.model_name, self.config.model, engine.max_model_len, engine.tokenizer, engine.model_dir
+            )
         except Exception:
             logger.exception("loading the model failed")
             self._error = "loading failed"
             self._state = EngineState.DEAD
             return
+        self.engine, self.model_info, self._inputs = engine, info, engine.inputs
         self._heartbeat = time.monotonic()
         self._state = EngineState.READY
         logger.info("engine ready: %s", self.model_name)
         try:
-            self._loop_forever(self.engine)
+            self._loop_forever(engine)
         except Exception:
             logger.exception("the engine step loop failed; the engine is dead")
             self._error = "the step loop failed"
@@ -289,9 +287,6 @@ class AsyncLLMEngine:
         while not self._stopping:
             self._heartbeat = time.monotonic()
             self._apply_commands(engine, block=not engine.has_unfinished_requests())
-            if self._stall_until > time.monotonic():
-                time.sleep(self._stall_until - time.monotonic())
-                continue
             if engine.has_unfinished_requests():
                 self._step(engine)
         for request_id in engine.unfinished_request_ids():
@@ -301,9 +296,6 @@ class AsyncLLMEngine:
         """One step; if it raises, its requests fail and the loop goes on, until too many in a row."""
         engine.step_request_ids = []  # step() fills it once scheduled; still empty: fail them all
         try:
-            if self._fail_steps > 0:
-                self._fail_steps -= 1
-                raise RuntimeError("test hook: failing this step")
             outputs = engine.step()
         except Exception:
             self._failures += 1
@@ -349,8 +341,7 @@ class AsyncLLMEngine:
             if isinstance(cmd, _Add):
                 self._add(engine, cmd)
             elif isinstance(cmd, _Abort):
-                if cmd.request_id:
-                    self._abort(engine, cmd.request_id)
+                self._abort(engine, cmd.request_id)  # an unknown id (e.g. finished already): nothing
             else:
                 self._stopping = True
             try:

@@ -15,10 +15,11 @@ DecodeFn = Callable[[list[int]], str]
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text, one token at a time.
+    """Turns a growing list of token ids into text, one token at a time, handed out by `take()`.
 
     Text is only emitted once it is complete: a token that ends inside a multi-byte UTF-8
-    character yields nothing until the character's last byte arrives.
+    character yields nothing until the character's last byte arrives. Only the text not taken yet
+    is kept, so a token costs O(its text), whatever the length of the output so far.
     """
 
     def __init__(self, decode: DecodeFn, prompt_token_ids: list[int], stop_strings: list[str]) -> None:
@@ -28,7 +29,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         # stop strings are matched as text arrives: work per new character, not per text length
         self._stops = StopStringMatcher(stop_strings) if stop_strings else None
-        self.text = ""
+        self._pending = ""  # decoded text not taken yet (stop strings already cut off)
         self.stopped_on: str | None = None
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
@@ -56,24 +57,30 @@ class IncrementalDetokenizer:
     def _append(self, delta: str, check_stop: bool = True) -> str | None:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        before = len(self.text)
-        self.text += delta
+        before = len(self._pending)
+        self._pending += delta
         if self._stops is None:
             return None
         match = self._stops.feed(delta, report=check_stop)
         if match is None:
             return None
         start, stop = match
-        self.text = self.text[: before + start]
+        # the match began at most `held` characters before `delta`: text `take()` kept back
+        cut = before + start
+        assert cut >= 0, "a stop string began in text already taken"
+        self._pending = self._pending[:cut]
         self.stopped_on = stop
         return stop
 
-    @property
-    def stable_text_len(self) -> int:
-        """Length of the text that no future token can take back (for streaming).
+    def take(self, final: bool = False) -> str:
+        """The text no later token can change, since the last call (all of it when `final`).
 
-        A suffix that is the start of a stop string is held back until it is decided.
+        A suffix that may be the start of a stop string is held back until it is decided.
         """
-        if self.stopped_on is not None or self._stops is None:
-            return len(self.text)
-        return len(self.text) - self._stops.held
+        pending = self._pending
+        held = 0 if final or self.stopped_on is not None or self._stops is None else self._stops.held
+        if held == 0:
+            self._pending = ""
+            return pending
+        self._pending = pending[len(pending) - held :]
+        return pending[: len(pending) - held]

@@ -6,21 +6,35 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import EngineError
 
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot take requests now (loading, draining, stalled or dead)."""
+
+class EngineUnavailableError(EngineError, RuntimeError):
+    """The engine cannot take requests now (loading, draining, stalled or dead); `code` says which."""
+
+    status = 503
+    type = "service_unavailable"
 
     def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code=code)
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(EngineError, RuntimeError):
     """The step loop failed; requests in flight cannot finish."""
 
+    status = 503
+    type = "service_unavailable"
+    code = "engine_dead"
+    fixed_message = "The engine failed and is restarting; retry shortly"
 
-class RequestFailedError(RuntimeError):
+
+class RequestFailedError(EngineError, RuntimeError):
     """A step that ran this request raised; the request is dropped, the engine goes on."""
+
+    status = 500
+    type = "server_error"
+    code = "engine_error"
+    fixed_message = "The engine failed while running this request; retry it"
 
 
 class EngineState(enum.Enum):

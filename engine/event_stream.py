@@ -11,10 +11,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from engine.engine_state import EngineDeadError, RequestFailedError
+from engine.error_mapping import api_error
 from engine.openai_format import error_event
 from engine.outputs import RequestOutput
-from engine.protocol import ENGINE_DEAD, INTERNAL_ERROR, REQUEST_FAILED, APIError
+from engine.protocol import INTERNAL_ERROR, APIError
 from engine.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -22,14 +22,10 @@ logger = logging.getLogger(__name__)
 
 def stream_error(exc: Exception) -> APIError:
     """The OpenAI error that ends a stream broken by `exc` (no internal text)."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestFailedError):
-        return REQUEST_FAILED
-    if isinstance(exc, EngineDeadError):
-        return ENGINE_DEAD
-    logger.error("a stream failed", exc_info=exc)
-    return INTERNAL_ERROR
+    error = api_error(exc)
+    if error is INTERNAL_ERROR:
+        logger.error("a stream failed", exc_info=exc)
+    return error
 
 
 class EventStream:
@@ -75,16 +71,20 @@ def close_all(streams: list[RequestStream]) -> None:
         stream.close()
 
 
-async def last_output(outputs: RequestStream) -> RequestOutput:
-    last = None
-    async for out in outputs:
-        last = out
-    assert last is not None and last.finished
-    return last
+async def whole_output(deltas: RequestStream) -> RequestOutput:
+    """A request's deltas folded into its whole output (for a response that is not streamed)."""
+    whole = None
+    async for delta in deltas:
+        if whole is None:
+            whole = delta
+        else:
+            whole.add(delta)
+    assert whole is not None and whole.finished
+    return whole
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's position."""
+    """Deltas of several streams as they come, tagged with the stream's position."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out

@@ -9,7 +9,8 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, Prompt
+from engine.input_processor import Prompt
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -76,20 +77,23 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+        # the engine's deltas, folded per request into whole outputs
+        whole: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
         out_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                for delta in self.engine.step():
+                    out = whole.setdefault(delta.request_id, delta)
+                    if out is not delta:
+                        out.add(delta)
+                    if delta.finished:
+                        out_tokens += delta.num_generated_tokens
                         bar.update(1)
                         bar.set_postfix(out_tok=out_tokens, refresh=False)
         finally:
             bar.close()
-        return [done[i] for i in ids]
+        return [whole[i] for i in ids]
 
 
 OfflinePrompt = Prompt | dict[str, Any]  # also vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}

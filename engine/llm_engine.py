@@ -1,8 +1,11 @@
-"""LLMEngine: add_request / step / abort over the scheduler, model runner and sampler."""
+"""LLMEngine: add_request / step / abort over the scheduler, model runner and sampler.
+
+Text work lives beside it: InputProcessor tokenizes and checks prompts and builds sequences,
+OutputProcessor turns sampled tokens into deltas; the engine keeps the stop check.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -13,21 +16,19 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCacheCapacityError
+from engine.errors import InvalidRequestError
+from engine.input_processor import InputProcessor, PreparedPrompt, Prompt
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.prompt_length import tokens_at_least
+from engine.output_processor import OutputProcessor
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Logprob, Sequence
+from engine.sequence import Sequence
 from engine.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
@@ -44,22 +45,12 @@ class EngineStats:
     num_preemptions: int
 
 
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A prompt that passed admission checks: its text, token ids and the completion's token bound."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    max_tokens: int
-
-
 @dataclass
 class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
-    arrival_time: float
 
 
 class LLMEngine:
@@ -84,8 +75,16 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            layout.num_token_slots,
+            self.eos_token_ids,
+            self.runner.device,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}
-        self._seq_ids = itertools.count()
         self.step_request_ids: list[str] = []  # requests the current (or last) step runs
 
     # ------------------------------------------------------------------ requests
@@ -102,19 +101,8 @@ class LLMEngine:
         `add_special_tokens=False` is for text that already holds them (a rendered chat template).
         """
         params = params or SamplingParams()
-        self.add_prepared(request_id, self.prepare(prompt, params, add_special_tokens), params, arrival_time)
-
-    def prepare(
-        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
-    ) -> PreparedPrompt:
-        """Tokenize and check lengths; raises an InvalidRequestError subclass when it cannot run.
-
-        Safe to call from any thread (it reads only what loading fixed), so the server runs it in a
-        worker: a long prompt never holds up the step loop.
-        """
-        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
-        max_tokens = self._check_lengths(len(prompt_ids), params)
-        return PreparedPrompt(prompt_text, prompt_ids, max_tokens)
+        prepared = self.inputs.prepare(prompt, params, add_special_tokens)
+        self.add_prepared(request_id, prepared, params, arrival_time)
 
     def add_prepared(
         self,
@@ -123,115 +111,25 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request `prepare()` accepted (step-loop thread only)."""
+        """Queue a request `inputs.prepare()` accepted (step-loop thread only)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_ids, max_tokens = prepared.prompt_token_ids, prepared.max_tokens
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [
-            self._new_sequence(request_id, i, prompt_ids, params, max_tokens, arrival)
-            for i in range(params.n)
-        ]
-        self._requests[request_id] = _Request(request_id, prepared.prompt, prompt_ids, seqs, arrival)
+        seqs = self.inputs.sequences(request_id, prepared, params, arrival)
+        self._requests[request_id] = _Request(request_id, prepared.prompt, prepared.prompt_token_ids, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
-            at_least = tokens_at_least(self.tokenizer, prompt, self.max_model_len)
-            if at_least is not None:
-                raise ContextLengthExceededError(
-                    f"This model's maximum context length is {self.max_model_len} tokens, "
-                    f"but the prompt has at least {at_least} tokens"
-                )
-            ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
-            text: str | None = prompt
-        else:
-            ids, text = list(prompt), None
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            return text, ids  # _check_lengths rejects it; no need to look at every id
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        return text, ids
-
-    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens, "
-                f"but the prompt has {prompt_len} tokens"
-            )
-        capacity = self.runner.layout.num_token_slots
-        if params.max_tokens is None:  # as much as fits, in the context and in the whole KV pool
-            max_tokens = min(limit, capacity) - prompt_len
-            if max_tokens < 1:
-                raise KVCacheCapacityError(
-                    f"the prompt needs {prompt_len} tokens of KV cache but the whole pool holds "
-                    f"{capacity}: give the engine more kv_cache_memory"
-                )
-            return max_tokens
-        max_tokens = params.max_tokens
-        if prompt_len + max_tokens > limit:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                f"{max_tokens} for the completion)"
-            )
-        if prompt_len + max_tokens > capacity:
-            raise KVCacheCapacityError(
-                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache "
-                "but the whole pool holds "
-                f"{capacity}: lower max_tokens or give the engine more kv_cache_memory"
-            )
-        return max_tokens
-
-    def _new_sequence(
-        self,
-        request_id: str,
-        index: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        arrival: float,
-    ) -> Sequence:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed((params.seed + index * 0x9E3779B9) % (1 << 63))
-        detok = None
-        if self.tokenizer is not None:
-            tok, skip = self.tokenizer, params.skip_special_tokens
-            detok = IncrementalDetokenizer(
-                lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings
-            )
-        return Sequence(
-            next(self._seq_ids),
-            request_id,
-            index,
-            prompt_ids,
-            params,
-            max_tokens,
-            self.eos_token_ids,
-            detok,
-            generator,
-            arrival,
-        )
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (None if unknown)."""
+        """Stop a request now and free its blocks; returns its final delta (None if unknown)."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-        return self._make_output(req)
+        running = [seq for seq in req.seqs if not seq.is_finished]
+        for seq in running:
+            self.scheduler.finish(seq, "abort")
+        ends = [self.output_processor.completion(seq, None, None) for seq in running]
+        return self._request_output(req, ends)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is still waiting or running."""
@@ -264,7 +162,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of requests that made progress."""
+        """Run one iteration; returns a delta for each request that made progress."""
         self.step_request_ids = []
         sched = self.scheduler.schedule()
         # the requests this step runs: if the step raises, they are the ones to fail
@@ -279,39 +177,25 @@ class LLMEngine:
         result = self.sampler(logits, sampled) if sampled else SamplerOutput([], [])
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
-        touched: dict[str, None] = {}
+        deltas: dict[str, list[CompletionOutput]] = {}
         for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
             seq.append_token(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if logprob is not None:
-                self._record_logprobs(seq, token, logprob)
             stop = self._check_stop(seq, token)
             if stop is not None:
                 self.scheduler.finish(seq, *stop)
-            touched[seq.request_id] = None
+            delta = self.output_processor.completion(seq, token, logprob)
+            deltas.setdefault(seq.request_id, []).append(delta)
         outputs = []
-        for request_id in touched:
+        for request_id, comps in deltas.items():
             req = self._requests[request_id]
-            out = self._make_output(req)
+            comps.sort(key=lambda c: c.index)
+            out = self._request_output(req, comps)
             if out.finished:
                 del self._requests[request_id]
             outputs.append(out)
         return outputs
-
-    def _record_logprobs(
-        self, seq: Sequence, token: int, logprob: tuple[float, int, list[tuple[int, float]]]
-    ) -> None:
-        value, rank, top = logprob
-        entry = {token: Logprob(value, rank, self._decode_one(token))}
-        for i, (tid, lp) in enumerate(top):
-            if tid not in entry:
-                entry[tid] = Logprob(lp, i + 1, self._decode_one(tid))
-        assert seq.logprobs is not None
-        seq.logprobs.append(entry)
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
         """Stop token / EOS, stop string, max_tokens, context length: the first that holds."""
@@ -331,50 +215,10 @@ class LLMEngine:
             return "length", None
         return None
 
-    def _make_output(self, req: _Request) -> RequestOutput:
-        completions = []
-        for seq in req.seqs:
-            logprobs = list(seq.logprobs) if seq.logprobs is not None else None
-            cumulative = (
-                sum(e[t].logprob for e, t in zip(logprobs, seq.output_token_ids, strict=False))
-                if logprobs
-                else None
-            )
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.output_text if seq.is_finished else seq.stable_output_text,
-                    token_ids=seq.output_token_ids,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=logprobs,
-                    cumulative_logprob=cumulative,
-                )
-            )
-        first = req.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_scheduled_time=_min_time(s.first_scheduled_time for s in req.seqs),
-            first_token_time=_min_time(s.first_token_time for s in req.seqs),
-            finished_time=max((s.finished_time or 0.0) for s in req.seqs)
-            if all(s.is_finished for s in req.seqs)
-            else None,
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+    def _request_output(self, req: _Request, completions: list[CompletionOutput]) -> RequestOutput:
+        return self.output_processor.request(
+            req.request_id, req.prompt, req.prompt_token_ids, req.seqs, completions
         )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=all(s.is_finished for s in req.seqs),
-            metrics=metrics,
-        )
-
-
-def _min_time(values: Any) -> float | None:
-    present = [v for v in values if v is not None]
-    return min(present) if present else None
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

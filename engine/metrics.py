@@ -33,7 +33,6 @@ class _Tracked:
     """What the metrics remember of one running request between steps."""
 
     prompt_counted: bool = False
-    token_counts: dict[int, int] = field(default_factory=dict)  # completion index -> tokens seen
     last_token_time: dict[int, float] = field(default_factory=dict)
 
 
@@ -119,24 +118,23 @@ class EngineMetrics:
         self._last_stats = stats
 
     def record_outputs(self, outputs: list[RequestOutput], now: float) -> None:
-        """Token counters and latency histograms from one step's outputs (`now`: monotonic seconds)."""
+        """Token counters and latency histograms from one step's deltas (`now`: monotonic seconds)."""
         m = self._model
         new_tokens = 0
         for out in outputs:
             tracked = self._tracked.setdefault(out.request_id, _Tracked())
             for comp in out.outputs:
-                seen = tracked.token_counts.get(comp.index, 0)
                 count = len(comp.token_ids)
-                if count > seen:
-                    new_tokens += count - seen
-                    last = tracked.last_token_time.get(comp.index)
-                    if last is not None:
-                        # several tokens in one step (never today) would share the gap
-                        gap = (now - last) / (count - seen)
-                        for _ in range(count - seen):
-                            self._itl.labels(m).observe(gap)
-                    tracked.token_counts[comp.index] = count
-                    tracked.last_token_time[comp.index] = now
+                if not count:
+                    continue
+                new_tokens += count
+                last = tracked.last_token_time.get(comp.index)
+                if last is not None:
+                    # several tokens in one step (never today) would share the gap
+                    gap = (now - last) / count
+                    for _ in range(count):
+                        self._itl.labels(m).observe(gap)
+                tracked.last_token_time[comp.index] = now
             if not tracked.prompt_counted and out.metrics.first_token_time is not None:
                 tracked.prompt_counted = True
                 self._prompt_tokens.labels(m).inc(len(out.prompt_token_ids))

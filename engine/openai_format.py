@@ -84,8 +84,9 @@ def text_choice(index: int, text: str, logprobs: Any, finish: str | None) -> dic
 
 
 def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    """Usage from each request's last output (its totals are cumulative)."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    completion = sum(o.num_generated_tokens for o in finals)
     cached = sum(o.num_cached_tokens for o in finals)
     return {
         "prompt_tokens": prompt,
@@ -119,10 +120,10 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def chat_logprobs(c: CompletionOutput, start: int, k: int | None) -> dict[str, Any]:
-    """OpenAI chat logprobs for tokens [start:] of a completion."""
+def chat_logprobs(c: CompletionOutput, k: int | None) -> dict[str, Any]:
+    """OpenAI chat logprobs for the tokens of a completion's delta."""
     content = []
-    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+    for token, entry in zip(c.token_ids, c.logprobs or [], strict=False):
         chosen = entry[token]
         text = chosen.decoded_token or ""
         content.append(
@@ -143,13 +144,16 @@ def chat_logprobs(c: CompletionOutput, start: int, k: int | None) -> dict[str, A
     return {"content": content}
 
 
-def completion_logprobs(c: CompletionOutput, start: int, offset: int, k: int | None) -> dict[str, Any]:
-    """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) for tokens [start:]."""
+def completion_logprobs(c: CompletionOutput, offset: int, k: int | None) -> dict[str, Any]:
+    """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of a delta.
+
+    `offset`: where the delta's text starts in the choice's text.
+    """
     tokens: list[str] = []
     token_logprobs: list[float] = []
     tops: list[dict[str, float]] = []
     offsets: list[int] = []
-    for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+    for token, entry in zip(c.token_ids, c.logprobs or [], strict=False):
         chosen = entry[token]
         text = chosen.decoded_token or ""
         tokens.append(text)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
 
 
-class APIError(Exception):
+class APIError(EngineError):
     """An error answered in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(
@@ -21,13 +21,14 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, code=code, param=param)
         self.status = status
         self.message = message
         self.type = type_
-        self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         """The JSON error body."""
@@ -36,12 +37,6 @@ class APIError(Exception):
 
 # Errors whose text is fixed: the client learns what happened, never an internal detail (that goes
 # to the server log).
-REQUEST_FAILED = APIError(
-    500, "The engine failed while running this request; retry it", "server_error", code="engine_error"
-)
-ENGINE_DEAD = APIError(
-    503, "The engine failed and is restarting; retry shortly", "service_unavailable", code="engine_dead"
-)
 INTERNAL_ERROR = APIError(500, "Internal server error", "server_error", code="internal_error")
 
 
@@ -242,27 +237,8 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"Invalid {what} for '{param}': {msg}", param=param, code=code)
 
 
-_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def load_generation_defaults(model_dir: Path) -> dict[str, float]:
-    """Sampling defaults a model folder ships in generation_config.json (as vLLM applies them)."""
-    path = model_dir / "generation_config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {
-        k: float(raw[k])
-        for k in _DEFAULTABLE
-        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool)
-    }
-
-
 def build_sampling_params(
-    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, float]
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, float]
 ) -> SamplingParams:
     """Request fields first, then the model's defaults, then OpenAI's."""
 

@@ -1,4 +1,4 @@
-"""RequestStream: one request's outputs, handed from the engine thread to its asyncio handler."""
+"""RequestStream: one request's deltas, handed from the engine thread to its asyncio handler."""
 
 from __future__ import annotations
 
@@ -9,25 +9,29 @@ from engine.outputs import RequestOutput
 
 
 class RequestStream:
-    """The outputs of one request, handed from the engine thread to its handler.
+    """The deltas of one request, handed from the engine thread to its handler.
 
-    Only the latest cumulative output is kept, so a slow reader gets several tokens at once.
+    Deltas the reader has not taken yet are folded into one (`RequestOutput.add`), so a slow
+    reader gets several tokens at once and the queue never grows.
     `close()` (also on an early exit) aborts the request if it has not finished.
     """
 
     def __init__(self, request_id: str, release: Callable[[str, bool], None]) -> None:
         self.request_id = request_id
         self._release = release  # (request_id, abort): the engine frees the request
-        self._latest: RequestOutput | None = None
+        self._pending: RequestOutput | None = None  # deltas not read yet, folded into one
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self.finished = False  # the reader has seen the final output
         self.closed = False
         self.on_final: Callable[[RequestOutput], None] | None = None  # e.g. tracing's phase spans
 
-    def put(self, output: RequestOutput) -> None:
-        """Replace the pending output (event-loop thread only)."""
-        self._latest = output
+    def put(self, delta: RequestOutput) -> None:
+        """Queue a delta, folded into any not read yet (event-loop thread only)."""
+        if self._pending is None:
+            self._pending = delta
+        else:
+            self._pending.add(delta)
         self._event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -41,7 +45,7 @@ class RequestStream:
             self._event.clear()
             if self._error is not None:
                 raise self._error
-            out = self._latest
+            out, self._pending = self._pending, None
             assert out is not None
             self.finished = out.finished
             if self.finished and self.on_final is not None:

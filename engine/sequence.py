@@ -69,7 +69,7 @@ class Sequence:
         self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when asked for
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -103,17 +103,11 @@ class Sequence:
         """Whether the sequence stopped (for any reason)."""
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def output_text(self) -> str:
-        """Detokenized output so far (stop strings excluded)."""
-        return self.detokenizer.text if self.detokenizer is not None else ""
-
-    @property
-    def stable_output_text(self) -> str:
-        """The output text no later token can change: a possible start of a stop string is held back."""
+    def take_text(self) -> str:
+        """The output text decided since the last call (all that is left once finished)."""
         if self.detokenizer is None:
             return ""
-        return self.detokenizer.text[: self.detokenizer.stable_text_len]
+        return self.detokenizer.take(final=self.is_finished)
 
     def append_token(self, token_id: int) -> None:
         """Record a sampled token (its KV is computed by the next step)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,15 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
-from engine.engine_state import EngineDeadError, EngineUnavailableError, RequestFailedError, describe
+from engine.engine_state import describe
+from engine.error_mapping import api_error
+from engine.errors import ClientDisconnectedError, EngineError
 from engine.h11_protocol import limited_h11_protocol
 from engine.http_limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
 from engine.metrics import CONTENT_TYPE
 from engine.openai_format import dumps
 from engine.protocol import (
-    ENGINE_DEAD,
     INTERNAL_ERROR,
-    REQUEST_FAILED,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,7 +59,6 @@ class ServerOptions:
     served_model_names: tuple[str, ...] = ()
     stall_timeout: float = 30.0  # /health turns 503 when the step loop makes no progress this long
     shutdown_timeout: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
-    enable_test_hooks: bool = False
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <key>`
     access_log: bool = True
     log_level: str = "info"
@@ -82,7 +80,6 @@ def served_names(config: EngineConfig, options: ServerOptions) -> list[str]:
 def create_app(
     engine: AsyncLLMEngine,
     names: list[str],
-    enable_test_hooks: bool = False,
     api_key: str | None = None,
     tracing: EngineTracing | None = None,
     limits: HTTPLimits | None = None,
@@ -110,11 +107,10 @@ def create_app(
     app.state.serving = OpenAIServing(engine, names)
     _install_error_handlers(app)
     _add_routes(app, engine, app.state.serving, _key_check(api_key), tracing)
-    if enable_test_hooks:
-        _add_test_hooks(app, engine)
 
     def body_limit() -> int:
-        return limits.body_limit(engine.engine.max_model_len if engine.engine is not None else None)
+        info = engine.model_info
+        return limits.body_limit(info.max_model_len if info is not None else None)
 
     app.add_middleware(
         RequestSizeMiddleware,
@@ -210,47 +206,9 @@ async def _traced(request: Request, span: RequestSpan, serving: OpenAIServing) -
 
 
 def _error_status(exc: BaseException) -> tuple[int, str]:
-    """The status and error type the error handlers below answer `exc` with."""
-    if isinstance(exc, APIError):
-        return exc.status, exc.code or exc.type
-    if isinstance(exc, EngineUnavailableError):
-        return 503, exc.code
-    if isinstance(exc, (ClientDisconnectedError, asyncio.CancelledError)):
-        return 499, "client_disconnected"
-    if isinstance(exc, EngineDeadError):
-        return 500, "engine_dead"
-    return 500, "engine_error"
-
-
-def _add_test_hooks(app: FastAPI, engine: AsyncLLMEngine) -> None:
-    @app.post("/debug/stall")
-    async def stall(request: Request) -> Response:
-        """Test hook: hang the step loop for `seconds`."""
-        body = await _json_body(request)
-        seconds = body.get("seconds") if isinstance(body, dict) else None
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= 600:
-            raise APIError(400, "'seconds' must be a number in [0, 600]", param="seconds")
-        engine.stall_for(float(seconds))
-        return _json({"stalled_for": seconds})
-
-    @app.post("/debug/fail-steps")
-    async def fail_steps(request: Request) -> Response:
-        """Test hook: make the next `steps` engine steps raise."""
-        body = await _json_body(request)
-        steps = body.get("steps") if isinstance(body, dict) else None
-        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= 1000:
-            raise APIError(400, "'steps' must be an integer in [0, 1000]", param="steps")
-        engine.fail_steps(steps)
-        return _json({"failing_steps": steps})
-
-
-async def _json_body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body() or b"{}")
-    except ValueError as exc:
-        raise APIError(
-            400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
-        ) from exc
+    """The status and error code (else type) the error handler answers `exc` with."""
+    error = api_error(exc)
+    return error.status, error.code or error.type
 
 
 async def _parse(request: Request, model: type[_Req]) -> _Req:
@@ -278,10 +236,6 @@ def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
 
 
 T = TypeVar("T")
-
-
-class ClientDisconnectedError(Exception):
-    """The client went away before the response was ready."""
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -314,41 +268,21 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, APIError)
-        return _json(exc.body(), exc.status)
+    """Every error answers through `api_error`; an unexpected one is logged, its text withheld."""
 
-    async def unavailable(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, EngineUnavailableError)
-        return _json(APIError(503, str(exc), "service_unavailable", code=exc.code).body(), 503)
+    async def answer(request: Request, exc: Exception) -> Response:
+        error = api_error(exc)
+        if error is INTERNAL_ERROR:  # Starlette logs the traceback too
+            logger.error("unexpected error on %s: %s", request.url.path, type(exc).__name__)
+        return Response(
+            dumps(error.body()),
+            status_code=error.status,
+            headers=error.headers,
+            media_type="application/json",
+        )
 
-    async def dead(_: Request, exc: Exception) -> Response:
-        return _json(ENGINE_DEAD.body(), ENGINE_DEAD.status)
-
-    async def failed(_: Request, exc: Exception) -> Response:
-        return _json(REQUEST_FAILED.body(), REQUEST_FAILED.status)
-
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        # Starlette logs the traceback too; the client gets no internal text.
-        logger.error("unexpected error on %s: %s", request.url.path, type(exc).__name__)
-        return _json(INTERNAL_ERROR.body(), INTERNAL_ERROR.status)
-
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        body = APIError(exc.status_code, str(exc.detail), "invalid_request_error", code=code).body()
-        return _json(body, exc.status_code)
-
-    async def disconnected(_: Request, exc: Exception) -> Response:
-        return Response(status_code=499)  # nobody reads it
-
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(EngineUnavailableError, unavailable)
-    app.add_exception_handler(EngineDeadError, dead)
-    app.add_exception_handler(RequestFailedError, failed)
-    app.add_exception_handler(Exception, unexpected)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(ClientDisconnectedError, disconnected)
+    for exc_class in (EngineError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_class, answer)
 
 
 class DrainingServer(uvicorn.Server):
@@ -401,10 +335,18 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(config: EngineConfig, options: ServerOptions) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code."""
+def run_server(
+    config: EngineConfig,
+    options: ServerOptions,
+    engine_class: type[AsyncLLMEngine] = AsyncLLMEngine,
+    extend_app: Callable[[FastAPI, AsyncLLMEngine], None] | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code.
+
+    `engine_class` and `extend_app` (more routes) let a test entry point serve an instrumented engine.
+    """
     names = served_names(config, options)
-    engine = AsyncLLMEngine(config, names[0], stall_timeout=options.stall_timeout)
+    engine = engine_class(config, names[0], stall_timeout=options.stall_timeout)
     tracing = None
     if options.otlp_traces_endpoint is not None:  # the SDK is imported only then
         from engine.tracing import otlp_tracing
@@ -412,7 +354,9 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
         logger.info("exporting traces to %s as %s", options.otlp_traces_endpoint, options.otel_service_name)
         tracing = otlp_tracing(options.otlp_traces_endpoint, options.otel_service_name)
     limits = options.limits
-    app = create_app(engine, names, options.enable_test_hooks, options.api_key, tracing, limits)
+    app = create_app(engine, names, options.api_key, tracing, limits)
+    if extend_app is not None:
+        extend_app(app, engine)
     uv_config = uvicorn.Config(
         app,
         host=options.host,

@@ -6,14 +6,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
-from engine.event_stream import EventStream, close_all, last_output, merged
+from engine.event_stream import EventStream, close_all, merged, whole_output
 from engine.openai_format import (
     SSE_DONE,
     Call,
@@ -29,7 +29,7 @@ from engine.openai_format import (
     text_pieces,
     usage,
 )
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -38,7 +38,6 @@ from engine.protocol import (
     build_sampling_params,
     chat_messages,
     completion_prompts,
-    load_generation_defaults,
 )
 from engine.request_limits import check_request_limits
 from engine.request_stream import RequestStream
@@ -63,7 +62,6 @@ class OpenAIServing:
         self.engine = engine
         self.served_names = served_names
         self.created = int(time.time())
-        self._defaults: dict[str, float] | None = None
 
     # ----------------------------------------------------------------- common
     def resolve_model(self, name: str | None) -> str:
@@ -81,7 +79,8 @@ class OpenAIServing:
 
     def models(self) -> dict[str, Any]:
         """Body of GET /v1/models."""
-        max_len = self.engine.engine.max_model_len if self.engine.engine is not None else None
+        info = self.engine.model_info
+        max_len = info.max_model_len if info is not None else None
         data = [
             {
                 "id": name,
@@ -95,14 +94,10 @@ class OpenAIServing:
         ]
         return {"object": "list", "data": data}
 
-    def generation_defaults(self) -> dict[str, float]:
-        """The model's own sampling defaults (generation_config.json), read once after loading."""
-        if self._defaults is None:
-            engine = self.engine.engine
-            if engine is None:
-                return {}
-            self._defaults = load_generation_defaults(engine.model_dir)
-        return self._defaults
+    def generation_defaults(self) -> Mapping[str, float]:
+        """The model's own sampling defaults (generation_config.json); none while it loads."""
+        info = self.engine.model_info
+        return info.generation_defaults if info is not None else {}
 
     def sampling_params(
         self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None
@@ -111,8 +106,8 @@ class OpenAIServing:
         return build_sampling_params(req, max_tokens, logprobs, self.generation_defaults())
 
     def _tokenizer(self) -> Any:
-        engine = self.engine.engine
-        tokenizer = engine.tokenizer if engine is not None else None
+        info = self.engine.model_info
+        tokenizer = info.tokenizer if info is not None else None
         if tokenizer is None:
             raise APIError(
                 400, "this model has no tokenizer: send token ids to /v1/completions", param="model"
@@ -135,12 +130,9 @@ class OpenAIServing:
                 stream.on_final = span.finished
             return stream
         except InvalidRequestError as exc:
-            text = str(exc)
-            if "max_tokens" in text or "requested" in text:
-                param = "max_tokens"
-            else:
-                param = "prompt" if add_special_tokens else "messages"
-            raise APIError(400, text, param=param, code=exc.code) from exc
+            if exc.param is None:  # the prompt is to blame: name the field it came in
+                exc.param = "prompt" if add_special_tokens else "messages"
+            raise
 
     # ------------------------------------------------------------------- chat
     async def render_chat(self, req: ChatCompletionRequest) -> str:
@@ -169,7 +161,7 @@ class OpenAIServing:
         if req.stream:
             return EventStream(self._chat_events(call, stream, params, top, req.include_usage), [stream])
         try:
-            final = await last_output(stream)
+            final = await whole_output(stream)
         finally:
             stream.close()
         raise_if_aborted(final)
@@ -177,7 +169,7 @@ class OpenAIServing:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, 0, top) if top is not None else None,
+                "logprobs": chat_logprobs(c, top) if top is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -204,24 +196,23 @@ class OpenAIServing:
 
         for i in range(params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        sent = _Progress(params.n)
+        ended = [False] * params.n
         last: RequestOutput | None = None
         async for out in outputs:
             last = out
             for c in out.outputs:
-                if sent.finished[c.index]:
+                if ended[c.index]:
                     continue
                 if c.finish_reason == "abort":
                     yield aborted_event()
                     return
-                text, first_token = sent.advance(c)
-                logprobs = chat_logprobs(c, first_token, top) if top is not None else None
+                logprobs = chat_logprobs(c, top) if top is not None else None
                 entries = logprobs["content"] if logprobs is not None else []
-                for piece, start, end in event_pieces(text, len(entries)):
+                for piece, start, end in event_pieces(c.text, len(entries)):
                     piece_logprobs = {"content": entries[start:end]} if logprobs is not None else None
                     yield chunk(c.index, {"content": piece}, piece_logprobs)
                 if c.finish_reason is not None:
-                    sent.finished[c.index] = True
+                    ended[c.index] = True
                     yield chunk(c.index, {}, finish=c.finish_reason)
         if include_usage and last is not None:
             yield sse({**head, "choices": [], "usage": usage([last])})
@@ -255,7 +246,7 @@ class OpenAIServing:
                 self._completion_events(call, streams, params, echo, req.include_usage), streams
             )
         try:
-            finals = list(await asyncio.gather(*(last_output(s) for s in streams)))
+            finals = list(await asyncio.gather(*(whole_output(s) for s in streams)))
         finally:
             close_all(streams)
         choices = []
@@ -267,7 +258,7 @@ class OpenAIServing:
                     {
                         "index": k * params.n + c.index,
                         "text": prefix + c.text,
-                        "logprobs": completion_logprobs(c, 0, 0, params.logprobs)
+                        "logprobs": completion_logprobs(c, 0, params.logprobs)
                         if params.logprobs is not None
                         else None,
                         "finish_reason": c.finish_reason,
@@ -292,7 +283,8 @@ class OpenAIServing:
         head = response_head(call)
         extra = {"usage": None} if include_usage else {}
         n = params.n
-        sent = [_Progress(n) for _ in streams]
+        ended = [[False] * n for _ in streams]
+        # where the next delta's text starts in each choice's text (logprobs' text_offset)
         offsets = [[len(echo[k]) if echo else 0] * n for k in range(len(streams))]
         finals: dict[int, RequestOutput] = {}
         if echo is not None:
@@ -303,15 +295,15 @@ class OpenAIServing:
         async for k, out in merged(streams):
             finals[k] = out
             for c in out.outputs:
-                if sent[k].finished[c.index]:
+                if ended[k][c.index]:
                     continue
                 if c.finish_reason == "abort":
                     yield aborted_event()
                     return
-                text, first_token = sent[k].advance(c)
+                text = c.text
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = completion_logprobs(c, first_token, offsets[k][c.index], params.logprobs)
+                    logprobs = completion_logprobs(c, offsets[k][c.index], params.logprobs)
                     offsets[k][c.index] += len(text)
                 finish = c.finish_reason
                 pieces = event_pieces(text, len(logprobs["tokens"]) if logprobs is not None else 0)
@@ -327,28 +319,10 @@ class OpenAIServing:
                     )
                     yield sse({**head, "choices": [choice], **extra})
                 if finish is not None:
-                    sent[k].finished[c.index] = True
+                    ended[k][c.index] = True
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage([finals[k] for k in sorted(finals)])})
         yield SSE_DONE
-
-
-class _Progress:
-    """What a stream has already sent, per completion index."""
-
-    def __init__(self, n: int) -> None:
-        self.text = [0] * n
-        self.tokens = [0] * n
-        self.finished = [False] * n
-
-    def advance(self, c: CompletionOutput) -> tuple[str, int]:
-        """The new text since last time, and the index of the first token not sent yet."""
-        i = c.index
-        text = c.text[self.text[i] :]
-        first_token = self.tokens[i]
-        self.text[i] = len(c.text)
-        self.tokens[i] = len(c.token_ids)
-        return text, first_token
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:

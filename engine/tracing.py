@@ -121,7 +121,7 @@ class RequestSpan:
         end = m.finished_time or time.monotonic()
         scheduled, first = m.first_scheduled_time, m.first_token_time
         prompt, cached = len(out.prompt_token_ids), m.num_cached_tokens
-        generated = sum(len(c.token_ids) for c in out.outputs)
+        generated = out.num_generated_tokens
         reasons = [c.finish_reason or "abort" for c in out.outputs]
         ids = {"switchboard.engine.request_id": out.request_id}
         self._phase("queue", ns(m.arrival_time), ns(scheduled if scheduled is not None else end), ids)

@@ -91,7 +91,11 @@ class ManagedServer:
 
 
 class ServerProcess(ManagedServer):
-    """`python -m engine serve` with the given model and options."""
+    """`python -m engine serve` with the given model and options.
+
+    `hooks=True`: `python -m tests.engine.hooked_server serve`, the same server with test hooks
+    (POST /debug/stall, /debug/fail-steps); run from the repository root.
+    """
 
     def __init__(
         self,
@@ -100,12 +104,13 @@ class ServerProcess(ManagedServer):
         ready_timeout: float = 180.0,
         port: int | None = None,
         env: dict[str, str] | None = None,
+        hooks: bool = False,
     ) -> None:
         def command(port: int) -> list[str]:
             return [
                 sys.executable,
                 "-m",
-                "engine",
+                "tests.engine.hooked_server" if hooks else "engine",
                 "serve",
                 "--model",
                 str(model),

@@ -29,28 +29,44 @@ def test_incremental_text_equals_full_decode_and_never_shows_partial_characters(
     prompt = tokenizer("Prompt:").input_ids
     ids = tokenizer(text, add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t, skip_special_tokens=True), prompt, [])
+    pieces = []
     for token in ids:
         detok.add_token(token)
-        assert "\ufffd" not in detok.text
+        pieces.append(detok.take())
+        assert "\ufffd" not in pieces[-1]
     detok.flush()
-    assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+    pieces.append(detok.take(final=True))
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_stop_string_spanning_tokens_truncates_text(tokenizer: Any) -> None:
     ids = tokenizer("The answer is forty-two, obviously.", add_special_tokens=False).input_ids
     detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["y-tw", "never"])
     hit = None
+    pieces = []
     for token in ids:
         hit = detok.add_token(token)
+        pieces.append(detok.take())
         if hit:
             break
     assert hit == "y-tw"
-    assert detok.text == "The answer is fort"
+    assert "".join(pieces) == "The answer is fort"
 
 
 def test_partial_stop_string_is_held_back_for_streaming(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["END"])
+    pieces = []
     for token in tokenizer("abc EN", add_special_tokens=False).input_ids:
         detok.add_token(token)
-    assert detok.text == "abc EN"
-    assert detok.text[: detok.stable_text_len] == "abc "
+        pieces.append(detok.take())
+    assert "".join(pieces) == "abc "
+    assert detok.take(final=True) == "EN"
+
+
+def test_held_back_text_that_turns_out_no_stop_string_is_sent_later(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["END"])
+    pieces = []
+    for token in tokenizer("abc EN and more", add_special_tokens=False).input_ids:
+        assert detok.add_token(token) is None
+        pieces.append(detok.take())
+    assert "".join(pieces) == "abc EN and more"

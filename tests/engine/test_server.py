@@ -22,12 +22,12 @@ KV_BYTES = str(64 << 20)
 def server(tiny_chat_model: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
         tiny_chat_model,
-        "--enable-test-hooks",
         "--health-stall-timeout",
         "1",
         "--kv-cache-memory",
         KV_BYTES,
         "--no-access-log",
+        hooks=True,
     )
     try:
         yield proc

@@ -25,7 +25,6 @@ BODY_LIMIT = 4 << 20
 def server(tiny_chat_model: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(
         tiny_chat_model,
-        "--enable-test-hooks",
         "--kv-cache-memory",
         str(64 << 20),
         "--no-access-log",
@@ -49,6 +48,7 @@ def server(tiny_chat_model: Path) -> Iterator[ServerProcess]:
         "10",
         "--max-logprobs",
         "5",
+        hooks=True,
     )
     try:
         yield proc
@@ -276,13 +276,13 @@ def test_a_client_leaving_at_any_phase_aborts_cleanly(server: ServerProcess, pha
 def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model: Path) -> None:
     proc = ServerProcess(
         tiny_chat_model,
-        "--enable-test-hooks",
         "--kv-cache-memory",
         str(16 << 20),
         "--max-consecutive-step-failures",
         "1",
         "--limit-concurrency",
         "3",
+        hooks=True,
     )
     try:
         url = proc.base_url

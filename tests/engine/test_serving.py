@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from engine.model_info import load_generation_defaults
 from engine.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     build_sampling_params,
-    load_generation_defaults,
 )
 
 

@@ -16,10 +16,11 @@ from engine.openai_format import MAX_EVENT_TOKENS
 from engine.protocol import ChatCompletionRequest, CompletionRequest
 from engine.sampling_params import SamplingParams
 from engine.serving import OpenAIServing
+from tests.engine.hooked_server import HookedAsyncLLMEngine
 
 
-async def _ready(model: Path) -> AsyncLLMEngine:
-    engine = AsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=32 << 20), "tiny")
+async def _ready(model: Path) -> HookedAsyncLLMEngine:
+    engine = HookedAsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=32 << 20), "tiny")
     engine.start()
     await engine.wait_ready(60)
     return engine

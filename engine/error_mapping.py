@@ -1,0 +1,31 @@
+"""The one exception -> OpenAI error answer mapping of the engine's HTTP server.
+
+Domain errors carry their answer (`EngineError`: status, type, code, param, headers); starlette's
+HTTP errors carry a status; a cancelled request's client is gone (499, nobody reads it). Anything
+else is a bug: the client gets a fixed text (`INTERNAL_ERROR`; the caller logs the details). No
+message is read to choose a status or a param.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import ClientDisconnectedError, EngineError
+from engine.protocol import INTERNAL_ERROR, APIError
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The OpenAI-format answer for `exc` (no internal text for unexpected errors)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return APIError(exc.status, exc.public_message, exc.type, exc.param, exc.code, exc.headers)
+    if isinstance(exc, StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+    if isinstance(exc, asyncio.CancelledError):
+        return api_error(ClientDisconnectedError())
+    return INTERNAL_ERROR

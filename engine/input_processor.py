@@ -1,0 +1,150 @@
+"""InputProcessor: a prompt becomes an admitted request: tokenized, length-checked, its sequences.
+
+Kept out of LLMEngine so that the engine is add / step / abort. `prepare()` reads only what loading
+fixed, so it is safe from any thread: the server runs it in a worker, and a long prompt never holds
+up the step loop. `sequences()` runs on the step-loop thread (it numbers sequences).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCacheCapacityError
+from engine.models.config import ModelConfig
+from engine.prompt_length import tokens_at_least
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt that passed admission checks: its text, token ids and the completion's token bound."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+class InputProcessor:
+    """Tokenizes and checks prompts against the context and the KV pool; builds their sequences."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_config: ModelConfig,
+        max_model_len: int,
+        num_token_slots: int,
+        eos_token_ids: frozenset[int],
+        device: torch.device,
+    ) -> None:
+        self.tokenizer = tokenizer  # None for folders without one: prompts are token ids
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = max_model_len
+        self.num_token_slots = num_token_slots  # tokens the whole KV pool holds
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self._seq_ids = itertools.count()
+
+    def prepare(
+        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
+    ) -> PreparedPrompt:
+        """Tokenize and check lengths; raises an InvalidRequestError subclass when it cannot run."""
+        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
+        max_tokens = self._check_lengths(len(prompt_ids), params)
+        return PreparedPrompt(prompt_text, prompt_ids, max_tokens)
+
+    def sequences(
+        self, request_id: str, prepared: PreparedPrompt, params: SamplingParams, arrival: float
+    ) -> list[Sequence]:
+        """The request's `n` sequences (step-loop thread only)."""
+        return [self._new_sequence(request_id, i, prepared, params, arrival) for i in range(params.n)]
+
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
+            at_least = tokens_at_least(self.tokenizer, prompt, self.max_model_len)
+            if at_least is not None:
+                raise ContextLengthExceededError(
+                    f"This model's maximum context length is {self.max_model_len} tokens, "
+                    f"but the prompt has at least {at_least} tokens"
+                )
+            ids = list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+            text: str | None = prompt
+        else:
+            ids, text = list(prompt), None
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            return text, ids  # _check_lengths rejects it; no need to look at every id
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return text, ids
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
+        limit, capacity = self.max_model_len, self.num_token_slots
+        if prompt_len >= limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens, "
+                f"but the prompt has {prompt_len} tokens"
+            )
+        if params.max_tokens is None:  # as much as fits, in the context and in the whole KV pool
+            max_tokens = min(limit, capacity) - prompt_len
+            if max_tokens < 1:
+                raise KVCacheCapacityError(
+                    f"the prompt needs {prompt_len} tokens of KV cache but the whole pool holds "
+                    f"{capacity}: give the engine more kv_cache_memory"
+                )
+            return max_tokens
+        max_tokens = params.max_tokens
+        if prompt_len + max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion)",
+                param="max_tokens",
+            )
+        if prompt_len + max_tokens > capacity:
+            raise KVCacheCapacityError(
+                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache "
+                "but the whole pool holds "
+                f"{capacity}: lower max_tokens or give the engine more kv_cache_memory",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def _new_sequence(
+        self, request_id: str, index: int, prepared: PreparedPrompt, params: SamplingParams, arrival: float
+    ) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((params.seed + index * 0x9E3779B9) % (1 << 63))
+        prompt_ids = prepared.prompt_token_ids
+        detok = None
+        if self.tokenizer is not None:
+            tok, skip = self.tokenizer, params.skip_special_tokens
+            detok = IncrementalDetokenizer(
+                lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings
+            )
+        return Sequence(
+            next(self._seq_ids),
+            request_id,
+            index,
+            prompt_ids,
+            params,
+            prepared.max_tokens,
+            self.eos_token_ids,
+            detok,
+            generator,
+            arrival,
+        )
