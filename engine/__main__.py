@@ -231,8 +231,8 @@ def _env(name: str, kind: type[int] | type[float], fallback: float | None) -> fl
 
 def serve(args: argparse.Namespace, **server_kwargs: Any) -> int:
     """`serve`: run the HTTP server (`server_kwargs` go to `run_server`, e.g. an engine class)."""
-    from engine.http_limits import HTTPLimits
-    from engine.server import ServerOptions, run_server
+    from engine.http.limits import HTTPLimits
+    from engine.http.server import ServerOptions, run_server
 
     limits = HTTPLimits(
         max_body_bytes=args.max_body_bytes,

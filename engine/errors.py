@@ -1,6 +1,6 @@
 """The engine's domain errors: each carries the HTTP answer it becomes (status, type, code, param).
 
-The server turns any of them into OpenAI's error format with one function (`engine.error_mapping`),
+The server turns any of them into OpenAI's error format with one function (`engine.http.error_mapping`),
 which reads these attributes and never an exception's message. `public_message` is what a client
 may read: the message itself for a request's own mistakes, a fixed text where the cause is
 internal (that goes to the server log).

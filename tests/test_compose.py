@@ -14,7 +14,7 @@ import yaml
 from engine.__main__ import main as engine_main
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
-from engine.server import ServerOptions, served_names
+from engine.http.server import ServerOptions, served_names
 from gateway.cli import main as gateway_cli
 from gateway.config.policy import EngineBackend, Policy, load_policy
 from gateway.config.settings import GatewaySettings
@@ -253,7 +253,7 @@ def engine_cli(
         captured.append((config, options))
         return 0
 
-    monkeypatch.setattr("engine.server.run_server", run_server)
+    monkeypatch.setattr("engine.http.server.run_server", run_server)
     assert engine_main(command(service)[3:]) == 0
     return captured[0]
 
@@ -472,7 +472,7 @@ def test_engine_reserves_an_nvidia_gpu_and_has_a_healthcheck_on_its_health_endpo
     devices = engine["deploy"]["resources"]["reservations"]["devices"]
     assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
     port, path = healthcheck_url(engine)
-    assert path == "/health"  # engine/server.py: 200 only when loaded and making progress
+    assert path == "/health"  # engine/http/server.py: 200 only when loaded and making progress
     assert port in {p for _, p in listens(engine, collector)}
 
 

@@ -18,10 +18,10 @@ from fastapi import FastAPI, Request, Response
 
 from engine.__main__ import parse_args, serve
 from engine.async_engine import AsyncLLMEngine
+from engine.http.openai_format import dumps
+from engine.http.protocol import APIError
 from engine.llm_engine import LLMEngine
-from engine.openai_format import dumps
 from engine.outputs import RequestOutput
-from engine.protocol import APIError
 
 
 class HookedAsyncLLMEngine(AsyncLLMEngine):

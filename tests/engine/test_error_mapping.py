@@ -7,9 +7,9 @@ import asyncio
 from starlette.exceptions import HTTPException
 
 from engine.engine_state import EngineDeadError, EngineUnavailableError, RequestFailedError
-from engine.error_mapping import api_error
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.protocol import INTERNAL_ERROR
+from engine.http.error_mapping import api_error
+from engine.http.protocol import INTERNAL_ERROR
 
 
 def test_domain_errors_answer_with_their_own_status_code_and_param() -> None:

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.server import create_app
+from engine.http.server import create_app
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from engine.__main__ import otlp_traces_endpoint
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.server import create_app
-from engine.tracing import exporting_to
+from engine.http.server import create_app
+from engine.http.tracing import exporting_to
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_info import load_generation_defaults
-from engine.protocol import (
+from engine.http.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     build_sampling_params,
 )
+from engine.model_info import load_generation_defaults
 
 
 def _chat(**fields: object) -> ChatCompletionRequest:

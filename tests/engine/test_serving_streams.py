@@ -12,10 +12,10 @@ import pytest
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.openai_format import MAX_EVENT_TOKENS
-from engine.protocol import ChatCompletionRequest, CompletionRequest
+from engine.http.openai_format import MAX_EVENT_TOKENS
+from engine.http.protocol import ChatCompletionRequest, CompletionRequest
+from engine.http.serving import OpenAIServing
 from engine.sampling_params import SamplingParams
-from engine.serving import OpenAIServing
 from tests.engine.hooked_server import HookedAsyncLLMEngine
 
 

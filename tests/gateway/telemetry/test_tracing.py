@@ -205,7 +205,9 @@ def test_without_an_otlp_endpoint_no_span_is_made_and_the_sdk_is_never_imported(
         assert r.status_code in (502, 503), r.text
         assert gateway.app.services.proxy.tracing is None
         gateway.stop()
-        ours = ("gateway.telemetry.tracing", "engine.tracing", "opentelemetry.sdk", "opentelemetry.exporter")
+        ours = (
+            "gateway.telemetry.tracing", "engine.http.tracing", "opentelemetry.sdk", "opentelemetry.exporter"
+        )  # fmt: skip
         loaded = sorted(m for m in sys.modules if m.startswith(ours))  # FastAPI imports the API itself
         print("loaded:", loaded)
     """)  # fmt: skip

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.http.protocol import APIError
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.protocol import APIError
 from engine.sequence import Logprob
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf

@@ -11,10 +11,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from engine.error_mapping import api_error
-from engine.openai_format import error_event
+from engine.http.error_mapping import api_error
+from engine.http.openai_format import error_event
+from engine.http.protocol import INTERNAL_ERROR, APIError
 from engine.outputs import RequestOutput
-from engine.protocol import INTERNAL_ERROR, APIError
 from engine.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)

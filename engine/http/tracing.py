@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine.http.protocol import ChatCompletionRequest, CompletionRequest
 from engine.outputs import RequestOutput
-from engine.protocol import ChatCompletionRequest, CompletionRequest
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # stateless: W3C traceparent and tracestate
 

@@ -13,7 +13,7 @@ import asyncio
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import ClientDisconnectedError, EngineError
-from engine.protocol import INTERNAL_ERROR, APIError
+from engine.http.protocol import INTERNAL_ERROR, APIError
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 

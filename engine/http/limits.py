@@ -3,7 +3,7 @@
 The body limit is enforced here, in ASGI middleware, before anything parses the body: a declared
 `Content-Length` over the limit is refused without reading a byte, and a chunked body is counted
 as it arrives and refused at the first byte over. The header limit is checked here too (431);
-h11 (`engine/h11_protocol.py`) bounds the memory a head can take before it is complete, and
+h11 (`engine/http/h11_protocol.py`) bounds the memory a head can take before it is complete, and
 closes connections whose head is too slow. The connection limits are uvicorn's own options.
 """
 

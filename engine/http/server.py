@@ -23,23 +23,23 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
 from engine.engine_state import describe
-from engine.error_mapping import api_error
 from engine.errors import ClientDisconnectedError, EngineError
-from engine.h11_protocol import limited_h11_protocol
-from engine.http_limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
-from engine.metrics import CONTENT_TYPE
-from engine.openai_format import dumps
-from engine.protocol import (
+from engine.http.error_mapping import api_error
+from engine.http.h11_protocol import limited_h11_protocol
+from engine.http.limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
+from engine.http.openai_format import dumps
+from engine.http.protocol import (
     INTERNAL_ERROR,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     validation_error,
 )
-from engine.serving import OpenAIServing
+from engine.http.serving import OpenAIServing
+from engine.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from engine.tracing import EngineTracing, RequestSpan
+    from engine.http.tracing import EngineTracing, RequestSpan
 
 logger = logging.getLogger(__name__)
 
@@ -349,7 +349,7 @@ def run_server(
     engine = engine_class(config, names[0], stall_timeout=options.stall_timeout)
     tracing = None
     if options.otlp_traces_endpoint is not None:  # the SDK is imported only then
-        from engine.tracing import otlp_tracing
+        from engine.http.tracing import otlp_tracing
 
         logger.info("exporting traces to %s as %s", options.otlp_traces_endpoint, options.otel_service_name)
         tracing = otlp_tracing(options.otlp_traces_endpoint, options.otel_service_name)

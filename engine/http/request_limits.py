@@ -8,7 +8,7 @@ learns which field to change; the limit's value is in the message.
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.protocol import APIError
+from engine.http.protocol import APIError
 
 
 def _over(param: str, what: str, limit: int, got: int, option: str) -> APIError:

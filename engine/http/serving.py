@@ -13,8 +13,8 @@ from jinja2 import TemplateError
 
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
-from engine.event_stream import EventStream, close_all, merged, whole_output
-from engine.openai_format import (
+from engine.http.event_stream import EventStream, close_all, merged, whole_output
+from engine.http.openai_format import (
     SSE_DONE,
     Call,
     aborted_event,
@@ -29,8 +29,7 @@ from engine.openai_format import (
     text_pieces,
     usage,
 )
-from engine.outputs import RequestOutput
-from engine.protocol import (
+from engine.http.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,12 +38,13 @@ from engine.protocol import (
     chat_messages,
     completion_prompts,
 )
-from engine.request_limits import check_request_limits
+from engine.http.request_limits import check_request_limits
+from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported only when tracing is on
-    from engine.tracing import RequestSpan
+    from engine.http.tracing import RequestSpan
 
 logger = logging.getLogger(__name__)
 
