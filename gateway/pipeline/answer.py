@@ -9,7 +9,7 @@ import orjson
 
 from gateway.backends.base import UpstreamReply
 from gateway.backends.upstream_errors import error_code, is_openai_error
-from gateway.errors import GatewayError, error_body
+from gateway.errors import GatewayError
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
 from gateway.pipeline.reply import JSON_HEADER, Reply, error_reply
@@ -30,8 +30,9 @@ def passed_on(call: Call, status: int, body: bytes) -> tuple[Reply, str]:
         logger.warning("request %s: %s answered HTTP %d without an OpenAI error: %r",
                        call.id, call.backend or call.model, status, body[:200])  # fmt: skip
         kind = "invalid_request_error" if client_status < 500 else "api_error"
-        body = error_body(f"the upstream for '{call.model}' answered HTTP {status}", kind, None,
-                          "upstream_error")  # fmt: skip
+        message = f"the upstream for '{call.model}' answered HTTP {status}"
+        replaced = GatewayError(client_status, message, kind, code="upstream_error")
+        return error_reply(replaced), "upstream_error"
     return Reply(client_status, [JSON_HEADER], body), error_code(body)
 
 
