@@ -134,7 +134,9 @@ class Admission:
         if any(v for _, v, _ in tpm):
             ticket.reserved_tokens = body_bytes // 4 + (max_output(body) or 0) * choices(body)
             ticket.token_limits = [
-                Limit(f"{n}:tpm", v, ticket.reserved_tokens, f"tokens per minute {w}") for n, v, w in tpm if v
+                Limit(f"{n}:tpm", v, ticket.reserved_tokens, f"tokens per minute {w}", "tokens")
+                for n, v, w in tpm
+                if v
             ]
             limits += ticket.token_limits
         return limits
