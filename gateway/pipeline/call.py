@@ -39,6 +39,7 @@ class Call:
     prices: PriceBook | None = None
     ticket: Ticket | None = None  # rate-limit and budget reservations, released with the log row
     body: dict[str, Any] | None = None  # the parsed request (to count tokens if no usage comes back)
+    body_bytes: int = 0  # its size: a bound on its prompt tokens while they are counted
     reply_body: bytes | None = None  # a whole answer (same reason)
     lines: list[str] = field(default_factory=list)  # a stream's data lines (same reason)
     stream: bool = False

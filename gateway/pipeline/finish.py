@@ -48,9 +48,29 @@ class Finish:
         if not served or (call.usage and not says_zero(call.usage)):
             self._finish(call, status, error, False)
             return
+        self._narrow(call)
         task = asyncio.get_running_loop().create_task(self._estimate_then_finish(call, status, error))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+
+    def _narrow(self, call: Call) -> None:
+        """Before the count: hold no more than an upper bound of the request's tokens.
+
+        A token is at least one byte of UTF-8 and a character at most four: the request's body
+        bounds its prompt (a message's JSON outweighs its template tokens), four times the answer's
+        characters bound the completion. Loose (the JSON of each event counts), but it frees the
+        reservation of a short answer at once, not after the tokenizer had its turn.
+        """
+        if call.ticket is None or call.prices is None or call.backend is None:
+            return
+        if call.reply_body is not None:
+            completion = len(call.reply_body)
+        else:
+            completion = 4 * sum(len(line) for line in call.lines)
+        bound = {"prompt_tokens": call.body_bytes, "completion_tokens": completion}
+        bound["total_tokens"] = call.body_bytes + completion
+        cost, _ = call.prices.costs(call.backend, bound)
+        self.admission.narrow(call.ticket, bound, cost)
 
     async def _estimate_then_finish(self, call: Call, status: int, error: str | None) -> None:
         """Count the request's tokens; a reported zero stands only where the count finds none."""

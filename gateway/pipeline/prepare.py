@@ -41,7 +41,7 @@ def prepare(rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
         raise AuthError(403, f"this key may not use the model '{model}'", "model_not_allowed")
     if rt.policy.log_bodies:
         call.request_body = raw
-    call.body = body
+    call.body, call.body_bytes = body, len(raw)
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
     if body.get("stream") is True and not wants_usage:  # the log needs usage: ask, hide it later
