@@ -1,9 +1,16 @@
-"""The gateway's base error and OpenAI's error body: below every room (gateway/api/errors.py maps
-exceptions to answers)."""
+"""The gateway's base error and the one mapping of an error to OpenAI's answer: below every room.
+
+Every error a client may be answered with is a GatewayError: it carries its HTTP `status`,
+OpenAI's `type`, `param` and `code`, and the `headers()` its answer needs (Retry-After, Allow).
+`error_answer` turns any of them into the answer; the proxy, the completion endpoint, the ASGI
+guards and the FastAPI handlers (gateway/api/errors.py) all use it, and none reads a message.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -18,9 +25,28 @@ class GatewayError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self._headers = headers
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers the answer needs besides its content type (e.g. Retry-After)."""
+        return list(self._headers)
+
+
+class ErrorAnswer(NamedTuple):
+    """An error's HTTP answer: status, headers (the JSON content type not included) and body."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+def error_answer(exc: GatewayError) -> ErrorAnswer:
+    """The OpenAI-format answer to `exc`: the one place an error becomes a status, body and headers."""
+    return ErrorAnswer(exc.status, exc.headers(), error_body(exc.message, exc.type, exc.param, exc.code))
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -29,6 +55,6 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return orjson.dumps(body)
 
 
-def auth_error_type(status: int) -> str:
-    """OpenAI's error type for an AuthError's status."""
-    return {401: "authentication_error", 429: "requests"}.get(status, "permission_error")
+def retry_after_header(seconds: float) -> bytes:
+    """`Retry-After` in whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds))).encode()

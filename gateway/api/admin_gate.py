@@ -13,7 +13,6 @@ from fastapi import FastAPI, Request
 from gateway.api.admin_keys import require_master_key
 from gateway.api.asgi import ASGIApp, Receive, Scope, Send, send_error
 from gateway.api.body_limit import declared_length, may_exceed
-from gateway.errors import auth_error_type
 from gateway.governance.keys import AuthError
 
 
@@ -36,7 +35,6 @@ class AdminGate:
                 await require_master_key(Request({**scope, "app": self.api}))
             except AuthError as exc:
                 close = may_exceed(declared_length(scope), self.max_body_bytes)
-                kind = auth_error_type(exc.status)
-                await send_error(send, exc.status, exc.message, kind, exc.code, close, exc.headers())
+                await send_error(send, exc, close)
                 return
         await self.app(scope, receive, send)

@@ -74,7 +74,7 @@ class BodyLimit:
         try:
             body = await read_body(receive, declared_length(scope), self.limit)
         except GatewayError as exc:
-            await send_error(send, exc.status, exc.message, exc.type, exc.code, close=True)
+            await send_error(send, exc, close=True)
             return
         except ClientLeftError:
             return

@@ -16,10 +16,8 @@ from collections.abc import Awaitable, Callable
 from gateway.api.asgi import Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
-from gateway.errors import GatewayError, auth_error_type
-from gateway.governance.keys import AuthError
+from gateway.errors import GatewayError
 from gateway.pipeline.reply import Reply
-from gateway.store.db import DatabaseUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -40,44 +38,30 @@ class CompletionsEndpoint:
         started = time.perf_counter()
         services = self._services()
         keys, proxy = services.keys, services.proxy
-        trace = proxy.tracing.start(scope["path"], scope["headers"]) if proxy.tracing is not None else None
+        trace = proxy.tracing.start(scope["path"], scope["headers"])
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here: use POST"
-            reply = proxy.refuse(started, 405, message, "invalid_request_error", "method_not_allowed", trace)
-            reply.headers.append((b"allow", b"POST"))
-            await _send_whole(reply, send)
+            refused = GatewayError(405, message, code="method_not_allowed", headers=[(b"allow", b"POST")])
+            await _send_whole(proxy.refuse(started, refused, trace), send)
             return
         authorization, declared = _headers(scope)
         close = may_exceed(declared, self.max_body_bytes)  # refused unread: do not read it to discard
         try:
             key = await keys.authenticate(_bearer(authorization), scope.get("client"))
-            if trace is not None:
-                trace.authenticated(key)
+            trace.authenticated(key)
             raw = await read_body(receive, declared, self.max_body_bytes)
-        except AuthError as exc:
-            kind = auth_error_type(exc.status)
-            reply = proxy.refuse(started, exc.status, exc.message, kind, exc.code, trace)
-            reply.headers += exc.headers()  # Retry-After when the address failed too often
-            await _send_whole(reply, send, close)
-            return
-        except GatewayError as exc:
-            reply = proxy.refuse(started, exc.status, exc.message, exc.type, exc.code, trace)
-            await _send_whole(reply, send, close or exc.status == 413)
-            return
-        except DatabaseUnavailableError as exc:  # the key is not cached and the database cannot be asked
-            reply = proxy.refuse(started, 503, str(exc), "api_error", "database_unavailable", trace)
-            await _send_whole(reply, send, close)
+        except GatewayError as exc:  # the key refused (or its database away), the body too large
+            await _send_whole(proxy.refuse(started, exc, trace), send, close or exc.status == 413)
             return
         except ClientLeftError:
-            proxy.refuse(
-                started, 499, "the client left", "invalid_request_error", "client_disconnected", trace
-            )
+            left = GatewayError(499, "the client left", code="client_disconnected")
+            proxy.refuse(started, left, trace)
             return
         except Exception:  # a fault nothing above names: an OpenAI-format 503, the traceback in our log
             logger.exception("authenticating a request to %s failed", scope["path"])
             message = "the request could not be authenticated now; retry later"
-            reply = proxy.refuse(started, 503, message, "api_error", "authentication_unavailable", trace)
-            await _send_whole(reply, send, close)
+            failed = GatewayError(503, message, "api_error", code="authentication_unavailable")
+            await _send_whole(proxy.refuse(started, failed, trace), send, close)
             return
         await _answer_until_disconnect(proxy.handle(scope["path"], raw, key, trace), receive, send)
 

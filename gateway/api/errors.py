@@ -1,4 +1,5 @@
-"""The FastAPI routes' exception -> OpenAI-format answer mapping."""
+"""The FastAPI routes' exception -> OpenAI-format answer: every GatewayError through `error_answer`,
+the framework's own errors (validation, HTTP) and the unexpected translated here."""
 
 from __future__ import annotations
 
@@ -8,19 +9,17 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import GatewayError, auth_error_type, error_body
-from gateway.governance.keys import AuthError, InvalidKeyUpdateError, KeyNotFoundError
-from gateway.store.db import DatabaseUnavailableError, DatabaseValueError
+from gateway.errors import GatewayError, error_answer
 
 logger = logging.getLogger(__name__)
 
 
-def error_response(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-) -> Response:
-    """The JSON error response."""
-    body = error_body(message, type_, param, code)
-    return Response(body, status_code=status, media_type="application/json")
+def error_response(exc: GatewayError) -> Response:
+    """The JSON error response to `exc`, with the headers it needs."""
+    status, headers, body = error_answer(exc)
+    response = Response(body, status_code=status, media_type="application/json")
+    response.raw_headers.extend(headers)
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -28,21 +27,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def gateway_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
-
-    async def auth_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, AuthError)
-        response = error_response(exc.status, exc.message, auth_error_type(exc.status), code=exc.code)
-        response.raw_headers.extend(exc.headers())
-        return response
-
-    async def not_found(_: Request, exc: Exception) -> Response:
-        return error_response(404, f"no key with id {exc}", "invalid_request_error", code="key_not_found")
-
-    async def invalid_update(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, InvalidKeyUpdateError)
-        message = f"Invalid value for '{exc.param}': {exc.message}"
-        return error_response(400, message, "invalid_request_error", exc.param, "invalid_value")
+        return error_response(exc)
 
     async def validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -50,30 +35,19 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
-        return error_response(400, message, "invalid_request_error", param, "invalid_value")
-
-    async def database_unavailable(_: Request, exc: Exception) -> Response:
-        return error_response(503, str(exc), "api_error", code="database_unavailable")
-
-    async def database_value(_: Request, exc: Exception) -> Response:
-        return error_response(400, str(exc), "invalid_request_error", code="invalid_value")
+        return error_response(GatewayError(400, message, param=param, code="invalid_value"))
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         # the exception's text (e.g. a driver's message quoting hosts or values) stays in our log
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         message = "The gateway failed to handle the request"
-        return error_response(500, message, "api_error", code="internal_error")
+        return error_response(GatewayError(500, message, "api_error", code="internal_error"))
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+        return error_response(GatewayError(exc.status_code, str(exc.detail)))
 
     app.add_exception_handler(GatewayError, gateway_error)
-    app.add_exception_handler(AuthError, auth_error)
-    app.add_exception_handler(KeyNotFoundError, not_found)
-    app.add_exception_handler(InvalidKeyUpdateError, invalid_update)
-    app.add_exception_handler(DatabaseUnavailableError, database_unavailable)
-    app.add_exception_handler(DatabaseValueError, database_value)
     app.add_exception_handler(Exception, unexpected)  # last resort: OpenAI's format, no raw text
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -19,7 +19,8 @@ from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.errors import error_body
+from gateway.api.asgi import send_error
+from gateway.errors import GatewayError, error_answer
 
 
 class LimitedConfig(uvicorn.Config):
@@ -138,7 +139,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self.lingering is not None:
             return
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
-            body = error_body(message, "invalid_request_error", code=code)
+            body = error_answer(GatewayError(status, message, code=code)).body
             head = (
                 f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -207,14 +208,6 @@ def _address(client: tuple[str, int] | None) -> str:
 
 async def _overloaded(scope: Any, receive: Any, send: Any) -> None:
     """uvicorn's 503 past `limit_concurrency`, in OpenAI's error format (the connection is closed)."""
-    body = error_body(
-        "the gateway is at its connection limit; retry shortly", "api_error", code="server_overloaded"
-    )
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode("ascii")),
-        (b"connection", b"close"),
-        (b"retry-after", b"1"),
-    ]
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    message = "the gateway is at its connection limit; retry shortly"
+    busy = GatewayError(503, message, "api_error", code="server_overloaded", headers=[(b"retry-after", b"1")])
+    await send_error(send, busy, close=True)

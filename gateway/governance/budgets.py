@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.errors import GatewayError, retry_after_header
 from gateway.governance.ratelimit import Limit, refusal
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 from gateway.governance.singleflight import SingleFlight
@@ -87,18 +88,33 @@ class Charge:
     amount: int  # picodollars reserved
 
 
-class BudgetExceededError(Exception):
-    """A budget cannot take this request's reservation; `reset` is when the period ends (None: never)."""
+class BudgetExceededError(GatewayError):
+    """A budget cannot take this request's reservation (429 `insufficient_quota`); `reset` is when
+    the period ends (None: never), told to the client as Retry-After and X-Budget-Reset."""
 
     def __init__(self, budget: Budget, reset: datetime | None) -> None:
         when = f"; it resets at {reset.isoformat()}" if reset else " (a total budget: it does not reset)"
-        super().__init__(f"the {budget.period} budget of ${budget.limit_usd} for {budget.scope} "
-                         f"{budget.subject} is spent{when}")  # fmt: skip
+        message = (f"the {budget.period} budget of ${budget.limit_usd} for {budget.scope} "
+                   f"{budget.subject} is spent{when}")  # fmt: skip
+        super().__init__(429, message, "insufficient_quota", code="budget_exceeded")
         self.budget, self.reset = budget, reset
 
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Retry-After (seconds from now to the reset) and X-Budget-Reset, when the budget resets."""
+        if self.reset is None:
+            return []
+        wait = (self.reset - datetime.now(UTC)).total_seconds()
+        return [
+            (b"retry-after", retry_after_header(wait)),
+            (b"x-budget-reset", self.reset.isoformat().encode()),
+        ]
 
-class BudgetUnavailableError(Exception):
-    """Budgets cannot be checked (Redis or the database unreachable) and they fail closed."""
+
+class BudgetUnavailableError(GatewayError):
+    """Budgets cannot be checked (Redis or the database unreachable) and they fail closed: 503."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "api_error", code="budget_unavailable")
 
 
 class SpendUnavailableError(Exception):

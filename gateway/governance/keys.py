@@ -18,9 +18,9 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config.settings import GatewaySettings
+from gateway.errors import GatewayError, retry_after_header
 from gateway.governance.auth_failures import FailedAuthLimiter
 from gateway.governance.key_cache import KeyCache
-from gateway.governance.ratelimit import retry_after_header
 from gateway.governance.singleflight import SingleFlight
 from gateway.store.db import DATABASE_ERRORS, translated_errors, unavailable
 from gateway.store.models import ApiKey
@@ -31,15 +31,12 @@ KEY_PREFIX = "sk-"
 _DISPLAY_CHARS = 8  # "sk-" and the first 5 random characters
 
 
-class AuthError(Exception):
-    """A request's key is missing, unknown, revoked or expired, or may not use a model; or its
-    address failed too often (429, `retry_after` seconds)."""
+class AuthError(GatewayError):
+    """A request's key is missing, unknown, revoked or expired, or may not use a model (401, 403,
+    409); or its address failed too often (429, `retry_after` seconds)."""
 
     def __init__(self, status: int, message: str, code: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
+        super().__init__(status, message, _AUTH_ERROR_TYPES.get(status, "permission_error"), code=code)
         self.retry_after = retry_after
 
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -47,22 +44,27 @@ class AuthError(Exception):
         return [] if self.retry_after is None else [(b"retry-after", retry_after_header(self.retry_after))]
 
 
+_AUTH_ERROR_TYPES = {401: "authentication_error", 429: "requests"}  # OpenAI's type by status
+
+
 # One answer for every key that does not work: unknown, revoked or expired alike, so that nobody
 # holding a leaked key can tell whether it was ever real.
 _INVALID_KEY = ("Incorrect API key provided", "invalid_api_key")
 
 
-class KeyNotFoundError(LookupError):
-    """No key with that id."""
+class KeyNotFoundError(GatewayError, LookupError):
+    """No key with that id: 404 `key_not_found`."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(404, f"no key with id {key_id}", code="key_not_found")
+        self.key_id = key_id
 
 
-class InvalidKeyUpdateError(ValueError):
-    """A change the key's current state does not allow (answered as 400, naming `param`)."""
+class InvalidKeyUpdateError(GatewayError, ValueError):
+    """A change the key's current state does not allow: 400 `invalid_value`, naming `param`."""
 
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
+        super().__init__(400, f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
 
 
 # What KeyStore.update may change (the admin API's PATCH fields)

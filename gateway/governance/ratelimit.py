@@ -11,12 +11,12 @@ clock, so N gateway replicas share one limit instead of multiplying it.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway.errors import GatewayError, retry_after_header
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 
 logger = logging.getLogger(__name__)
@@ -32,21 +32,27 @@ class Limit:
     per_minute: int
     cost: int
     label: str  # for the error message, e.g. "requests per minute for this key"
+    unit: str = "requests"  # what it counts: "requests" or "tokens" (OpenAI's error type for a 429)
 
     @property
     def interval(self) -> float:
         return WINDOW / self.per_minute
 
 
-class RateLimitedError(Exception):
-    """A limit is reached; `retry_after` seconds until the request would be admitted."""
+class RateLimitedError(GatewayError):
+    """A limit is reached: 429, typed by what the limit counts (`unit`: "requests" or "tokens"),
+    with `retry_after` seconds until the request would be admitted."""
 
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after: float, unit: str = "requests") -> None:
+        super().__init__(429, message, unit, code="rate_limit_exceeded")
         self.retry_after = retry_after
 
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """`Retry-After`."""
+        return [(b"retry-after", retry_after_header(self.retry_after))]
 
-class LimiterUnavailableError(Exception):
+
+class LimiterUnavailableError(GatewayError):
     """The shared store (Redis) cannot be reached and the limiter is configured to fail closed.
 
     Its text is what the client reads, so it is always the same generic sentence; `detail` (the
@@ -56,7 +62,7 @@ class LimiterUnavailableError(Exception):
     PUBLIC = "rate limits cannot be checked: Redis is unreachable"
 
     def __init__(self, detail: str = "") -> None:
-        super().__init__(self.PUBLIC)
+        super().__init__(503, self.PUBLIC, "api_error", code="rate_limiter_unavailable")
         self.detail = detail
 
 
@@ -82,8 +88,9 @@ def refusal(wait: float, culprit: Limit) -> RateLimitedError:
         return RateLimitedError(
             f"this request needs {culprit.cost} units but the limit is {culprit.per_minute} {culprit.label}",
             WINDOW,
+            culprit.unit,
         )
-    return RateLimitedError(f"rate limit reached: {culprit.per_minute} {culprit.label}", wait)
+    return RateLimitedError(f"rate limit reached: {culprit.per_minute} {culprit.label}", wait, culprit.unit)
 
 
 class LocalRateLimiter:
@@ -215,8 +222,3 @@ class RedisRateLimiter:
 
     async def close(self) -> None:
         await self._redis.aclose()
-
-
-def retry_after_header(seconds: float) -> bytes:
-    """`Retry-After` in whole seconds, at least 1."""
-    return str(max(1, math.ceil(seconds))).encode()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -104,15 +104,31 @@ class Admission:
 
     def release(self, ticket: Ticket, usage: dict[str, Any], cost: Decimal | None) -> None:
         """After the request: tokens and money reconciled with what it really used (background)."""
-        used = usage.get("total_tokens")
-        if not isinstance(used, int):
-            parts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
-            used = sum(p for p in parts if isinstance(p, int))
-        self._reconcile(ticket, used)
+        self._reconcile(ticket, _total(usage))
         actual = to_picousd(cost) if cost is not None else 0
         for charge in ticket.charges:
             self._spawn(self.budgets.settle(charge, actual))
         ticket.charges = []
+
+    def narrow(self, ticket: Ticket, bound: dict[str, Any], cost: Decimal | None) -> None:
+        """While a finished request's usage is being counted: keep reserved at most an upper bound
+        of it (`bound`, costing `cost`), so that the client's next request does not meet the whole
+        reservation of one that is over; release() settles the exact figures afterwards."""
+        used = _total(bound)
+        if used < ticket.reserved_tokens:
+            for limit in ticket.token_limits:
+                self._spawn(self.limiter.adjust(limit, used - ticket.reserved_tokens))
+            ticket.reserved_tokens = used
+        held = to_picousd(cost) if cost is not None else None
+        if held is None:
+            return
+        narrowed = []
+        for charge in ticket.charges:
+            if held < charge.amount:
+                self._spawn(self.budgets.settle(charge, held))
+                charge = replace(charge, amount=held)
+            narrowed.append(charge)
+        ticket.charges = narrowed
 
     def _reconcile(self, ticket: Ticket, used: int) -> None:
         delta = used - ticket.reserved_tokens
@@ -134,7 +150,9 @@ class Admission:
         if any(v for _, v, _ in tpm):
             ticket.reserved_tokens = body_bytes // 4 + (max_output(body) or 0) * choices(body)
             ticket.token_limits = [
-                Limit(f"{n}:tpm", v, ticket.reserved_tokens, f"tokens per minute {w}") for n, v, w in tpm if v
+                Limit(f"{n}:tpm", v, ticket.reserved_tokens, f"tokens per minute {w}", "tokens")
+                for n, v, w in tpm
+                if v
             ]
             limits += ticket.token_limits
         return limits
@@ -199,3 +217,12 @@ class RedisAdmission(Admission):
                 raise LimiterUnavailableError("rate limits cannot be checked: Redis is unreachable") from exc
             return
         ticket.charges = charges
+
+
+def _total(usage: dict[str, Any]) -> int:
+    """A usage's total tokens (its parts summed where the total is missing)."""
+    used = usage.get("total_tokens")
+    if isinstance(used, int):
+        return used
+    parts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    return sum(p for p in parts if isinstance(p, int))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -27,10 +27,9 @@ from gateway.backends.base import (
     UpstreamUnavailableError,
 )
 from gateway.config.policy import Policy, Retries
+from gateway.errors import GatewayError
 from gateway.routing.router import RouteDecision
-
-if TYPE_CHECKING:  # imported only when tracing is on
-    from gateway.telemetry.tracing import RequestTrace
+from gateway.telemetry.trace import NO_TRACE, Trace
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 NEXT_MODEL_STATUSES = frozenset({429})
@@ -39,24 +38,43 @@ _ATTEMPT_CAP = 16  # whatever the policy says, one request makes at most this ma
 
 @dataclass
 class Served:
-    """The answer that will reach the client, and everything tried before it."""
+    """The answer that will reach the client, and everything tried before it.
+
+    A streamed answer owns its open upstream (`stream`, whose first lines are in `head`) until
+    `aclose()`: the caller closes it with `async with aclosing(served)` or `await served.aclose()`.
+    """
 
     model: str
     backend: str
     deployment: str
     attempts: list[Attempt]
     reply: UpstreamReply | None = None  # whole answers
-    stream: UpstreamStream | None = None  # streamed answers: `head` holds the lines already read
+    stream: UpstreamStream | None = None  # streamed answers
     head: list[str] = field(default_factory=list)
-    context: AbstractAsyncContextManager[UpstreamStream] | None = None
+    owner: AsyncExitStack | None = None  # holds the upstream's context open (streams)
+
+    async def aclose(self) -> None:
+        """Release the upstream (a second call does nothing)."""
+        if self.owner is not None:
+            await self.owner.aclose()
 
 
-class ChainExhaustedError(Exception):
-    """Every model in the chain failed; `last` is the last upstream error answer, if any."""
+class ChainExhaustedError(GatewayError):
+    """Every model in the chain failed; `last` is the last upstream error answer, if any (the client
+    gets it as it was), else the error says what failed: 503 when nothing could be called (or a
+    self-hosted-only request found no self-hosted model), 504 on a timeout, 502 otherwise."""
 
     def __init__(self, message: str, attempts: list[Attempt], last: UpstreamReply | None, timeout: bool,
-                 unavailable: bool) -> None:  # fmt: skip
-        super().__init__(message)  # the client's message; `detail()` is the operator's
+                 unavailable: bool, self_hosted_only: bool = False) -> None:  # fmt: skip
+        if unavailable:
+            status, param, code = 503, "model", "model_unavailable"
+        elif self_hosted_only:  # never "try hosted": say so
+            status, param, code = 503, "model", "self_hosted_unavailable"
+        elif timeout:
+            status, param, code = 504, None, "upstream_timeout"
+        else:
+            status, param, code = 502, None, "upstream_unavailable"
+        super().__init__(status, message, "api_error", param, code)  # `detail()` is the operator's
         self.attempts, self.last, self.timeout, self.unavailable = attempts, last, timeout, unavailable
 
     def detail(self) -> str:
@@ -82,13 +100,13 @@ class Failover:
         self._rng = rng or random.Random()
 
     async def send(
-        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: RequestTrace | None = None
+        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE
     ) -> Served:
         """A whole answer from the first model in the chain that gives one."""
         return await self._walk(decision, path, body, False, trace)
 
     async def stream(
-        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: RequestTrace | None = None
+        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE
     ) -> Served:
         """An open stream whose first token has arrived (or an error answer to pass through).
 
@@ -97,7 +115,7 @@ class Failover:
         return await self._walk(decision, path, body, True, trace)
 
     async def _walk(self, decision: RouteDecision, path: str, body: dict[str, Any], stream: bool,
-                    trace: RequestTrace | None) -> Served:  # fmt: skip
+                    trace: Trace) -> Served:  # fmt: skip
         state = _State(decision, trace)
         for model, pool in self._candidates(decision, state):
             payload = self._payload(body, model)
@@ -134,8 +152,7 @@ class Failover:
                 state.failed(model, pool.name, reply.url, f"status {reply.status}", reply)
                 avoid.add(reply.url)
                 continue
-            if state.trace is not None:
-                state.trace.end_attempt(reply.url, reply.status)
+            state.trace.end_attempt(reply.url, reply.status)
             return Served(model, pool.name, reply.url, state.attempts, reply=reply)
         return _NEXT
 
@@ -146,9 +163,11 @@ class Failover:
         first_token = (state.decision.timeouts or pool.timeouts).first_token
         while state.budget():
             headers = self._begin(state, model, pool, stream=True)
-            context = pool.stream(path, payload, state.decision.timeouts, frozenset(avoid), headers)
+            owner = AsyncExitStack()  # holds the upstream open: closed here, or handed over in Served
             try:
-                upstream = await context.__aenter__()
+                upstream = await owner.enter_async_context(
+                    pool.stream(path, payload, state.decision.timeouts, frozenset(avoid), headers)
+                )
             except UpstreamUnavailableError as exc:
                 if exc.deployment is None:
                     state.no_deployment(model, pool.name, str(exc), tried_some=bool(avoid))
@@ -160,8 +179,8 @@ class Failover:
                 reply = UpstreamReply(upstream.status, upstream.error_body, upstream.url)
                 if upstream.status not in RETRY_STATUSES and upstream.status not in NEXT_MODEL_STATUSES:
                     return Served(model, pool.name, upstream.url, state.attempts, stream=upstream,
-                                  context=context)  # fmt: skip
-                await context.__aexit__(None, None, None)
+                                  owner=owner)  # fmt: skip
+                await owner.aclose()
                 state.failed(model, pool.name, upstream.url, f"status {upstream.status}", reply)
                 if upstream.status in NEXT_MODEL_STATUSES:
                     return _NEXT
@@ -172,21 +191,21 @@ class Failover:
                     head = await _until_first_token(upstream.lines)
             except TimeoutError:
                 upstream.verdict(False)
-                await context.__aexit__(None, None, None)
+                await owner.aclose()
                 state.failed(model, pool.name, upstream.url, "first token timeout", None, timeout=True)
                 avoid.add(upstream.url)
                 continue
             except (UpstreamStreamError, UpstreamUnavailableError) as exc:
                 upstream.verdict(False)
-                await context.__aexit__(None, None, None)
+                await owner.aclose()
                 state.failed(model, pool.name, upstream.url, f"stream broke ({exc})", None)
                 avoid.add(upstream.url)
                 continue
             except BaseException:  # the client left (cancelled): release the upstream
-                await context.__aexit__(None, None, None)
+                await owner.aclose()
                 raise
             return Served(model, pool.name, upstream.url, state.attempts, stream=upstream, head=head,
-                          context=context)  # fmt: skip
+                          owner=owner)  # fmt: skip
         return _NEXT
 
     def _candidates(self, decision: RouteDecision, state: _State) -> list[tuple[str, Upstream]]:
@@ -202,9 +221,7 @@ class Failover:
         return usable
 
     def _begin(self, state: _State, model: str, pool: Upstream, stream: bool) -> dict[str, str] | None:
-        """Tracing only: the attempt's span, and the headers that carry it upstream (else None)."""
-        if state.trace is None:
-            return None
+        """The attempt's span, and the headers that carry it upstream (None: not traced)."""
         spec = self.policy.backends[pool.name]
         return state.trace.begin_attempt(model, self.policy.upstream_model(model), pool.name, spec, stream)
 
@@ -215,7 +232,7 @@ class Failover:
 class _State:
     """What one request has tried so far."""
 
-    def __init__(self, decision: RouteDecision, trace: RequestTrace | None) -> None:
+    def __init__(self, decision: RouteDecision, trace: Trace) -> None:
         self.decision = decision
         self.trace = trace
         self.attempts: list[Attempt] = []
@@ -239,9 +256,8 @@ class _State:
         self.calls += 1
         attempt = Attempt(model, backend, deployment, outcome)
         self.attempts.append(attempt)
-        if self.trace is not None:
-            status = cause.status if isinstance(cause, UpstreamReply) else None
-            self.trace.failed_over(model, backend, deployment, outcome, attempt.reason, status)
+        status = cause.status if isinstance(cause, UpstreamReply) else None
+        self.trace.failed_over(model, backend, deployment, outcome, attempt.reason, status)
         if isinstance(cause, UpstreamReply):
             self.last, self.last_timeout = cause, False
         else:
@@ -250,8 +266,7 @@ class _State:
 
     def no_deployment(self, model: str, backend: str, reason: str, tried_some: bool) -> None:
         """The backend had nothing to offer: noted (unless this round already tried its replicas)."""
-        if self.trace is not None:
-            self.trace.no_call(model, backend, f"unavailable ({reason})", noted=not tried_some)
+        self.trace.no_call(model, backend, f"unavailable ({reason})", noted=not tried_some)
         if not tried_some:
             self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
             self.unavailable_reasons.append(f"{model}: {reason}")
@@ -260,8 +275,7 @@ class _State:
         """A model whose backend cannot be called now: noted, never called."""
         self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
         self.unavailable_reasons.append(f"{model}: {reason}")
-        if self.trace is not None:
-            self.trace.failed_over(model, backend, None, f"unavailable ({reason})", "unavailable")
+        self.trace.failed_over(model, backend, None, f"unavailable ({reason})", "unavailable")
 
     def exhausted(self) -> ChainExhaustedError:
         """The error for a chain that served nothing; its message is for the client (no URL, no
@@ -277,7 +291,12 @@ class _State:
         else:
             message = f"every model for '{self.decision.alias}' failed; tried: {tried}"
         return ChainExhaustedError(
-            message + residency, self.attempts, self.last, self.last_timeout, not called
+            message + residency,
+            self.attempts,
+            self.last,
+            self.last_timeout,
+            not called,
+            self.decision.self_hosted_only,
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from gateway.errors import error_body
+from gateway.errors import GatewayError, error_answer
 
 
 @dataclass
@@ -18,11 +18,10 @@ class Reply:
     events: AsyncGenerator[bytes, None] | None = None
 
 
-def error_reply(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-) -> Reply:
-    """An OpenAI-format error answer."""
-    return Reply(status, [JSON_HEADER], error_body(message, type_, param, code))
+def error_reply(exc: GatewayError) -> Reply:
+    """`exc`'s OpenAI-format answer (gateway/errors.py's `error_answer`) as a Reply."""
+    status, headers, body = error_answer(exc)
+    return Reply(status, [JSON_HEADER, *headers], body)
 
 
 JSON_HEADER = (b"content-type", b"application/json")

@@ -13,14 +13,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.config.policy import EngineBackend, Override, Policy, Retries, Route, Timeouts
+from gateway.errors import GatewayError
 from gateway.governance.keys import AuthError, KeyInfo
 from gateway.routing.complexity import ComplexityModel, ComplexityResult, ComplexityScorer
 
 NO_RETRIES = Retries()  # direct models: no retries of the same model (built once, not per request)
 
 
-class NoRouteError(Exception):
-    """Nothing in the chain may serve this request (e.g. self-hosted only, but every candidate is hosted)."""
+class NoRouteError(GatewayError):
+    """Nothing in the chain may serve this request (e.g. self-hosted only, but every candidate is
+    hosted): 503 `no_route`, naming the model."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "api_error", "model", "no_route")
 
 
 @dataclass(frozen=True)

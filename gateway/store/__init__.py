@@ -1,1 +1,2 @@
-"""The database: engine, ORM models, migrations, the request-log writer (queue, spool), reports."""
+"""The database: engine, ORM models, migrations, the request record and its log writer (queue,
+spool), reports."""

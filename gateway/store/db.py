@@ -16,6 +16,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
+from gateway.errors import GatewayError
+
 logger = logging.getLogger(__name__)
 
 # What a failing database raises: a refused or broken connection, or an unknown host, is a bare
@@ -93,16 +95,22 @@ def classify(exc: BaseException) -> Failure:
     return Failure.UNKNOWN
 
 
-class DatabaseUnavailableError(Exception):
+class DatabaseUnavailableError(GatewayError):
     """The database did not answer; the client gets 503 `database_unavailable` (OpenAI's format)."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "api_error", code="database_unavailable")
 
-class DatabaseValueError(Exception):
+
+class DatabaseValueError(GatewayError):
     """The database refused a value of the request (e.g. a NUL character): 400 `invalid_value`.
 
     The message names what was being done, never the driver's text (it may quote the value, the
     table or the constraint); that goes to the gateway's log.
     """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message, code="invalid_value")
 
 
 def refused(doing: str, exc: BaseException) -> DatabaseValueError:

@@ -16,6 +16,7 @@ from gateway.config.settings import GatewaySettings
 from gateway.store.db import Failure, classify
 from gateway.store.log_insert import BatchInsert
 from gateway.store.log_spool import LogSpool
+from gateway.store.record import RequestRecord
 from gateway.store.row_sanitizer import RowSanitizer
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ _DROP_REASONS = ("refused", "spool_full", "queue_full", "unreadable")
 class RequestLogWriter:
     """Rows buffered in memory, written by one task: a full batch at once, the rest every `interval` s.
 
-    `record()` never blocks and costs a list append. What can go wrong, and what is kept:
+    `record()` (and `queue()`, for a bare row) never blocks and costs a list append. What can go
+    wrong, and what is kept:
 
     - a value no column can hold (NUL, a lone surrogate, 2^40 tokens, a str for a count) is cleaned
       or set to NULL by RowSanitizer before the insert, counted and logged with its request id;
@@ -145,7 +147,11 @@ class RequestLogWriter:
         """Start the writer task (which first replays what the spool holds)."""
         self._task = asyncio.create_task(self._run(), name="request-log-writer")
 
-    def record(self, row: dict[str, Any]) -> None:
+    def record(self, rec: RequestRecord) -> None:
+        """Queue one finished request's row (never waits): the request log as a RecordSink."""
+        self.queue(rec.row)
+
+    def queue(self, row: Mapping[str, Any]) -> None:
         """Queue one row (never waits)."""
         if len(self._pending) >= self._hard_limit:
             self._drop(1, "queue_full", row.get("id"))

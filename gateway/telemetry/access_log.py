@@ -1,6 +1,6 @@
 """One JSON line per completion request on the `switchboard.access` logger.
 
-Built from the request-log row the proxy writes anyway, once, at the end of the request. The line
+Built from the request's record (its request-log row, written anyway), once, at its end. The line
 names the key by its id and stored display prefix, never the key; prompt and completion text
 appear only when the policy's `log_bodies` is on (as in the database log). `python -m gateway
 serve` sends this logger, unformatted, to stdout.
@@ -20,6 +20,8 @@ from typing import Any
 
 import orjson
 
+from gateway.store.record import RequestRecord
+
 ACCESS_LOGGER = "switchboard.access"
 
 
@@ -34,11 +36,11 @@ class AccessLog:
         self._batch = batch
         self._pending: list[bytes] = []
 
-    def write(self, row: Mapping[str, Any], key_prefix: str | None, stream: bool, failovers: int,
-              trace_ids: tuple[str, str] | None) -> None:  # fmt: skip
-        """One line from a request-log row (`trace_ids`: trace and span id when tracing is on)."""
+    def record(self, rec: RequestRecord) -> None:
+        """One line from a finished request's record (a RecordSink)."""
         if not self._logger.isEnabledFor(logging.INFO):
             return
+        row, trace_ids = rec.row, rec.trace_ids
         status = row["status"]
         cost = row["cost_picousd"]
         line: dict[str, Any] = {
@@ -48,7 +50,7 @@ class AccessLog:
             "trace_id": trace_ids[0] if trace_ids else None,
             "span_id": trace_ids[1] if trace_ids else None,
             "key_id": row["key_id"],
-            "key_prefix": key_prefix,
+            "key_prefix": rec.key_prefix,
             "team": row["team"],
             "model": row["requested_model"],
             "route": row["route_reason"],
@@ -66,10 +68,10 @@ class AccessLog:
             "overhead_ms": row["overhead_ms"],
             "cost_usd": float(cost) if cost is not None else None,
             "cost_estimated": row["cost_estimated"],
-            "failovers": failovers,
+            "failovers": len(rec.attempts),
             "failover": row["failover"],
             "attempts": row["attempts"],
-            "stream": stream,
+            "stream": rec.stream,
         }
         if row["request_body"] is not None or row["response_body"] is not None:  # log_bodies is on
             line["request_body"] = row["request_body"]

@@ -14,15 +14,15 @@ statuses, tiers, failover reasons.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.backends.base import Attempt, Upstream
+from gateway.backends.base import Upstream
 from gateway.backends.health import BreakerState
+from gateway.store.record import RequestRecord, Tried
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OVERHEAD_BUCKETS = (0.0002, 0.0004, 0.0006, 0.0008, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
@@ -79,8 +79,10 @@ class GatewayMetrics(Collector):
         self._pools = pools  # the active policy's upstreams, read at scrape time
         registry.register(self)
 
-    def observe(self, row: Mapping[str, Any], model: str, attempts: list[Attempt]) -> None:
-        """One finished request, from its log row (`model`: the bounded label for what was asked)."""
+    def record(self, rec: RequestRecord) -> None:
+        """One finished request (a RecordSink); the requested model is a label only if the policy has it."""
+        row = rec.row
+        model = row["requested_model"] if rec.known_model and row["requested_model"] is not None else UNKNOWN
         backend = row["backend"] or NONE
         key = (model, backend, str(row["status"]), row["route_tier"] or NONE)
         self._requests[key] = self._requests.get(key, 0) + 1
@@ -95,10 +97,10 @@ class GatewayMetrics(Collector):
         series.output_tokens += row["completion_tokens"] or 0
         if row["cost_picousd"] is not None:
             series.cost += float(row["cost_picousd"])
-        if attempts:
-            self._count_failovers(attempts, row["backend"])
+        if rec.attempts:
+            self._count_failovers(rec.attempts, row["backend"])
 
-    def _count_failovers(self, attempts: list[Attempt], served: str | None) -> None:
+    def _count_failovers(self, attempts: Sequence[Tried], served: str | None) -> None:
         """Each attempt that did not serve moved the request on: to the next attempt's backend."""
         for i, attempt in enumerate(attempts):
             to = attempts[i + 1].backend if i + 1 < len(attempts) else (served or NONE)

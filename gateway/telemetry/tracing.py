@@ -4,7 +4,7 @@ One SERVER span per request, named as the GenAI conventions name it ("chat fast"
 authentication, the routing decision and each failover, and one CLIENT child span per upstream
 attempt. The attempt's W3C `traceparent` goes out with the engine request, so the engine's own
 spans join the trace. With tracing off nothing here is imported and no span is ever created:
-the proxy checks `tracing is None` once per request.
+every request gets gateway/telemetry/trace.py's NO_TRACE instead.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway.config.policy import EngineBackend, HostedBackend
 from gateway.governance.keys import KeyInfo
 from gateway.routing.router import RouteDecision
+from gateway.store.record import RequestRecord
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # stateless: W3C traceparent and tracestate
 _TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
@@ -208,9 +209,10 @@ class RequestTrace:
         if noted:
             self.failed_over(model, backend, None, outcome, "unavailable")
 
-    def finish(self, row: Mapping[str, Any], response_model: str | None,
-               spec: EngineBackend | HostedBackend | None, failovers: int) -> None:  # fmt: skip
-        """The request's outcome from its log row; ends the open attempt (a stream's) and the span."""
+    def record(self, rec: RequestRecord) -> None:
+        """The request's outcome from its record; ends the open attempt (a stream's) and the span."""
+        row = rec.row
+        spec = rec.backend_spec
         provider = provider_name(spec) if spec is not None else None
         status = row["status"]
         error = row["error_type"]
@@ -223,11 +225,11 @@ class RequestTrace:
         attributes: dict[str, Any] = {
             "http.response.status_code": status,
             "switchboard.request_id": row["id"],
-            "switchboard.failover.count": failovers,
+            "switchboard.failover.count": len(rec.attempts),
             "switchboard.overhead_ms": row["overhead_ms"],
         }
         for name, value in (
-            ("gen_ai.response.model", response_model),
+            ("gen_ai.response.model", rec.response_model),
             ("gen_ai.provider.name", provider),
             ("gen_ai.system", provider),
             ("gen_ai.usage.input_tokens", row["prompt_tokens"]),

@@ -23,6 +23,7 @@ from gateway.backends.base import UpstreamStreamError
 from gateway.backends.engine import sse_lines
 from gateway.backends.hosted import HostedModel, allowed_fields
 from gateway.config.policy import HostedBackend, parse_policy
+from gateway.errors import GatewayError
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
 from gateway.governance.usage import MAX_TOKENS, checked_usage
@@ -31,6 +32,7 @@ from gateway.pipeline.failover import Failover
 from gateway.pipeline.reply import Reply, error_reply
 from gateway.pipeline.runtime import Runtime
 from gateway.routing.router import Router
+from gateway.telemetry.trace import NO_TRACING
 
 # litellm keyword arguments that must never come from a client (each one was passed through once)
 LITELLM_ONLY = {
@@ -171,11 +173,10 @@ class _BrokenKeys:
 
 
 class _Refusals:
-    tracing = None
+    tracing = NO_TRACING
 
-    def refuse(self, started: float, status: int, message: str, type_: str, code: str | None,
-               trace: object) -> Reply:  # fmt: skip
-        return error_reply(status, message, type_, None, code)
+    def refuse(self, started: float, exc: GatewayError, trace: object) -> Reply:
+        return error_reply(exc)
 
 
 def test_an_unexpected_failure_before_the_proxy_is_an_openai_503_without_its_text() -> None:

@@ -108,7 +108,7 @@ def test_spend_is_reseeded_from_the_daily_aggregates(database_url: str) -> None:
         writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
         writer.start()
         for i, day in enumerate((_at(2026, 10, 31, 12), _at(2026, 11, 1, 12), _at(2026, 11, 21, 12))):
-            writer.record({"id": f"r{i}", "created_at": day, "status": 200, "key_id": "k1", "team": "t",
+            writer.queue({"id": f"r{i}", "created_at": day, "status": 200, "key_id": "k1", "team": "t",
                            "cost_picousd": Decimal("0.25")})  # fmt: skip
         await writer.stop()
         seed = spend_seed(engine)

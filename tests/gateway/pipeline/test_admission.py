@@ -184,3 +184,42 @@ def test_redis_down_is_still_blamed_on_redis(budget_fail_open: bool) -> None:
 
     message = asyncio.run(run())
     assert budget_fail_open or ("Redis is unreachable" in message and "database" not in message)
+
+
+async def _nothing_spent(budget: Budget, start: datetime) -> int:
+    return 0
+
+
+@pytest.mark.parametrize("stores", STORES)
+def test_a_narrowed_reservation_frees_room_at_once_and_the_release_still_charges_exactly_the_cost(
+    stores: str,
+) -> None:
+    # The reservation of a finished request whose tokens are still being counted is narrowed to an
+    # upper bound at once: the client's next request fits; the release then charges the real cost.
+    key = _key()  # $1 a day
+    big = {**BODY, "max_tokens": 400_000}  # reserves about $0.80 at $2 per million output tokens
+
+    async def run() -> None:
+        admission = STORES[stores](False, _nothing_spent)
+        try:
+            first = await admission.admit(_runtime(), key, DECISION, big, 100)
+            assert first is not None
+            with pytest.raises(BudgetExceededError):
+                await admission.admit(_runtime(), key, DECISION, big, 100)
+            admission.narrow(first, {"prompt_tokens": 100, "completion_tokens": 400}, Decimal("0.01"))
+            await asyncio.sleep(0.05)  # settlements run in the background
+            second = await admission.admit(_runtime(), key, DECISION, big, 100)
+            assert second is not None
+            admission.release(first, {"prompt_tokens": 5, "completion_tokens": 3}, Decimal("0.15"))
+            admission.release(second, {"prompt_tokens": 5, "completion_tokens": 3}, Decimal("0.15"))
+            await asyncio.sleep(0.05)
+            # $0.30 spent: another $0.80 reservation does not fit; with the narrowed amount released
+            # twice (a wrong settlement) it would
+            with pytest.raises(BudgetExceededError):
+                await admission.admit(_runtime(), key, DECISION, big, 100)
+            small = await admission.admit(_runtime(), key, DECISION, {**big, "max_tokens": 300_000}, 100)
+            assert small is not None  # $0.30 + $0.60 fits: the exact cost was charged, no more
+        finally:
+            await admission.close()
+
+    asyncio.run(run())

@@ -48,7 +48,7 @@ def _write(url: str) -> None:
         writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=17, interval=0.05)
         writer.start()
         for row in _rows():
-            writer.record(row)
+            writer.queue(row)
         await writer.stop()
         await engine.dispose()
 

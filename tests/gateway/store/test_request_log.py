@@ -54,7 +54,7 @@ def test_rows_are_written_in_batches_and_flushed_on_stop(database_url: str) -> N
         writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=7, interval=10.0)
         writer.start()
         for i in range(30):
-            writer.record(_row(i))
+            writer.queue(_row(i))
         await asyncio.sleep(0.3)
         assert await _count(database_url) == 28  # four full batches; two rows wait for the interval
         await writer.stop()
@@ -72,7 +72,7 @@ def test_memory_is_bounded_while_nothing_can_take_the_rows(database_url: str) ->
         registry = CollectorRegistry()
         writer = RequestLogWriter(engine, registry, max_queue=3)  # no spool: memory is the only bound
         for i in range(10_005):  # the writer is not running: the queue fills up
-            writer.record(_row(i))
+            writer.queue(_row(i))
         assert _dropped(registry) == {"queue_full": 2}  # past 3 + 10,000 rows
         assert registry.get_sample_value("gateway_request_log_queue_depth") == 10_003
         await engine.dispose()
@@ -89,9 +89,9 @@ def test_a_row_written_twice_is_stored_and_summed_once(database_url: str) -> Non
         for registry in registries:  # a retried batch, a replayed spool: the same ids again
             writer = RequestLogWriter(engine, registry, interval=0.05)
             writer.start()
-            writer.record(_row(1))
-            writer.record(_row(1))
-            writer.record(_row(2))
+            writer.queue(_row(1))
+            writer.queue(_row(1))
+            writer.queue(_row(2))
             await writer.stop()
         async with session_factory(engine)() as s:
             summed = sum(d.requests for d in (await s.execute(select(UsageDaily))).scalars())
@@ -124,7 +124,7 @@ def test_rows_read_back_through_the_orm_exactly_as_recorded(database_url: str) -
         engine = create_engine(database_url)
         writer = RequestLogWriter(engine, CollectorRegistry())
         writer.start()
-        writer.record(row)
+        writer.queue(row)
         await writer.stop()
         async with session_factory(engine)() as s:
             stored = (await s.execute(select(RequestLog))).scalar_one()
@@ -159,11 +159,11 @@ def test_daily_aggregates_add_up_to_the_raw_rows_in_the_same_transaction(databas
         writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=100, interval=0.05)
         writer.start()
         for row in rows:
-            writer.record(row)
+            writer.queue(row)
         await writer.stop()
         writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
         writer.start()
-        writer.record({"id": "dup", "created_at": day2, "status": 200, "key_id": "k9"})  # skipped: same id
+        writer.queue({"id": "dup", "created_at": day2, "status": 200, "key_id": "k9"})  # skipped: same id
         await writer.stop()
         async with session_factory(engine)() as s:
             daily = list(
@@ -194,7 +194,7 @@ def test_retention_removes_old_raw_rows_and_never_the_aggregates(database_url: s
         writer.start()
         for i in range(25):  # 20 rows 40 days old, 5 from yesterday
             created = datetime(2026, 10, 13, tzinfo=UTC) if i < 20 else datetime(2026, 11, 21, tzinfo=UTC)
-            writer.record({"id": f"r{i}", "created_at": created, "status": 200, "key_id": "k",
+            writer.queue({"id": f"r{i}", "created_at": created, "status": 200, "key_id": "k",
                            "cost_picousd": Decimal("0.001")})  # fmt: skip
         await writer.stop()
         removed = await LogRetention(engine, days=30, chunk=7).purge(now)
@@ -228,7 +228,7 @@ def test_values_no_column_can_hold_are_cleaned_so_the_batch_is_written(database_
         writer = RequestLogWriter(engine, registry, batch_size=100, interval=0.05)
         writer.start()
         for row in rows:
-            writer.record(row)
+            writer.queue(row)
         await writer.stop()
         async with session_factory(engine)() as s:
             stored = (await s.execute(select(RequestLog).where(RequestLog.id == "bad0"))).scalar_one()
@@ -283,7 +283,7 @@ def test_a_row_the_database_still_refuses_is_dropped_alone_and_logged_with_its_i
         writer = RequestLogWriter(engine, registry, batch_size=40, interval=0.05)
         writer.start()
         for row in rows:
-            writer.record(row)
+            writer.queue(row)
         await writer.stop()
         await engine.dispose()
         return registry
@@ -320,17 +320,17 @@ def test_rows_recorded_while_the_database_is_away_are_spooled_then_written_once(
                                   spill_after=0.5, write_timeout=2.0)  # fmt: skip
         writer.start()
         for i in range(10):
-            writer.record(_row(i))
+            writer.queue(_row(i))
         await _wait_for(lambda: _counted(registry, "written", 10))
         proxy.cut()
         for i in range(10, 60):  # 50 rows while the database is away: past the queue's 10
-            writer.record(_row(i))
+            writer.queue(_row(i))
             await asyncio.sleep(0.02)
         await _wait_for(lambda: _counted(registry, "spooled", 50))
         assert spool.segments() and await _count(postgres_url) == 10
         proxy.restore()
         for i in range(60, 70):
-            writer.record(_row(i))
+            writer.queue(_row(i))
         await _wait_for(lambda: _counted(registry, "written", 70))
         assert spool.segments() == []
         await writer.stop()
@@ -363,11 +363,11 @@ def test_a_writer_stopped_during_an_outage_spools_and_the_next_one_replays_witho
                                   write_timeout=2.0)  # fmt: skip
         writer.start()
         for i in range(5):
-            writer.record(_row(i))
+            writer.queue(_row(i))
         await _wait_for(lambda: _counted(registry, "written", 5))
         proxy.cut()
         for i in range(5, 30):
-            writer.record(_row(i))
+            writer.queue(_row(i))
         await writer.stop()  # the process ends while the database is away
         await engine.dispose()
         return registry
@@ -416,7 +416,7 @@ def test_a_database_that_stops_answering_costs_a_timeout_and_the_rows_are_spoole
         writer.start()
         proxy.cut(hang=True)  # connections accepted, never answered
         for i in range(20):
-            writer.record(_row(i))
+            writer.queue(_row(i))
         await _wait_for(lambda: _is_down(registry))
         started = time.monotonic()
         await writer.stop()  # one more try (1 s), then the spool: shutdown is not held hostage

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.config.policy import EngineBackend
 from gateway.routing.router import RouteDecision
+from gateway.store.record import RequestRecord, blank_row
 from gateway.telemetry.tracing import GatewayTracing, exporting_to
 from tests.engine.server_proc import ManagedServer, ServerProcess
 from tests.fakes.otlp_collector import CollectedSpan, OtlpCollector
@@ -195,6 +197,7 @@ def test_without_an_otlp_endpoint_no_span_is_made_and_the_sdk_is_never_imported(
         import sys
         from pathlib import Path
         import httpx
+        from gateway.telemetry.trace import NO_TRACING
         from tests.gateway.processes import InProcessGateway
 
         gateway = InProcessGateway(Path({str(tmp_path)!r}), Path({str(policy)!r}), "m")
@@ -203,7 +206,7 @@ def test_without_an_otlp_endpoint_no_span_is_made_and_the_sdk_is_never_imported(
         auth = {{"Authorization": "Bearer " + key}}
         r = httpx.post(gateway.base_url + "/v1/chat/completions", headers=auth, json=body, timeout=30)
         assert r.status_code in (502, 503), r.text
-        assert gateway.app.services.proxy.tracing is None
+        assert gateway.app.services.proxy.tracing is NO_TRACING
         gateway.stop()
         ours = (
             "gateway.telemetry.tracing", "engine.http.tracing", "opentelemetry.sdk", "opentelemetry.exporter"
@@ -232,6 +235,5 @@ def test_a_request_sampled_out_exports_nothing_and_tells_the_engine_so() -> None
     )
     assert int(headers["traceparent"][-2:], 16) & 1 == 0  # not sampled: the engine records nothing either
     trace.end_attempt("http://e", 200)
-    row = dict.fromkeys(("status", "error_type", "deployment"), None) | {"status": 200}
-    trace.finish(row, "tiny", None, 0)
+    trace.record(RequestRecord(blank_row("req-1", datetime.now(UTC), 200, 1.0), response_model="tiny"))
     assert exporter.get_finished_spans() == ()

@@ -1,0 +1,64 @@
+"""A whole upstream answer as the client gets it: relayed, its usage checked, or replaced by an
+OpenAI-format error (an upstream's text that is not one is never relayed)."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from gateway.backends.base import UpstreamReply
+from gateway.backends.upstream_errors import error_code, is_openai_error
+from gateway.errors import GatewayError
+from gateway.governance.usage import checked_usage
+from gateway.pipeline.call import Call
+from gateway.pipeline.reply import JSON_HEADER, Reply, error_reply
+
+logger = logging.getLogger(__name__)
+
+
+def passed_on(call: Call, status: int, body: bytes) -> tuple[Reply, str]:
+    """An upstream's error answer as the client gets it, with the error code for the log: in
+    OpenAI's format, a 4xx with its status, a 503/504 as it is, any other status (500, 501, a
+    1xx-3xx that answers nothing) as 502.
+
+    The gateway is the server the client talks to: an upstream's 500 is a bad gateway, and a body
+    that is not an OpenAI error (an HTML page, plain text, a list) is replaced, never relayed.
+    """
+    client_status = status if 400 <= status < 500 or status in (502, 503, 504) else 502
+    if not is_openai_error(body):
+        logger.warning("request %s: %s answered HTTP %d without an OpenAI error: %r",
+                       call.id, call.backend or call.model, status, body[:200])  # fmt: skip
+        kind = "invalid_request_error" if client_status < 500 else "api_error"
+        message = f"the upstream for '{call.model}' answered HTTP {status}"
+        replaced = GatewayError(client_status, message, kind, code="upstream_error")
+        return error_reply(replaced), "upstream_error"
+    return Reply(client_status, [JSON_HEADER], body), error_code(body)
+
+
+def whole(call: Call, reply: UpstreamReply, log_bodies: bool) -> tuple[Reply, str | None]:
+    """The served upstream's whole answer for the client, with the error code for the log (None: a
+    success). Usage the gateway does not believe is neither logged nor relayed."""
+    if reply.status != 200:
+        return passed_on(call, reply.status, reply.body)
+    try:
+        answer = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        logger.warning("request %s: %s answered 200 with a body that is not a JSON object",
+                       call.id, call.backend)  # fmt: skip
+        message = f"the upstream ({call.backend}) sent an answer that is not a JSON object"
+        exc = GatewayError(502, message, "api_error", code="upstream_invalid_response")
+        return error_reply(exc), exc.code
+    call.usage = checked_usage(answer.get("usage")) or {}
+    model = answer.get("model")
+    call.response_model = model if isinstance(model, str) else None
+    relayed = reply.body
+    if answer.get("usage") is not None and not call.usage:  # unbelievable: not relayed either
+        answer["usage"] = None
+        relayed = orjson.dumps(answer)
+    if log_bodies:
+        call.response_body = relayed
+    call.reply_body = relayed
+    return Reply(reply.status, [JSON_HEADER], relayed), None

@@ -1,0 +1,139 @@
+"""The last stage of a request: its one log row, the release of what it reserved, and its sinks.
+
+`Finish(call, status, error)` may be called more than once (a relay's end after a handler's); the
+first call counts. An answer without believable usage is counted with the tokenizer in a worker
+thread (seconds for megabytes of text): the row follows when the count is done, never blocking
+the loop. Then the row is priced, the admission ticket released, and the request's record handed
+to every sink: the request log, the telemetry (metrics, access log) and the request's trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from gateway.config.policy import EngineBackend, Policy
+from gateway.governance import tokens
+from gateway.governance.usage import ZERO_COUNTS, says_zero
+from gateway.pipeline.admission import Admission
+from gateway.pipeline.call import Call
+from gateway.pipeline.runtime import RuntimeHolder
+from gateway.store.record import RecordSink, RequestRecord
+from gateway.telemetry.trace import Trace
+
+logger = logging.getLogger(__name__)
+
+
+class Finish:
+    """Ends requests: log row, reservations released, record to every sink."""
+
+    def __init__(self, holder: RuntimeHolder, admission: Admission, log: RecordSink,
+                 telemetry: Sequence[RecordSink]) -> None:  # fmt: skip
+        self.holder = holder
+        self.admission = admission
+        self.log = log  # the request log: rows of requests that reached the proxy
+        self.telemetry = tuple(telemetry)  # every request, those refused before the proxy too
+        self._pending: set[asyncio.Task[None]] = set()  # rows waiting for their token count
+
+    def __call__(self, call: Call, status: int, error: str | None) -> None:
+        """The request's one log row, and the release of what it reserved (a second call does nothing)."""
+        if call.logged:
+            return
+        call.logged = True
+        served = call.backend is not None and (status in (200, 499) or (status == 502 and bool(call.lines)))
+        if not served or (call.usage and not says_zero(call.usage)):
+            self._finish(call, status, error, False)
+            return
+        self._narrow(call)
+        task = asyncio.get_running_loop().create_task(self._estimate_then_finish(call, status, error))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    def _narrow(self, call: Call) -> None:
+        """Before the count: hold no more than an upper bound of the request's tokens.
+
+        A token is at least one byte of UTF-8 and a character at most four: the request's body
+        bounds its prompt (a message's JSON outweighs its template tokens), four times the answer's
+        characters bound the completion. Loose (the JSON of each event counts), but it frees the
+        reservation of a short answer at once, not after the tokenizer had its turn.
+        """
+        if call.ticket is None or call.prices is None or call.backend is None:
+            return
+        if call.reply_body is not None:
+            completion = len(call.reply_body)
+        else:
+            completion = 4 * sum(len(line) for line in call.lines)
+        bound = {"prompt_tokens": call.body_bytes, "completion_tokens": completion}
+        bound["total_tokens"] = call.body_bytes + completion
+        cost, _ = call.prices.costs(call.backend, bound)
+        self.admission.narrow(call.ticket, bound, cost)
+
+    async def _estimate_then_finish(self, call: Call, status: int, error: str | None) -> None:
+        """Count the request's tokens; a reported zero stands only where the count finds none."""
+        reported = call.usage
+        try:
+            counted = await asyncio.to_thread(estimated_usage, call, self.holder.runtime.policy)
+        except Exception:  # the row matters more than its count: log it without usage
+            logger.exception("request %s: counting its tokens failed", call.id)
+            counted = {}
+        if reported and all(counted.get(n) == 0 for n in ZERO_COUNTS if reported[n] == 0):
+            self._finish(call, status, error, False)  # the zero was true: an empty prompt or answer
+            return
+        call.usage = counted
+        self._finish(call, status, error, True)
+
+    def _finish(self, call: Call, status: int, error: str | None, estimated: bool) -> None:
+        usage = call.usage or {}
+        cost = reference = None
+        if call.prices is not None and call.backend is not None and usage:
+            cost, reference = call.prices.costs(call.backend, usage)
+        if call.ticket is not None:
+            self.admission.release(call.ticket, usage, cost)
+            call.ticket = None
+        policy = self.holder.runtime.policy
+        model = call.model
+        rec = RequestRecord(
+            call.row(status, error, cost, reference, estimated),
+            call.key.key_prefix,
+            call.stream,
+            call.attempts,
+            model is not None and (model in policy.models or model in policy.routes),
+            call.response_model,
+            policy.backends.get(call.backend) if call.backend is not None else None,
+            call.trace.ids,
+        )
+        self.log.record(rec)
+        self.observe(rec, call.trace)
+
+    def observe(self, rec: RequestRecord, trace: Trace) -> None:
+        """The telemetry of one finished request: every sink, then its trace."""
+        for sink in self.telemetry:
+            sink.record(rec)
+        trace.record(rec)
+
+    async def drain(self) -> None:
+        """At shutdown: the rows still being counted are finished (before the log writer stops)."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+
+def estimated_usage(call: Call, policy: Policy) -> dict[str, Any]:
+    """No usage came back (an answer without it, a stream the client left): count it ourselves."""
+    model = call.deployment if call.deployment and not call.deployment.startswith("http") else call.model
+    spec = policy.backends.get(call.backend or "")
+    tokenizer = spec.tokenizer if isinstance(spec, EngineBackend) else None
+    chunks: list[dict[str, Any]] = []
+    for raw in [call.reply_body] if call.reply_body is not None else [line[6:] for line in call.lines]:
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(parsed, dict):
+            chunks.append(parsed)
+    prompt = tokens.count(tokens.prompt_text(call.body or {}), model or "", tokenizer)
+    completion = tokens.count(tokens.completion_text(chunks), model or "", tokenizer)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,39 @@
+"""gateway/errors.py: every error a client may get is answered by one mapping, from its attributes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import orjson
+
+from gateway.errors import error_answer
+from gateway.governance.budgets import Budget, BudgetExceededError
+from gateway.governance.keys import AuthError
+from gateway.governance.ratelimit import Limit, RateLimitedError, refusal
+from gateway.routing.router import NoRouteError
+
+
+def test_a_rate_limit_error_is_typed_by_what_its_limit_counts_not_by_its_text() -> None:
+    requests = Limit("team:tokens:rpm", 1, 1, "requests per minute for team tokens")  # "tokens" in the text
+    assert refusal(5.0, requests).type == "requests"
+    tokens = Limit("key:k:tpm", 10, 1, "tokens per minute for this key", "tokens")
+    assert refusal(5.0, tokens).type == "tokens"
+
+
+def test_an_error_answer_carries_the_errors_status_body_and_headers() -> None:
+    status, headers, body = error_answer(RateLimitedError("rate limit reached", 2.5, "tokens"))
+    assert (status, headers) == (429, [(b"retry-after", b"3")])
+    assert orjson.loads(body) == {"error": {"message": "rate limit reached", "type": "tokens", "param": None,
+                                            "code": "rate_limit_exceeded"}}  # fmt: skip
+    assert error_answer(NoRouteError("nothing may serve 'm'")).status == 503
+    assert orjson.loads(error_answer(NoRouteError("x")).body)["error"]["param"] == "model"
+    assert error_answer(AuthError(401, "Incorrect API key provided", "invalid_api_key"))[:2] == (401, [])
+
+
+def test_a_spent_budget_tells_when_it_resets() -> None:
+    reset = datetime.now(UTC) + timedelta(seconds=90)
+    status, headers, body = error_answer(BudgetExceededError(Budget("key", "k1", Decimal(1), "daily"), reset))
+    assert status == 429 and orjson.loads(body)["error"]["type"] == "insufficient_quota"
+    assert dict(headers)[b"x-budget-reset"] == reset.isoformat().encode()
+    assert 89 <= int(dict(headers)[b"retry-after"]) <= 90
