@@ -51,6 +51,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # bytes received for the request whose headers are still incomplete (None: past its headers)
         self.header_bytes: int | None = 0
         self.header_timer: asyncio.TimerHandle | None = None
+        self.cycle_transport: _CycleTransport | None = None  # the current request's (writes coalesced)
         self.lingering: int | None = None  # bytes discarded since a refusal (None: not refused)
         self.linger_timer: asyncio.TimerHandle | None = None
 
@@ -94,14 +95,20 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._headers_too_large()
             raise _RefusedError  # stops the parser: no request task starts
         super().on_headers_complete()
-        if self.cycle is not None and any(name in _BODY_HEADERS for name, _ in self.headers):
-            # a body follows: an answer given before it is in must not reset the connection
-            self.cycle.transport = _LingeringClose(self, self.cycle)  # type: ignore[assignment]
+        if self.cycle is not None:
+            self.cycle_transport = _CycleTransport(self, self.cycle)
+            self.cycle.transport = self.cycle_transport  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         """The request's body is in: bytes after it belong to the next request's headers."""
         super().on_message_complete()
         self.header_bytes = 0
+
+    def shutdown(self) -> None:
+        """The server stops: an answer's tail still waiting goes out before the connection closes."""
+        if self.cycle_transport is not None:
+            self.cycle_transport.flush()
+        super().shutdown()
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (NUL in a header, bad Content-Length, bad chunking)."""
@@ -138,6 +145,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """Answer `status` and close, unless an answer has begun (pipelining): then just close."""
         if self.transport.is_closing() or self.lingering is not None:
             return
+        if self.cycle_transport is not None:
+            self.cycle_transport.flush()  # an answer's tail still waiting goes out before ours
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
             body = error_answer(GatewayError(status, message, code=code)).body
             head = (
@@ -167,9 +176,13 @@ LINGER_SECONDS = 1.0  # after a refusal, how long what the client still sends is
 LINGER_BYTES = 8 << 20  # and how much of it, at most (a completion body's default limit)
 
 
-class _LingeringClose:
-    """A request cycle's transport whose close() lingers while the request's body is still coming.
+class _CycleTransport:
+    """A request cycle's transport: writes made in one loop turn leave in one send; close() lingers
+    while the request's body is still coming.
 
+    uvicorn writes a response's head, then each body part, each at once: a streamed answer's head,
+    its role chunk and its first text were three sends, three wake-ups of the client before it had
+    its first token. Writes are joined and sent at the end of the turn (call_soon, order kept).
     The app answers some requests before reading their bodies (401 and 413 from the headers alone,
     with `connection: close`), and uvicorn then closes the socket at once: with the client still
     sending, that is the reset that can destroy the answer (see `_linger`). Once the body is in,
@@ -180,10 +193,24 @@ class _LingeringClose:
         self._protocol = protocol
         self._cycle = cycle
         self._transport = protocol.transport
-        self.write = self._transport.write  # the hot path goes straight to the transport
+        self._pending: list[bytes] | None = None  # written this turn, not sent yet
         self.is_closing = self._transport.is_closing
 
+    def write(self, data: bytes) -> None:
+        if self._pending is None:
+            self._pending = [data]
+            self._protocol.loop.call_soon(self.flush)
+        else:
+            self._pending.append(data)
+
+    def flush(self) -> None:
+        """Send what was written (nothing once the connection is closing)."""
+        pending, self._pending = self._pending, None
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
     def close(self) -> None:
+        self.flush()
         protocol = self._protocol
         if self._cycle.more_body and protocol.lingering is None and not self._transport.is_closing():
             protocol._linger()
@@ -198,7 +225,6 @@ class _RefusedError(Exception):
     """Raised from a parser callback to stop parsing a request already answered."""
 
 
-_BODY_HEADERS = (b"content-length", b"transfer-encoding")
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 

@@ -78,6 +78,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, stats: dict[str, int], gap: float, tokens: int) -> None:
         self._gap = gap  # seconds between streamed events (0: the whole stream in one write)
         self._words = tuple(f" w{i}" for i in range(tokens)) if gap else _WORDS
+        self._paced_events = 0
         self._parser = httptools.HttpRequestParser(self)
         self._stats = stats
         self._transport: asyncio.Transport | None = None
@@ -113,14 +114,17 @@ class _Connection(asyncio.Protocol):
             self._transport.write(answer)
 
     async def _paced(self, events: list[bytes]) -> None:
-        """One event per HTTP chunk, `gap` apart (the client waits for the end before its next request)."""
+        """One event per HTTP chunk, `gap` apart, as tokens come; what follows the last token (the
+        usage chunk, `[DONE]`) comes with it, as from an engine. The client waits for the end
+        before its next request."""
         transport = self._transport
         assert transport is not None
         transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
         )
+        paced = self._paced_events  # the role chunk (chat) and the words: a gap before each but the first
         for i, event in enumerate(events):
-            if i:
+            if 0 < i < paced:
                 await asyncio.sleep(self._gap)
             if transport.is_closing():
                 return
@@ -141,6 +145,7 @@ class _Connection(asyncio.Protocol):
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             if self._gap:
+                self._paced_events = len(self._words) + (1 if chat else 0)
                 return _events(chat, model, usage, self._words)
             return _response(200, _stream(chat, model, usage), b"text/event-stream")
         return _response(200, _completion(chat, model))

@@ -155,7 +155,7 @@ async def _lines(*chunks: bytes, limit: int = 64) -> list[str]:
 
 def test_sse_lines_split_across_chunks_and_survive_bytes_that_are_not_utf8() -> None:
     lines = asyncio.run(_lines(b'data: {"a"', b":1}\r\n\r\ndata: \xff\xfe ok\n", b"data: [DO", b"NE]"))
-    assert lines == ['data: {"a":1}', "", "data: \ufffd\ufffd ok", "data: [DONE]"]
+    assert lines == ['data: {"a":1}', "data: \ufffd\ufffd ok", "data: [DONE]"]  # blank lines dropped
 
 
 def test_a_line_past_the_bound_is_a_stream_error_not_a_crash() -> None:
