@@ -64,7 +64,7 @@ class OpenAIServing:
         self.created = int(time.time())
 
     # ----------------------------------------------------------------- common
-    def resolve_model(self, name: str | None) -> str:
+    def served_model(self, name: str | None) -> str:
         """The served name to echo back; 404 for a model this server does not serve."""
         if name is None or name == "":
             return self.served_names[0]
@@ -149,7 +149,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, span: RequestSpan | None = None
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A chat completion: the whole response, or an SSE byte stream when `stream` is set."""
-        model = self.resolve_model(req.model)
+        model = self.served_model(req.model)
         top = (req.top_logprobs or 0) if req.logprobs else None
         check_request_limits(self.engine.config, 1, req.n or 1, req.stop_strings(), top, "top_logprobs")
         prompt = await self.render_chat(req)
@@ -225,7 +225,7 @@ class OpenAIServing:
         self, req: CompletionRequest, span: RequestSpan | None = None
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A text completion for one or several prompts (choices indexed prompt-major)."""
-        model = self.resolve_model(req.model)
+        model = self.served_model(req.model)
         prompts = completion_prompts(req.prompt)
         n = req.n or 1
         check_request_limits(
