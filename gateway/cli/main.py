@@ -23,7 +23,7 @@ from gateway.config.policy import EngineBackend, PolicyError, load_policy
 from gateway.config.secrets import resolve_key_secret
 from gateway.config.settings import GatewaySettings
 from gateway.governance.keys import KeyHasher, KeyStore
-from gateway.store.db import DATABASE_ERRORS, DatabaseUnavailableError, create_engine, session_factory
+from gateway.store.db import DATABASE_ERRORS, DatabaseUnavailableError, create_db, session_factory
 from gateway.store.migrate import (
     SchemaMismatchError,
     current_revision,
@@ -53,9 +53,9 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
     hasher = KeyHasher(resolve_key_secret(settings))  # before the database: a missing secret is named first
     url = settings.resolved_database_url
     await ensure_schema(url, auto_upgrade=settings.dev_mode)
-    engine = create_engine(url)
+    db = create_db(url)
     try:
-        store = KeyStore(session_factory(engine), hasher, 0.0)
+        store = KeyStore(session_factory(db), hasher, 0.0)
         expires = datetime.now(UTC) + timedelta(days=args.expires_in_days) if args.expires_in_days else None
         models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
         metadata = json.loads(args.metadata)
@@ -64,23 +64,23 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
         )
         return {**info.public(), "key": plaintext}
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 async def _report(args: argparse.Namespace, settings: GatewaySettings) -> str:
     url = settings.resolved_database_url
     await ensure_schema(url, auto_upgrade=False)
-    engine = create_engine(url)
+    db = create_db(url)
     try:
         if args.format == "html":
             from gateway.store.report_html import html_report
 
             policy = load_policy(args.policy or settings.policy_path)
             own = frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
-            return await html_report(engine, args.start, args.end, own)
-        return render(await spend(engine, args.start, args.end, args.by), args.format, args.by)
+            return await html_report(db, args.start, args.end, own)
+        return render(await spend(db, args.start, args.end, args.by), args.format, args.by)
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 class _CleanExitServer(uvicorn.Server):
