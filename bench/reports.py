@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.governance.budgets import Budget, Charge, LocalBudgetStore, RedisBudgetStore  # noqa: E402
 from gateway.governance.ratelimit import Limit, LocalRateLimiter, RedisRateLimiter  # noqa: E402
-from gateway.store.db import create_engine  # noqa: E402
+from gateway.store.db import create_db  # noqa: E402
 from gateway.store.migrate import upgrade  # noqa: E402
 from gateway.store.models import to_picousd  # noqa: E402
 from gateway.store.reports import spend  # noqa: E402
@@ -83,13 +83,13 @@ async def fill(url: str, rows: int, keys: int) -> None:
 
 
 async def time_reports(url: str) -> None:
-    engine = create_engine(url)
+    db = create_db(url)
     raw = await asyncpg.connect(url.replace("+asyncpg", ""))
     for by, column in (("model", "requested_model"), ("key", "key_id")):
         timings = []
         for _ in range(5):
             t = time.perf_counter()
-            await spend(engine, date(2026, 10, 1), date(2026, 10, 31), by)  # type: ignore[arg-type]
+            await spend(db, date(2026, 10, 1), date(2026, 10, 31), by)  # type: ignore[arg-type]
             timings.append(time.perf_counter() - t)
         t = time.perf_counter()
         await raw.fetch(f"SELECT {column}, count(*), sum(prompt_tokens), sum(completion_tokens), "
@@ -102,7 +102,7 @@ async def time_reports(url: str) -> None:
         print(f"month by {by:<5}: from aggregates {best * 1e3:8.1f} ms (median {median:.1f}) "
               f"| scanning the raw log {scan * 1e3:8.1f} ms  ({scan / best:.0f}x)")  # fmt: skip
     await raw.close()
-    await engine.dispose()
+    await db.dispose()
 
 
 async def time_enforcement(requests: int) -> None:

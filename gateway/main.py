@@ -31,7 +31,7 @@ from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.routing.complexity import ComplexityModel
-from gateway.store.db import create_engine, session_factory
+from gateway.store.db import create_db, session_factory
 from gateway.store.log_retention import LogRetention
 from gateway.store.migrate import ensure_schema
 from gateway.store.request_log import RequestLogWriter
@@ -82,7 +82,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.resolved_database_url
         await ensure_schema(url, auto_upgrade=settings.dev_mode)
-        db = create_engine(url)
+        db = create_db(url)
         secrets = resolve_secrets(settings)
         keys = KeyStore(
             session_factory(db),

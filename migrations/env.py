@@ -7,7 +7,7 @@ import asyncio
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from gateway.store.db import create_engine
+from gateway.store.db import create_db
 from gateway.store.models import Base
 
 config = context.config
@@ -35,13 +35,13 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async() -> None:
-    engine = create_engine(_url())
+    db = create_db(_url())
     try:
-        async with engine.connect() as conn:
+        async with db.connect() as conn:
             await conn.run_sync(_run)
             await conn.commit()
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 if context.is_offline_mode():

@@ -66,8 +66,8 @@ def error_event(error: APIError) -> bytes:
 
 
 @dataclass
-class Call:
-    """What every response of one API call repeats."""
+class ResponseIdentity:
+    """What every response (and every chunk) of one API call repeats: its id, time, model, object."""
 
     id: str
     created: int
@@ -75,8 +75,13 @@ class Call:
     object: str
 
 
-def response_head(call: Call) -> dict[str, Any]:
-    return {"id": call.id, "object": call.object, "created": call.created, "model": call.model}
+def response_head(identity: ResponseIdentity) -> dict[str, Any]:
+    return {
+        "id": identity.id,
+        "object": identity.object,
+        "created": identity.created,
+        "model": identity.model,
+    }
 
 
 def text_choice(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:

@@ -169,7 +169,7 @@ def _add_routes(
     @app.get("/v1/models/{model:path}", dependencies=authorized)
     async def get_model(model: str) -> Response:
         """One served model."""
-        serving.resolve_model(model)
+        serving.served_model(model)
         return _json(next(m for m in serving.models()["data"] if m["id"] == model))
 
     @app.get("/health")
@@ -189,11 +189,11 @@ async def _traced(request: Request, span: RequestSpan, serving: OpenAIServing) -
     try:
         if request.url.path.endswith("/chat/completions"):
             chat = await _parse(request, ChatCompletionRequest)
-            span.parsed(chat, serving.resolve_model(chat.model))
+            span.parsed(chat, serving.served_model(chat.model))
             work = serving.chat(chat, span)
         else:
             text = await _parse(request, CompletionRequest)
-            span.parsed(text, serving.resolve_model(text.model))
+            span.parsed(text, serving.served_model(text.model))
             work = serving.completions(text, span)
         result = await _until_disconnect(request, work)
     except BaseException as exc:

@@ -16,7 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.http.event_stream import EventStream, close_all, merged, whole_output
 from engine.http.openai_format import (
     SSE_DONE,
-    Call,
+    ResponseIdentity,
     aborted_event,
     chat_logprobs,
     completion_logprobs,
@@ -64,7 +64,7 @@ class OpenAIServing:
         self.created = int(time.time())
 
     # ----------------------------------------------------------------- common
-    def resolve_model(self, name: str | None) -> str:
+    def served_model(self, name: str | None) -> str:
         """The served name to echo back; 404 for a model this server does not serve."""
         if name is None or name == "":
             return self.served_names[0]
@@ -149,17 +149,19 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, span: RequestSpan | None = None
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A chat completion: the whole response, or an SSE byte stream when `stream` is set."""
-        model = self.resolve_model(req.model)
+        model = self.served_model(req.model)
         top = (req.top_logprobs or 0) if req.logprobs else None
         check_request_limits(self.engine.config, 1, req.n or 1, req.stop_strings(), top, "top_logprobs")
         prompt = await self.render_chat(req)
         # absent: the rest of the context, as vLLM does for chat
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, top)
-        call = Call(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion")
-        stream = await self._start(call.id, prompt, params, False, span)
+        identity = ResponseIdentity(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion"
+        )
+        stream = await self._start(identity.id, prompt, params, False, span)
         if req.stream:
-            return EventStream(self._chat_events(call, stream, params, top, req.include_usage), [stream])
+            return EventStream(self._chat_events(identity, stream, params, top, req.include_usage), [stream])
         try:
             final = await whole_output(stream)
         finally:
@@ -175,17 +177,17 @@ class OpenAIServing:
             }
             for c in final.outputs
         ]
-        return {**response_head(call), "choices": choices, "usage": usage([final])}
+        return {**response_head(identity), "choices": choices, "usage": usage([final])}
 
     async def _chat_events(
         self,
-        call: Call,
+        identity: ResponseIdentity,
         outputs: RequestStream,
         params: SamplingParams,
         top: int | None,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        head = {**response_head(call), "object": "chat.completion.chunk"}
+        head = {**response_head(identity), "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
 
         def chunk(
@@ -223,7 +225,7 @@ class OpenAIServing:
         self, req: CompletionRequest, span: RequestSpan | None = None
     ) -> dict[str, Any] | AsyncIterator[bytes]:
         """A text completion for one or several prompts (choices indexed prompt-major)."""
-        model = self.resolve_model(req.model)
+        model = self.served_model(req.model)
         prompts = completion_prompts(req.prompt)
         n = req.n or 1
         check_request_limits(
@@ -231,11 +233,11 @@ class OpenAIServing:
         )
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         params = self.sampling_params(req, max_tokens, req.logprobs)
-        call = Call(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, "text_completion")
+        identity = ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, "text_completion")
         streams: list[RequestStream] = []
         try:
             for k, prompt in enumerate(prompts):
-                request_id = call.id if len(prompts) == 1 else f"{call.id}-{k}"
+                request_id = identity.id if len(prompts) == 1 else f"{identity.id}-{k}"
                 streams.append(await self._start(request_id, prompt, params, True, span))
             echo = [self._echo_text(p) for p in prompts] if req.echo else None
         except BaseException:
@@ -243,7 +245,7 @@ class OpenAIServing:
             raise
         if req.stream:
             return EventStream(
-                self._completion_events(call, streams, params, echo, req.include_usage), streams
+                self._completion_events(identity, streams, params, echo, req.include_usage), streams
             )
         try:
             finals = list(await asyncio.gather(*(whole_output(s) for s in streams)))
@@ -265,7 +267,7 @@ class OpenAIServing:
                         "stop_reason": c.stop_reason,
                     }
                 )
-        return {**response_head(call), "choices": choices, "usage": usage(finals)}
+        return {**response_head(identity), "choices": choices, "usage": usage(finals)}
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -274,13 +276,13 @@ class OpenAIServing:
 
     async def _completion_events(
         self,
-        call: Call,
+        identity: ResponseIdentity,
         streams: list[RequestStream],
         params: SamplingParams,
         echo: list[str] | None,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        head = response_head(call)
+        head = response_head(identity)
         extra = {"usage": None} if include_usage else {}
         n = params.n
         ended = [[False] * n for _ in streams]

@@ -64,7 +64,7 @@ async def proxy(services: ServicesDep) -> Proxy:
 
 
 async def database(services: ServicesDep) -> AsyncEngine:
-    """Dependency: the app's database engine."""
+    """Dependency: the app's database (its SQLAlchemy AsyncEngine)."""
     return services.db
 
 

@@ -19,7 +19,7 @@ import aiohttp
 
 from gateway.backends.base import UpstreamReply, UpstreamStream, UpstreamStreamError, UpstreamUnavailableError
 from gateway.backends.health import HealthChecker, Replica, pick
-from gateway.config.policy import EngineBackend, Health, Timeouts
+from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ MAX_REPLY_BYTES = 64 << 20
 class EnginePool:
     """The replicas of one engine backend, with keep-alive connections and health tracking."""
 
-    def __init__(self, name: str, spec: EngineBackend, health: Health) -> None:
+    def __init__(self, name: str, spec: EngineBackend, health: HealthSettings) -> None:
         self.name = name
         self.spec = spec
         self.health = health

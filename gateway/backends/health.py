@@ -19,7 +19,7 @@ from enum import Enum
 
 import aiohttp
 
-from gateway.config.policy import Breaker, Health
+from gateway.config.policy import Breaker, HealthSettings
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class CircuitBreaker:
 class Replica:
     """One engine server: its last check, its breaker, and its requests in flight."""
 
-    def __init__(self, url: str, health: Health, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, url: str, health: HealthSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.url = url
         self.health = health
         self.breaker = CircuitBreaker(health.breaker, clock)
@@ -174,7 +174,9 @@ def pick(replicas: Iterable[Replica], avoid: frozenset[str] = frozenset()) -> Re
 class HealthChecker:
     """Checks every replica of one pool each `interval` s until stopped."""
 
-    def __init__(self, name: str, replicas: list[Replica], health: Health, headers: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, replicas: list[Replica], health: HealthSettings, headers: dict[str, str]
+    ) -> None:
         self.name = name
         self.replicas = replicas
         self.health = health

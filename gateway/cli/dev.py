@@ -18,7 +18,7 @@ from gateway.config.private_files import read_private, replace_private
 from gateway.config.secrets import resolve_secrets
 from gateway.config.settings import GatewaySettings
 from gateway.governance.keys import AuthError, KeyHasher, KeyStore
-from gateway.store.db import create_engine, session_factory
+from gateway.store.db import create_db, session_factory
 from gateway.store.migrate import ensure_schema
 
 _DEV_KEY_FILE = "dev-key.json"
@@ -42,10 +42,10 @@ async def _dev_key(settings: GatewaySettings) -> str:
     """The dev key kept in the data directory, created (or re-created) when it no longer works."""
     url = settings.resolved_database_url
     await ensure_schema(url, auto_upgrade=True)
-    engine = create_engine(url)
+    db = create_db(url)
     path = settings.data_dir / _DEV_KEY_FILE
     try:
-        store = KeyStore(session_factory(engine), KeyHasher(resolve_secrets(settings).key_secret), 0.0)
+        store = KeyStore(session_factory(db), KeyHasher(resolve_secrets(settings).key_secret), 0.0)
         text = read_private(path)  # PrivateFileError for a symlink: never followed
         if text is not None:
             try:
@@ -61,7 +61,7 @@ async def _dev_key(settings: GatewaySettings) -> str:
         replace_private(path, json.dumps({"key": key}))  # mode 0600 from creation, then renamed in place
         return key
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 def _policy_for(

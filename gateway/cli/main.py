@@ -23,7 +23,7 @@ from gateway.config.policy import EngineBackend, PolicyError, load_policy
 from gateway.config.secrets import resolve_key_secret
 from gateway.config.settings import GatewaySettings
 from gateway.governance.keys import KeyHasher, KeyStore
-from gateway.store.db import DATABASE_ERRORS, DatabaseUnavailableError, create_engine, session_factory
+from gateway.store.db import DATABASE_ERRORS, DatabaseUnavailableError, create_db, session_factory
 from gateway.store.migrate import (
     SchemaMismatchError,
     current_revision,
@@ -36,7 +36,7 @@ from gateway.store.reports import DIMENSIONS, render, spend
 from gateway.telemetry.access_log import log_config
 
 
-def _db(args: argparse.Namespace, settings: GatewaySettings) -> int:
+def _database_command(args: argparse.Namespace, settings: GatewaySettings) -> int:
     url = settings.resolved_database_url
     if args.db_command == "upgrade":
         upgrade(url, args.revision)
@@ -53,9 +53,9 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
     hasher = KeyHasher(resolve_key_secret(settings))  # before the database: a missing secret is named first
     url = settings.resolved_database_url
     await ensure_schema(url, auto_upgrade=settings.dev_mode)
-    engine = create_engine(url)
+    db = create_db(url)
     try:
-        store = KeyStore(session_factory(engine), hasher, 0.0)
+        store = KeyStore(session_factory(db), hasher, 0.0)
         expires = datetime.now(UTC) + timedelta(days=args.expires_in_days) if args.expires_in_days else None
         models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
         metadata = json.loads(args.metadata)
@@ -64,23 +64,23 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
         )
         return {**info.public(), "key": plaintext}
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 async def _report(args: argparse.Namespace, settings: GatewaySettings) -> str:
     url = settings.resolved_database_url
     await ensure_schema(url, auto_upgrade=False)
-    engine = create_engine(url)
+    db = create_db(url)
     try:
         if args.format == "html":
             from gateway.store.report_html import html_report
 
             policy = load_policy(args.policy or settings.policy_path)
             own = frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
-            return await html_report(engine, args.start, args.end, own)
-        return render(await spend(engine, args.start, args.end, args.by), args.format, args.by)
+            return await html_report(db, args.start, args.end, own)
+        return render(await spend(db, args.start, args.end, args.by), args.format, args.by)
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 class _CleanExitServer(uvicorn.Server):
@@ -156,13 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     dev.add_argument("--model", default="default", help="engine model: 'default' or a local HF folder")
     dev.add_argument("--port", type=int, default=8000, help="gateway port")
     dev.add_argument("--engine-port", type=int, default=8001)
-    db = sub.add_parser("db", help="database schema migrations (Alembic)")
-    db_sub = db.add_subparsers(dest="db_command", required=True)
-    up = db_sub.add_parser("upgrade", help="migrate up (to the newest revision by default)")
+    database = sub.add_parser("db", help="database schema migrations (Alembic)")
+    database_sub = database.add_subparsers(dest="db_command", required=True)
+    up = database_sub.add_parser("upgrade", help="migrate up (to the newest revision by default)")
     up.add_argument("revision", nargs="?", default="head")
-    down = db_sub.add_parser("downgrade", help="migrate down to REVISION ('base' drops every table)")
+    down = database_sub.add_parser("downgrade", help="migrate down to REVISION ('base' drops every table)")
     down.add_argument("revision")
-    db_sub.add_parser("current", help="the database's revision and the one this code expects")
+    database_sub.add_parser("current", help="the database's revision and the one this code expects")
     keys = sub.add_parser("keys", help="virtual keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (the plaintext is shown once)")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_dev_stack(args.model, args.port, args.engine_port)
         settings = GatewaySettings()  # the secrets are checked by the commands that use them
         if args.command == "db":
-            return _db(args, settings)
+            return _database_command(args, settings)
         if args.command == "report":
             print(asyncio.run(_report(args, settings)))
             return 0

@@ -80,7 +80,7 @@ class Breaker(_Strict):
     cooldown: float = Field(default=5.0, gt=0)  # seconds open before one probe is let through
 
 
-class Health(_Strict):
+class HealthSettings(_Strict):
     """Active checks of engine replicas and the thresholds that mark one unhealthy."""
 
     interval: float = Field(default=1.0, gt=0)  # seconds between checks of each replica
@@ -91,7 +91,7 @@ class Health(_Strict):
     breaker: Breaker = Breaker()
 
 
-class HealthOverride(_Strict):
+class HealthSettingsOverride(_Strict):
     """Per-backend changes to the policy's `health` section (unset fields keep its values)."""
 
     interval: float | None = Field(default=None, gt=0)
@@ -109,7 +109,7 @@ class EngineBackend(_Strict):
     urls: list[str] = Field(min_length=1)
     api_key_env: str | None = None  # env var holding the engines' --api-key, if they have one
     timeouts: Timeouts = Timeouts()
-    health: HealthOverride = HealthOverride()
+    health: HealthSettingsOverride = HealthSettingsOverride()
     price: Price | None = None  # what a self-hosted token costs us (for the cost reports) ...
     gpu: GpuCost | None = None  # ... or derived from the GPU's hourly price and throughput
     tokenizer: str | None = None  # tokenizer.json (or its folder): counts tokens when usage is missing
@@ -223,7 +223,7 @@ class Policy(_Strict):
     models: dict[str, ModelRoute] = Field(min_length=1)
     routes: dict[str, Route] = {}
     overrides: list[Override] = []
-    health: Health = Health()
+    health: HealthSettings = HealthSettings()
     costs: Costs = Costs()
     teams: dict[str, Team] = {}
     log_bodies: bool = False  # keep request and response bodies in the request log and the access log
@@ -274,13 +274,15 @@ class Policy(_Strict):
         backend = self.backends[route.backend]
         return backend.model if isinstance(backend, HostedBackend) else name
 
-    def health_for(self, backend: str) -> Health:
+    def health_for(self, backend: str) -> HealthSettings:
         """The policy's health settings with the backend's overrides applied."""
         spec = self.backends[backend]
         if not isinstance(spec, EngineBackend):
             return self.health
         # the fields themselves, not model_dump(): a `breaker` must stay a Breaker, not become a dict
-        changes = {k: v for k in HealthOverride.model_fields if (v := getattr(spec.health, k)) is not None}
+        changes = {
+            k: v for k in HealthSettingsOverride.model_fields if (v := getattr(spec.health, k)) is not None
+        }
         return self.health.model_copy(update=changes)
 
 

@@ -332,7 +332,7 @@ class RedisBudgetStore:
         await self._redis.aclose()
 
 
-def spend_seed(engine: AsyncEngine) -> Seed:
+def spend_seed(db: AsyncEngine) -> Seed:
     """What a budget's subject has spent since `start`, from the daily aggregates (picodollars).
 
     A database failure becomes SpendUnavailableError, so that it is never mistaken for Redis's.
@@ -345,7 +345,7 @@ def spend_seed(engine: AsyncEngine) -> Seed:
             column == budget.subject, UsageDaily.day >= first_day
         )
         try:
-            async with engine.connect() as conn:
+            async with db.connect() as conn:
                 spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None: no rows
         except DATABASE_ERRORS as exc:
             detail = str(exc).splitlines()[0] if str(exc) else ""

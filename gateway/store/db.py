@@ -1,4 +1,8 @@
-"""Database engine and sessions (SQLAlchemy 2.0 asyncio), for SQLite and PostgreSQL."""
+"""The database and its sessions (SQLAlchemy 2.0 asyncio), for SQLite and PostgreSQL.
+
+In the gateway `db` always names the SQLAlchemy `AsyncEngine` (never `engine`: that word is our
+inference server), hence `create_db` rather than SQLAlchemy's `create_engine`.
+"""
 
 from __future__ import annotations
 
@@ -150,15 +154,15 @@ async def translated_errors(doing: str) -> AsyncIterator[None]:
         raise
 
 
-def create_engine(url: str) -> AsyncEngine:
-    """An async engine; SQLite gets its folder created, WAL journaling (synchronous=NORMAL), foreign keys."""
+def create_db(url: str) -> AsyncEngine:
+    """The AsyncEngine; SQLite gets its folder created, WAL journaling (synchronous=NORMAL), foreign keys."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url)
+        db = create_async_engine(url)
 
-        @event.listens_for(engine.sync_engine, "connect")
+        @event.listens_for(db.sync_engine, "connect")
         def _pragmas(dbapi_conn: object, _record: object) -> None:
             cursor = dbapi_conn.cursor()  # type: ignore[attr-defined]
             cursor.execute("PRAGMA journal_mode=WAL")
@@ -166,10 +170,10 @@ def create_engine(url: str) -> AsyncEngine:
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 
-        return engine
+        return db
     return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
 
-def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+def session_factory(db: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     """Sessions that keep loaded objects usable after commit."""
-    return async_sessionmaker(engine, expire_on_commit=False)
+    return async_sessionmaker(db, expire_on_commit=False)

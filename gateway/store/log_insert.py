@@ -31,17 +31,17 @@ class BatchInsert:
     Rows must have gone through RowSanitizer: every column present, every value storable.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, db: AsyncEngine) -> None:
         table = RequestLog.__table__
-        self._engine = engine
+        self._db = db
         self._columns = [c.name for c in table.columns]
-        self._processors = [c.type.bind_processor(engine.dialect) for c in table.columns]
-        self._postgres = engine.dialect.name == "postgresql"
+        self._processors = [c.type.bind_processor(db.dialect) for c in table.columns]
+        self._postgres = db.dialect.name == "postgresql"
         names = ", ".join(self._columns)
         head = f"INSERT INTO {RequestLog.__tablename__} ({names}) "
         tail = " ON CONFLICT (id) DO NOTHING RETURNING id"
         arrays = ", ".join(
-            f"${i}::{c.type.compile(engine.dialect)}[]" for i, c in enumerate(table.columns, start=1)
+            f"${i}::{c.type.compile(db.dialect)}[]" for i, c in enumerate(table.columns, start=1)
         )
         self._pg_sql = f"{head}SELECT * FROM unnest({arrays}){tail}"
         self._sqlite_head, self._sqlite_tail = head + "VALUES ", tail
@@ -56,7 +56,7 @@ class BatchInsert:
             else [None if (v := row.get(name)) is None else process(v) for row in rows]
             for name, process in zip(self._columns, self._processors, strict=True)
         ]
-        async with self._engine.connect() as conn:
+        async with self._db.connect() as conn:
             driver = (await conn.get_raw_connection()).driver_connection
             assert driver is not None
             if self._postgres:  # one transaction: the raw rows and the aggregates never disagree

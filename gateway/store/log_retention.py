@@ -17,10 +17,8 @@ logger = logging.getLogger(__name__)
 class LogRetention:
     """Deletes raw request-log rows older than `days`, in chunks, every `interval` s; aggregates stay."""
 
-    def __init__(
-        self, engine: AsyncEngine, days: float, interval: float = 3600.0, chunk: int = 10_000
-    ) -> None:
-        self._engine = engine
+    def __init__(self, db: AsyncEngine, days: float, interval: float = 3600.0, chunk: int = 10_000) -> None:
+        self._db = db
         self.days = days
         self._interval = interval
         self._chunk = chunk
@@ -50,7 +48,7 @@ class LogRetention:
         )
         removed = 0
         while True:
-            async with self._engine.begin() as conn:
+            async with self._db.begin() as conn:
                 count = (
                     await conn.execute(delete(RequestLog).where(RequestLog.id.in_(doomed)))
                 ).rowcount or 0

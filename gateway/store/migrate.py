@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
-from gateway.store.db import create_engine
+from gateway.store.db import create_db
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -49,12 +49,12 @@ async def current_revision(url: str) -> str | None:
     def read(conn: Connection) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
-    engine = create_engine(url)
+    db = create_db(url)
     try:
-        async with engine.connect() as conn:
+        async with db.connect() as conn:
             return await conn.run_sync(read)
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 async def ensure_schema(url: str, auto_upgrade: bool) -> None:

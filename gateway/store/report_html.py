@@ -21,12 +21,12 @@ from gateway.store.reports import SpendRow, spend
 _PALETTE = ("#3b6fb6", "#e07b39", "#4e9a5b", "#b5485d", "#7d5ba6", "#c2a23a", "#3fa3a8", "#8c6d4f")
 
 
-async def html_report(engine: AsyncEngine, start: date, end: date, self_hosted: frozenset[str]) -> str:
+async def html_report(db: AsyncEngine, start: date, end: date, self_hosted: frozenset[str]) -> str:
     """Everything finance reads for `start`..`end` (both included), as one HTML document."""
-    daily = await _daily_by_backend(engine, start, end)
-    keys = await spend(engine, start, end, "key")
-    teams = await spend(engine, start, end, "team")
-    backends = await spend(engine, start, end, "backend")
+    daily = await _daily_by_backend(db, start, end)
+    keys = await spend(db, start, end, "key")
+    teams = await spend(db, start, end, "team")
+    backends = await spend(db, start, end, "backend")
     total = sum((r.cost_usd for r in backends), Decimal(0))
     own = [r for r in backends if r.group in self_hosted]
     own_tokens = sum(r.prompt_tokens + r.completion_tokens for r in own)
@@ -65,14 +65,14 @@ async def html_report(engine: AsyncEngine, start: date, end: date, self_hosted: 
     )
 
 
-async def _daily_by_backend(engine: AsyncEngine, start: date, end: date) -> dict[date, dict[str, Decimal]]:
+async def _daily_by_backend(db: AsyncEngine, start: date, end: date) -> dict[date, dict[str, Decimal]]:
     query = (
         select(UsageDaily.day, UsageDaily.backend, func.sum(UsageDaily.cost_usd))
         .where(UsageDaily.day >= start, UsageDaily.day <= end)
         .group_by(UsageDaily.day, UsageDaily.backend)
     )
     out: dict[date, dict[str, Decimal]] = defaultdict(dict)
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         for day, backend, cost in (await conn.execute(query)).all():
             out[day][backend or "(none)"] = Decimal(cost or 0)
     return out

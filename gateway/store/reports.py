@@ -49,7 +49,7 @@ class SpendRow:
         return self.reference_cost_usd - self.reference_basis_usd
 
 
-async def spend(engine: AsyncEngine, start: date, end: date, by: Dimension) -> list[SpendRow]:
+async def spend(db: AsyncEngine, start: date, end: date, by: Dimension) -> list[SpendRow]:
     """Spend from `start` to `end` (both included) grouped `by`, dearest first."""
     if end < start:
         raise ValueError(f"the report ends ({end}) before it starts ({start})")
@@ -69,7 +69,7 @@ async def spend(engine: AsyncEngine, start: date, end: date, by: Dimension) -> l
         .where(UsageDaily.day >= start, UsageDaily.day <= end)
         .group_by(group)
     )
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         rows = (await conn.execute(query)).all()
         names: dict[str, str] = {}
         if by == "key":

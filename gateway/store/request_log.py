@@ -51,7 +51,7 @@ class RequestLogWriter:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        db: AsyncEngine,
         registry: CollectorRegistry,
         spool: LogSpool | None = None,
         max_queue: int = 50_000,
@@ -60,8 +60,8 @@ class RequestLogWriter:
         spill_after: float = 10.0,
         write_timeout: float = 15.0,
     ) -> None:
-        self._engine = engine
-        self._insert = BatchInsert(engine)
+        self._db = db
+        self._insert = BatchInsert(db)
         self._sanitize = RowSanitizer()
         self._spool = spool
         self._pending: list[Mapping[str, Any]] = []  # cleaned rows, in the order recorded
@@ -131,7 +131,7 @@ class RequestLogWriter:
 
     @classmethod
     def from_settings(
-        cls, engine: AsyncEngine, registry: CollectorRegistry, settings: GatewaySettings
+        cls, db: AsyncEngine, registry: CollectorRegistry, settings: GatewaySettings
     ) -> RequestLogWriter:
         """The writer with the configured queue and the spool for this database."""
         spool = (
@@ -141,7 +141,7 @@ class RequestLogWriter:
             if settings.log_spool_max_bytes > 0
             else None
         )
-        return cls(engine, registry, spool, max_queue=settings.log_queue_max_rows)
+        return cls(db, registry, spool, max_queue=settings.log_queue_max_rows)
 
     def start(self) -> None:
         """Start the writer task (which first replays what the spool holds)."""
@@ -247,7 +247,7 @@ class RequestLogWriter:
     async def _reachable(self) -> bool:
         """Whether the database answers `SELECT 1` (told apart: a bad row from a lost database)."""
         try:
-            async with asyncio.timeout(self._write_timeout), self._engine.connect() as conn:
+            async with asyncio.timeout(self._write_timeout), self._db.connect() as conn:
                 await conn.exec_driver_sql("SELECT 1")
             return True
         except Exception:

@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from gateway.config.settings import GatewaySettings
 from gateway.main import create_app
-from gateway.store.db import create_engine
+from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from tests.engine.server_proc import ManagedServer, free_port
 
@@ -54,12 +54,12 @@ def read_log_rows(database_url: str, table: str = "request_logs") -> list[dict[s
     """Every row of the request log (or of another table), as dicts."""
 
     async def read() -> list[dict[str, Any]]:
-        engine = create_engine(database_url)
+        db = create_db(database_url)
         try:
-            async with engine.connect() as conn:
+            async with db.connect() as conn:
                 return [dict(r._mapping) for r in await conn.execute(text(f"SELECT * FROM {table}"))]
         finally:
-            await engine.dispose()
+            await db.dispose()
 
     return asyncio.run(read())
 

@@ -12,7 +12,7 @@ import pytest
 from gateway.backends.base import UpstreamUnavailableError
 from gateway.backends.engine import EnginePool
 from gateway.backends.health import BreakerState
-from gateway.config.policy import Breaker, EngineBackend, Health
+from gateway.config.policy import Breaker, EngineBackend, HealthSettings
 from tests.engine.server_proc import ManagedServer
 
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "a b c"}], "stream": true}'
@@ -27,7 +27,7 @@ def fake() -> Iterator[ManagedServer]:
         server.stop()
 
 
-def _pool(url: str, health: Health) -> EnginePool:
+def _pool(url: str, health: HealthSettings) -> EnginePool:
     return EnginePool("pool", EngineBackend(type="engine", urls=[url]), health)
 
 
@@ -41,7 +41,7 @@ async def _drain(pool: EnginePool) -> None:
 def test_first_tokens_slower_than_the_slo_open_the_breaker(fake: ManagedServer) -> None:
     httpx.post(f"{fake.base_url}/control", json={"latency_ms": 150})
     try:
-        health = Health(first_token_slo=0.05, breaker=Breaker(consecutive_failures=2, cooldown=60))
+        health = HealthSettings(first_token_slo=0.05, breaker=Breaker(consecutive_failures=2, cooldown=60))
 
         async def run() -> EnginePool:
             pool = _pool(fake.base_url, health)
@@ -59,7 +59,7 @@ def test_first_tokens_slower_than_the_slo_open_the_breaker(fake: ManagedServer) 
 
 
 def test_fast_first_tokens_and_4xx_keep_it_closed_and_5xx_open_it(fake: ManagedServer) -> None:
-    health = Health(first_token_slo=5, breaker=Breaker(consecutive_failures=2, cooldown=60))
+    health = HealthSettings(first_token_slo=5, breaker=Breaker(consecutive_failures=2, cooldown=60))
 
     async def run() -> EnginePool:
         pool = _pool(fake.base_url, health)

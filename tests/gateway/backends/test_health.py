@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gateway.backends.health import BreakerState, CircuitBreaker, HealthChecker, Replica, pick
-from gateway.config.policy import Breaker, Health
+from gateway.config.policy import Breaker, HealthSettings
 
 
 class Clock:
@@ -101,7 +101,7 @@ def test_a_probe_without_verdict_frees_the_slot() -> None:
 
 
 def test_pick_prefers_fewest_in_flight_then_unsaturated_and_skips_unusable() -> None:
-    health = Health(max_queue_depth=4)
+    health = HealthSettings(max_queue_depth=4)
     a, b, c = (Replica(u, health) for u in ("http://a", "http://b", "http://c"))
     a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
     assert pick([a, b, c]) is b
@@ -119,7 +119,9 @@ def test_pick_prefers_fewest_in_flight_then_unsaturated_and_skips_unusable() -> 
 class _FlakyChecker(HealthChecker):
     """Raises an exception no check expects on its first rounds, then counts the rounds that ran."""
 
-    def __init__(self, replicas: list[Replica], health: Health, failures: list[BaseException]) -> None:
+    def __init__(
+        self, replicas: list[Replica], health: HealthSettings, failures: list[BaseException]
+    ) -> None:
         super().__init__("flaky", replicas, health, {})
         self.failures = failures
         self.rounds = 0
@@ -131,7 +133,7 @@ class _FlakyChecker(HealthChecker):
 
 
 def test_the_health_loop_survives_any_exception_in_a_check_round(caplog: pytest.LogCaptureFixture) -> None:
-    health = Health(interval=0.01)
+    health = HealthSettings(interval=0.01)
     replica = Replica("http://127.0.0.1:9", health)
     failures: list[BaseException] = [ZeroDivisionError("bug"), KeyError("gauge"), UnicodeDecodeError(
         "utf-8", b"\xff", 0, 1, "bad byte")]  # fmt: skip
@@ -154,7 +156,7 @@ def test_the_health_loop_survives_any_exception_in_a_check_round(caplog: pytest.
 
 
 def test_a_check_that_fails_unexpectedly_marks_only_that_replica_down() -> None:
-    health = Health(interval=0.01)
+    health = HealthSettings(interval=0.01)
     replica = Replica("http://127.0.0.1:9", health)
     checker = HealthChecker("odd", [replica], health, {})
 

@@ -22,7 +22,7 @@ from gateway.governance.budgets import (
     period_bounds,
     spend_seed,
 )
-from gateway.store.db import create_engine
+from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import to_picousd
 from gateway.store.request_log import RequestLogWriter
@@ -104,18 +104,18 @@ def test_spend_is_reseeded_from_the_daily_aggregates(database_url: str) -> None:
     upgrade(database_url)
 
     async def run() -> tuple[int, int, int]:
-        engine = create_engine(database_url)
-        writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
+        db = create_db(database_url)
+        writer = RequestLogWriter(db, CollectorRegistry(), interval=0.05)
         writer.start()
         for i, day in enumerate((_at(2026, 10, 31, 12), _at(2026, 11, 1, 12), _at(2026, 11, 21, 12))):
             writer.queue({"id": f"r{i}", "created_at": day, "status": 200, "key_id": "k1", "team": "t",
                            "cost_picousd": Decimal("0.25")})  # fmt: skip
         await writer.stop()
-        seed = spend_seed(engine)
+        seed = spend_seed(db)
         month = await seed(Budget("key", "k1", Decimal(5), "monthly"), _at(2026, 11, 1))
         team = await seed(Budget("team", "t", Decimal(5), "total"), _at(1970, 1, 1))
         other = await seed(Budget("key", "k2", Decimal(5), "monthly"), _at(2026, 11, 1))
-        await engine.dispose()
+        await db.dispose()
         return month, team, other
 
     assert asyncio.run(run()) == (to_picousd(Decimal("0.50")), to_picousd(Decimal("0.75")), 0)
@@ -214,10 +214,10 @@ def test_one_redis_script_admits_limits_and_budgets_all_or_nothing() -> None:
 
 def test_spend_seed_reports_an_unreachable_database_as_the_database() -> None:
     async def run() -> None:
-        engine = create_engine("postgresql+asyncpg://postgres@127.0.0.1:1/test")  # refuses connections
+        db = create_db("postgresql+asyncpg://postgres@127.0.0.1:1/test")  # refuses connections
         with pytest.raises(SpendUnavailableError, match="ConnectionRefusedError"):
-            await spend_seed(engine)(Budget("key", "k", Decimal(1), "daily"), datetime.now(UTC))
-        await engine.dispose()
+            await spend_seed(db)(Budget("key", "k", Decimal(1), "daily"), datetime.now(UTC))
+        await db.dispose()
 
     asyncio.run(run())
 
@@ -273,13 +273,13 @@ def test_budget_errors_name_redis_or_the_database_but_never_their_error_text(
             await redis_down.reserve([_charge(budget, now, "0.1")], _nothing_spent)
         messages.append(str(info.value))
         await redis_down.close()
-        engine = create_engine("postgresql+asyncpg://postgres@127.0.0.1:1/test")
+        db = create_db("postgresql+asyncpg://postgres@127.0.0.1:1/test")
         for store in (LocalBudgetStore(), RedisBudgetStore(REDIS)):
             with pytest.raises(BudgetUnavailableError) as info:
-                await store.reserve([_charge(budget, now, "0.1")], spend_seed(engine))
+                await store.reserve([_charge(budget, now, "0.1")], spend_seed(db))
             messages.append(str(info.value))
             await store.close()
-        await engine.dispose()
+        await db.dispose()
         return messages
 
     messages = asyncio.run(run())

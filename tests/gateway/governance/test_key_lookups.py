@@ -36,12 +36,12 @@ class FakeClock:
 
 
 class KeyQueries:
-    """Counts the SELECTs on api_keys an engine runs."""
+    """Counts the SELECTs on api_keys a database runs."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, db: AsyncEngine) -> None:
         self.count = 0
 
-        @event.listens_for(engine.sync_engine, "before_cursor_execute")
+        @event.listens_for(db.sync_engine, "before_cursor_execute")
         def _count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
             if statement.lstrip().upper().startswith("SELECT") and "api_keys" in statement:
                 self.count += 1
@@ -54,9 +54,9 @@ def migrated(database_url: str) -> str:
 
 
 def _store(url: str, clock: FakeClock, limits: AuthLimits = UNLIMITED) -> tuple[KeyStore, KeyQueries]:
-    engine = create_async_engine(url, poolclass=NullPool)
-    queries = KeyQueries(engine)
-    return KeyStore(session_factory(engine), KeyHasher(b"hmac-secret"), 5.0, clock, limits), queries
+    db = create_async_engine(url, poolclass=NullPool)
+    queries = KeyQueries(db)
+    return KeyStore(session_factory(db), KeyHasher(b"hmac-secret"), 5.0, clock, limits), queries
 
 
 async def _refusal(store: KeyStore, key: str, client: tuple[str, int] | None = CLIENT) -> AuthError:

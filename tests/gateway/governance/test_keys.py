@@ -18,7 +18,7 @@ from sqlalchemy.pool import NullPool
 from gateway.config.settings import GatewaySettings
 from gateway.governance.keys import AuthError, KeyHasher, KeyStore
 from gateway.main import create_app
-from gateway.store.db import DatabaseUnavailableError, create_engine, session_factory
+from gateway.store.db import DatabaseUnavailableError, create_db, session_factory
 from gateway.store.migrate import upgrade
 
 MASTER = "sk-master-test"
@@ -48,8 +48,8 @@ class FakeClock:
 
 def _store(url: str, clock: FakeClock, ttl: float = 5.0) -> KeyStore:
     # NullPool: no connection outlives its session (and the event loop of the test that used it)
-    engine = create_async_engine(url, poolclass=NullPool)
-    return KeyStore(session_factory(engine), KeyHasher(b"hmac-secret"), ttl, clock)
+    db = create_async_engine(url, poolclass=NullPool)
+    return KeyStore(session_factory(db), KeyHasher(b"hmac-secret"), ttl, clock)
 
 
 def test_admin_creates_lists_gets_updates_revokes_and_rotates(admin: TestClient) -> None:
@@ -183,10 +183,10 @@ def test_no_plaintext_key_is_stored(migrated: str, tmp_path: Path) -> None:
     async def run() -> tuple[str, str]:
         store = _store(migrated, FakeClock())
         _, key = await store.create("secret-holder", metadata={"note": "x"})
-        engine = create_engine(migrated)
-        async with engine.connect() as conn:
+        db = create_db(migrated)
+        async with db.connect() as conn:
             rows = (await conn.execute(text("SELECT * FROM api_keys"))).all()
-        await engine.dispose()
+        await db.dispose()
         return key, repr(rows)
 
     key, dump = asyncio.run(run())

@@ -33,7 +33,7 @@ from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.pipeline.failover import Failover
 from gateway.pipeline.runtime import Runtime
 from gateway.routing.router import RouteDecision, Router
-from gateway.store.db import create_engine
+from gateway.store.db import create_db
 from gateway.store.models import to_picousd
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -89,15 +89,15 @@ async def _counter_exists(key: KeyInfo) -> bool:
 @pytest.mark.parametrize("stores", STORES)
 def test_a_database_down_while_seeding_a_budget_is_blamed_on_the_database_not_redis(stores: str) -> None:
     async def run() -> str:
-        engine = create_engine(NO_DATABASE)
-        admission = STORES[stores](False, spend_seed(engine))
+        db = create_db(NO_DATABASE)
+        admission = STORES[stores](False, spend_seed(db))
         try:
             with pytest.raises(BudgetUnavailableError) as info:
                 await admission.admit(_runtime(), _key(rpm_limit=5), DECISION, BODY, 100)
             return str(info.value)
         finally:
             await admission.close()
-            await engine.dispose()
+            await db.dispose()
 
     message = asyncio.run(run())
     assert "database" in message and "ConnectionRefusedError" in message
@@ -111,8 +111,8 @@ def test_budgets_failing_open_admit_without_a_budget_while_the_database_is_down_
     key = _key(rpm_limit=1)
 
     async def run() -> None:
-        engine = create_engine(NO_DATABASE)
-        admission = STORES[stores](True, spend_seed(engine))
+        db = create_db(NO_DATABASE)
+        admission = STORES[stores](True, spend_seed(db))
         try:
             ticket = await admission.admit(_runtime(), key, DECISION, BODY, 100)
             assert ticket is not None and ticket.charges == []  # nothing reserved, nothing to settle
@@ -121,7 +121,7 @@ def test_budgets_failing_open_admit_without_a_budget_while_the_database_is_down_
                 await admission.admit(_runtime(), key, DECISION, BODY, 100)
         finally:
             await admission.close()
-            await engine.dispose()
+            await db.dispose()
         if stores != "local":
             assert not await _counter_exists(key)  # to be seeded once the database is back
 
@@ -167,9 +167,9 @@ def test_an_unbudgeted_admission_leaves_no_counter_behind_so_the_next_request_is
 @pytest.mark.parametrize("budget_fail_open", [False, True])
 def test_redis_down_is_still_blamed_on_redis(budget_fail_open: bool) -> None:
     async def run() -> str:
-        engine = create_engine(NO_DATABASE)  # down too: Redis is asked first
+        db = create_db(NO_DATABASE)  # down too: Redis is asked first
         limiter, budgets = RedisRateLimiter(NO_REDIS), RedisBudgetStore(NO_REDIS, budget_fail_open)
-        admission = RedisAdmission(limiter, budgets, spend_seed(engine))
+        admission = RedisAdmission(limiter, budgets, spend_seed(db))
         try:
             if budget_fail_open:  # and rate limits fail open by default: admitted, nothing reserved
                 ticket = await admission.admit(_runtime(), _key(rpm_limit=5), DECISION, BODY, 100)
@@ -180,7 +180,7 @@ def test_redis_down_is_still_blamed_on_redis(budget_fail_open: bool) -> None:
             return str(info.value)
         finally:
             await admission.close()
-            await engine.dispose()
+            await db.dispose()
 
     message = asyncio.run(run())
     assert budget_fail_open or ("Redis is unreachable" in message and "database" not in message)

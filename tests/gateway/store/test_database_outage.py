@@ -56,11 +56,11 @@ def _key_created_elsewhere(url: str) -> str:
     """A key made by another replica: the gateway under test has never looked it up."""
 
     async def create() -> str:
-        engine = create_async_engine(url, poolclass=NullPool)
+        db = create_async_engine(url, poolclass=NullPool)
         try:
-            return (await KeyStore(session_factory(engine), KeyHasher(SECRET.encode()), 0.0).create("b"))[1]
+            return (await KeyStore(session_factory(db), KeyHasher(SECRET.encode()), 0.0).create("b"))[1]
         finally:
-            await engine.dispose()
+            await db.dispose()
 
     return asyncio.run(create())
 
@@ -193,15 +193,15 @@ def _policy(tmp_path: Path, upstream: ManagedServer) -> Path:
 
 async def _stored(url: str) -> tuple[int, int, int]:
     """Rows in the request log, distinct ids among them, requests summed in usage_daily."""
-    engine = create_async_engine(url, poolclass=NullPool)
+    db = create_async_engine(url, poolclass=NullPool)
     try:
-        async with engine.connect() as conn:
+        async with db.connect() as conn:
             rows, ids = (
                 await conn.execute(text("SELECT count(*), count(DISTINCT id) FROM request_logs"))
             ).one()
             summed = (await conn.execute(text("SELECT coalesce(sum(requests), 0) FROM usage_daily"))).scalar()
     finally:
-        await engine.dispose()
+        await db.dispose()
     return int(rows), int(ids), int(summed or 0)
 
 

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection
 
 from gateway.config.settings import GatewaySettings
 from gateway.main import create_app
-from gateway.store.db import create_engine
+from gateway.store.db import create_db
 from gateway.store.migrate import SchemaMismatchError, current_revision, downgrade, head_revision, upgrade
 from gateway.store.models import Base
 
@@ -25,12 +25,12 @@ async def _inspect(url: str) -> tuple[list[object], set[str]]:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
         return list(diff), set(inspect(conn).get_table_names())
 
-    engine = create_engine(url)
+    db = create_db(url)
     try:
-        async with engine.connect() as conn:
+        async with db.connect() as conn:
             return await conn.run_sync(run)
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
 def test_upgrade_builds_the_models_schema_and_downgrade_removes_it(database_url: str) -> None:

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.config.settings import GatewaySettings
 from gateway.main import create_app
-from gateway.store.db import create_engine
+from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import PICO
 from gateway.store.reports import render, spend
@@ -44,13 +44,13 @@ def _write(url: str) -> None:
     upgrade(url)
 
     async def run() -> None:
-        engine = create_engine(url)
-        writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=17, interval=0.05)
+        db = create_db(url)
+        writer = RequestLogWriter(db, CollectorRegistry(), batch_size=17, interval=0.05)
         writer.start()
         for row in _rows():
             writer.queue(row)
         await writer.stop()
-        await engine.dispose()
+        await db.dispose()
 
     asyncio.run(run())
 
@@ -60,11 +60,11 @@ def test_report_totals_equal_the_raw_rows(database_url: str, by: str) -> None:
     _write(database_url)
 
     async def run() -> list:  # type: ignore[type-arg]
-        engine = create_engine(database_url)
+        db = create_db(database_url)
         try:
-            return await spend(engine, date(2026, 11, 1), date(2026, 11, 30), by)  # type: ignore[arg-type]
+            return await spend(db, date(2026, 11, 1), date(2026, 11, 30), by)  # type: ignore[arg-type]
         finally:
-            await engine.dispose()
+            await db.dispose()
 
     report = asyncio.run(run())
     raw = read_log_rows(database_url)
@@ -89,11 +89,11 @@ def test_a_range_selects_whole_days_and_formats_agree(tmp_path: Path) -> None:
     _write(url)
 
     async def run() -> list:  # type: ignore[type-arg]
-        engine = create_engine(url)
+        db = create_db(url)
         try:
-            return await spend(engine, date(2026, 11, 21), date(2026, 11, 21), "team")
+            return await spend(db, date(2026, 11, 21), date(2026, 11, 21), "team")
         finally:
-            await engine.dispose()
+            await db.dispose()
 
     report = asyncio.run(run())
     assert sum(r.requests for r in report) == 20  # one day of three

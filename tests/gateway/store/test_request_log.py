@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
 
-from gateway.store.db import create_engine, session_factory
+from gateway.store.db import create_db, session_factory
 from gateway.store.log_retention import LogRetention
 from gateway.store.log_spool import LogSpool
 from gateway.store.migrate import upgrade
@@ -39,10 +39,10 @@ def _dropped(registry: CollectorRegistry) -> dict[str, float]:
 
 
 async def _count(url: str) -> int:
-    engine = create_engine(url)
-    async with session_factory(engine)() as s:
+    db = create_db(url)
+    async with session_factory(db)() as s:
         n = (await s.execute(select(func.count()).select_from(RequestLog))).scalar_one()
-    await engine.dispose()
+    await db.dispose()
     return int(n)
 
 
@@ -50,8 +50,8 @@ def test_rows_are_written_in_batches_and_flushed_on_stop(database_url: str) -> N
     upgrade(database_url)
 
     async def run() -> None:
-        engine = create_engine(database_url)
-        writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=7, interval=10.0)
+        db = create_db(database_url)
+        writer = RequestLogWriter(db, CollectorRegistry(), batch_size=7, interval=10.0)
         writer.start()
         for i in range(30):
             writer.queue(_row(i))
@@ -59,7 +59,7 @@ def test_rows_are_written_in_batches_and_flushed_on_stop(database_url: str) -> N
         assert await _count(database_url) == 28  # four full batches; two rows wait for the interval
         await writer.stop()
         assert await _count(database_url) == 30
-        await engine.dispose()
+        await db.dispose()
 
     asyncio.run(run())
 
@@ -68,14 +68,14 @@ def test_memory_is_bounded_while_nothing_can_take_the_rows(database_url: str) ->
     upgrade(database_url)
 
     async def run() -> None:
-        engine = create_engine(database_url)
+        db = create_db(database_url)
         registry = CollectorRegistry()
-        writer = RequestLogWriter(engine, registry, max_queue=3)  # no spool: memory is the only bound
+        writer = RequestLogWriter(db, registry, max_queue=3)  # no spool: memory is the only bound
         for i in range(10_005):  # the writer is not running: the queue fills up
             writer.queue(_row(i))
         assert _dropped(registry) == {"queue_full": 2}  # past 3 + 10,000 rows
         assert registry.get_sample_value("gateway_request_log_queue_depth") == 10_003
-        await engine.dispose()
+        await db.dispose()
 
     asyncio.run(run())
 
@@ -84,18 +84,18 @@ def test_a_row_written_twice_is_stored_and_summed_once(database_url: str) -> Non
     upgrade(database_url)
 
     async def run() -> tuple[int, int]:
-        engine = create_engine(database_url)
+        db = create_db(database_url)
         registries = [CollectorRegistry(), CollectorRegistry()]
         for registry in registries:  # a retried batch, a replayed spool: the same ids again
-            writer = RequestLogWriter(engine, registry, interval=0.05)
+            writer = RequestLogWriter(db, registry, interval=0.05)
             writer.start()
             writer.queue(_row(1))
             writer.queue(_row(1))
             writer.queue(_row(2))
             await writer.stop()
-        async with session_factory(engine)() as s:
+        async with session_factory(db)() as s:
             summed = sum(d.requests for d in (await s.execute(select(UsageDaily))).scalars())
-        await engine.dispose()
+        await db.dispose()
         first, second = registries
         assert first.get_sample_value("gateway_request_log_written_total") == 2
         assert first.get_sample_value("gateway_request_log_duplicates_total") == 1
@@ -121,14 +121,14 @@ def test_rows_read_back_through_the_orm_exactly_as_recorded(database_url: str) -
     }  # fmt: skip
 
     async def run() -> RequestLog:
-        engine = create_engine(database_url)
-        writer = RequestLogWriter(engine, CollectorRegistry())
+        db = create_db(database_url)
+        writer = RequestLogWriter(db, CollectorRegistry())
         writer.start()
         writer.queue(row)
         await writer.stop()
-        async with session_factory(engine)() as s:
+        async with session_factory(db)() as s:
             stored = (await s.execute(select(RequestLog))).scalar_one()
-        await engine.dispose()
+        await db.dispose()
         return stored
 
     stored = asyncio.run(run())
@@ -155,21 +155,21 @@ def test_daily_aggregates_add_up_to_the_raw_rows_in_the_same_transaction(databas
     rows.append({"id": "dup", "created_at": day2, "status": 200, "attempts": 1})
 
     async def run() -> tuple[list[UsageDaily], int]:
-        engine = create_engine(database_url)
-        writer = RequestLogWriter(engine, CollectorRegistry(), batch_size=100, interval=0.05)
+        db = create_db(database_url)
+        writer = RequestLogWriter(db, CollectorRegistry(), batch_size=100, interval=0.05)
         writer.start()
         for row in rows:
             writer.queue(row)
         await writer.stop()
-        writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
+        writer = RequestLogWriter(db, CollectorRegistry(), interval=0.05)
         writer.start()
         writer.queue({"id": "dup", "created_at": day2, "status": 200, "key_id": "k9"})  # skipped: same id
         await writer.stop()
-        async with session_factory(engine)() as s:
+        async with session_factory(db)() as s:
             daily = list(
                 (await s.execute(select(UsageDaily).order_by(UsageDaily.day, UsageDaily.key_id))).scalars()
             )
-        await engine.dispose()
+        await db.dispose()
         return daily, await _count(database_url)
 
     daily, raw = asyncio.run(run())
@@ -189,18 +189,18 @@ def test_retention_removes_old_raw_rows_and_never_the_aggregates(database_url: s
     now = datetime(2026, 11, 22, 12, tzinfo=UTC)
 
     async def run() -> tuple[int, int, int]:
-        engine = create_engine(database_url)
-        writer = RequestLogWriter(engine, CollectorRegistry(), interval=0.05)
+        db = create_db(database_url)
+        writer = RequestLogWriter(db, CollectorRegistry(), interval=0.05)
         writer.start()
         for i in range(25):  # 20 rows 40 days old, 5 from yesterday
             created = datetime(2026, 10, 13, tzinfo=UTC) if i < 20 else datetime(2026, 11, 21, tzinfo=UTC)
             writer.queue({"id": f"r{i}", "created_at": created, "status": 200, "key_id": "k",
                            "cost_picousd": Decimal("0.001")})  # fmt: skip
         await writer.stop()
-        removed = await LogRetention(engine, days=30, chunk=7).purge(now)
-        async with session_factory(engine)() as s:
+        removed = await LogRetention(db, days=30, chunk=7).purge(now)
+        async with session_factory(db)() as s:
             daily = sum(d.requests for d in (await s.execute(select(UsageDaily))).scalars())
-        await engine.dispose()
+        await db.dispose()
         return removed, await _count(database_url), daily
 
     assert asyncio.run(run()) == (20, 5, 25)
@@ -223,16 +223,16 @@ def test_values_no_column_can_hold_are_cleaned_so_the_batch_is_written(database_
     rows = [_row(i) for i in range(20)] + [_hostile(0)] + [_row(i) for i in range(20, 40)]
 
     async def run() -> tuple[CollectorRegistry, RequestLog]:
-        engine = create_engine(database_url)
+        db = create_db(database_url)
         registry = CollectorRegistry()
-        writer = RequestLogWriter(engine, registry, batch_size=100, interval=0.05)
+        writer = RequestLogWriter(db, registry, batch_size=100, interval=0.05)
         writer.start()
         for row in rows:
             writer.queue(row)
         await writer.stop()
-        async with session_factory(engine)() as s:
+        async with session_factory(db)() as s:
             stored = (await s.execute(select(RequestLog).where(RequestLog.id == "bad0"))).scalar_one()
-        await engine.dispose()
+        await db.dispose()
         return registry, stored
 
     registry, stored = asyncio.run(run())
@@ -254,9 +254,9 @@ def _refuse_team(url: str, team: str) -> None:
     """A rule the sanitizer cannot know: the database refuses rows of `team` (a trigger or CHECK)."""
 
     async def install() -> None:
-        engine = create_engine(url)
-        async with engine.begin() as conn:
-            if engine.dialect.name == "sqlite":
+        db = create_db(url)
+        async with db.begin() as conn:
+            if db.dialect.name == "sqlite":
                 await conn.exec_driver_sql(
                     f"CREATE TRIGGER refuse BEFORE INSERT ON request_logs WHEN NEW.team = '{team}' "
                     "BEGIN SELECT RAISE(ABORT, 'refused team'); END"
@@ -265,7 +265,7 @@ def _refuse_team(url: str, team: str) -> None:
                 await conn.exec_driver_sql(
                     f"ALTER TABLE request_logs ADD CONSTRAINT refuse CHECK (team IS NULL OR team <> '{team}')"
                 )
-        await engine.dispose()
+        await db.dispose()
 
     asyncio.run(install())
 
@@ -278,14 +278,14 @@ def test_a_row_the_database_still_refuses_is_dropped_alone_and_logged_with_its_i
     rows = [{**_row(i), "team": "evil" if i == 23 else "good"} for i in range(40)]
 
     async def run() -> CollectorRegistry:
-        engine = create_engine(database_url)
+        db = create_db(database_url)
         registry = CollectorRegistry()
-        writer = RequestLogWriter(engine, registry, batch_size=40, interval=0.05)
+        writer = RequestLogWriter(db, registry, batch_size=40, interval=0.05)
         writer.start()
         for row in rows:
             writer.queue(row)
         await writer.stop()
-        await engine.dispose()
+        await db.dispose()
         return registry
 
     caplog.set_level(logging.ERROR, logger="gateway.store.request_log")
@@ -313,10 +313,10 @@ def test_rows_recorded_while_the_database_is_away_are_spooled_then_written_once(
     upgrade(postgres_url)
 
     async def run(proxy: TcpProxy) -> CollectorRegistry:
-        engine = create_engine(_through(postgres_url, proxy))
+        db = create_db(_through(postgres_url, proxy))
         registry = CollectorRegistry()
         spool = LogSpool(tmp_path / "spool", 10 << 20)
-        writer = RequestLogWriter(engine, registry, spool, max_queue=10, batch_size=5, interval=0.05,
+        writer = RequestLogWriter(db, registry, spool, max_queue=10, batch_size=5, interval=0.05,
                                   spill_after=0.5, write_timeout=2.0)  # fmt: skip
         writer.start()
         for i in range(10):
@@ -334,7 +334,7 @@ def test_rows_recorded_while_the_database_is_away_are_spooled_then_written_once(
         await _wait_for(lambda: _counted(registry, "written", 70))
         assert spool.segments() == []
         await writer.stop()
-        await engine.dispose()
+        await db.dispose()
         return registry
 
     with tcp_proxy("127.0.0.1", 5432) as proxy:
@@ -357,9 +357,9 @@ def test_a_writer_stopped_during_an_outage_spools_and_the_next_one_replays_witho
     spool_dir = tmp_path / "spool"
 
     async def first(proxy: TcpProxy) -> CollectorRegistry:
-        engine = create_engine(_through(postgres_url, proxy))
+        db = create_db(_through(postgres_url, proxy))
         registry = CollectorRegistry()
-        writer = RequestLogWriter(engine, registry, LogSpool(spool_dir, 10 << 20), interval=0.05,
+        writer = RequestLogWriter(db, registry, LogSpool(spool_dir, 10 << 20), interval=0.05,
                                   write_timeout=2.0)  # fmt: skip
         writer.start()
         for i in range(5):
@@ -369,20 +369,20 @@ def test_a_writer_stopped_during_an_outage_spools_and_the_next_one_replays_witho
         for i in range(5, 30):
             writer.queue(_row(i))
         await writer.stop()  # the process ends while the database is away
-        await engine.dispose()
+        await db.dispose()
         return registry
 
     async def second() -> CollectorRegistry:
-        engine = create_engine(postgres_url)
+        db = create_db(postgres_url)
         registry = CollectorRegistry()
-        writer = RequestLogWriter(engine, registry, LogSpool(spool_dir, 10 << 20), interval=0.05)
+        writer = RequestLogWriter(db, registry, LogSpool(spool_dir, 10 << 20), interval=0.05)
         writer.start()  # the next process: replays the spool first
         await _wait_for(lambda: _counted(registry, "replayed", 30))
         await writer.stop()
-        async with session_factory(engine)() as s:
+        async with session_factory(db)() as s:
             summed = sum(d.requests for d in (await s.execute(select(UsageDaily))).scalars())
         assert summed == 30
-        await engine.dispose()
+        await db.dispose()
         return registry
 
     with tcp_proxy("127.0.0.1", 5432) as proxy:
@@ -410,9 +410,9 @@ def test_a_database_that_stops_answering_costs_a_timeout_and_the_rows_are_spoole
     spool = LogSpool(tmp_path / "spool", 10 << 20)
 
     async def run(proxy: TcpProxy) -> tuple[CollectorRegistry, float]:
-        engine = create_engine(_through(postgres_url, proxy))
+        db = create_db(_through(postgres_url, proxy))
         registry = CollectorRegistry()
-        writer = RequestLogWriter(engine, registry, spool, interval=0.05, write_timeout=1.0)
+        writer = RequestLogWriter(db, registry, spool, interval=0.05, write_timeout=1.0)
         writer.start()
         proxy.cut(hang=True)  # connections accepted, never answered
         for i in range(20):
@@ -422,7 +422,7 @@ def test_a_database_that_stops_answering_costs_a_timeout_and_the_rows_are_spoole
         await writer.stop()  # one more try (1 s), then the spool: shutdown is not held hostage
         took = time.monotonic() - started
         proxy.restore()
-        await engine.dispose()
+        await db.dispose()
         return registry, took
 
     with tcp_proxy("127.0.0.1", 5432) as proxy:
