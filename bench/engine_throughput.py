@@ -88,9 +88,8 @@ def run_engine(llm: LLM, wl: Workload) -> tuple[float, int, float]:
     tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens += len(out.token_ids)
+        for out in engine.step():  # each step's outputs are deltas: only the new tokens
+            tokens += len(out.token_ids)
         used_blocks = bm.num_blocks - bm.num_free_blocks
         if used_blocks:
             held = sum(s.num_computed_tokens for s in engine.scheduler.running)
