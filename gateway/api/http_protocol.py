@@ -51,7 +51,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # bytes received for the request whose headers are still incomplete (None: past its headers)
         self.header_bytes: int | None = 0
         self.header_timer: asyncio.TimerHandle | None = None
-        self.cycle_transport: _CycleTransport | None = None  # the current request's (writes coalesced)
+        self.unsent: list[_CycleTransport] = []  # requests' transports holding writes, oldest first
         self.lingering: int | None = None  # bytes discarded since a refusal (None: not refused)
         self.linger_timer: asyncio.TimerHandle | None = None
 
@@ -96,8 +96,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise _RefusedError  # stops the parser: no request task starts
         super().on_headers_complete()
         if self.cycle is not None:
-            self.cycle_transport = _CycleTransport(self, self.cycle)
-            self.cycle.transport = self.cycle_transport  # type: ignore[assignment]
+            self.cycle.transport = _CycleTransport(self, self.cycle)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         """The request's body is in: bytes after it belong to the next request's headers."""
@@ -106,9 +105,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def shutdown(self) -> None:
         """The server stops: an answer's tail still waiting goes out before the connection closes."""
-        if self.cycle_transport is not None:
-            self.cycle_transport.flush()
+        self.flush_all()
         super().shutdown()
+
+    def flush_all(self) -> None:
+        """Send every request's waiting writes now, in the order they were written."""
+        while self.unsent:
+            self.unsent[0].flush()
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (NUL in a header, bad Content-Length, bad chunking)."""
@@ -145,8 +148,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """Answer `status` and close, unless an answer has begun (pipelining): then just close."""
         if self.transport.is_closing() or self.lingering is not None:
             return
-        if self.cycle_transport is not None:
-            self.cycle_transport.flush()  # an answer's tail still waiting goes out before ours
+        self.flush_all()  # an answer's tail still waiting goes out before ours
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
             body = error_answer(GatewayError(status, message, code=code)).body
             head = (
@@ -199,6 +201,7 @@ class _CycleTransport:
     def write(self, data: bytes) -> None:
         if self._pending is None:
             self._pending = [data]
+            self._protocol.unsent.append(self)
             self._protocol.loop.call_soon(self.flush)
         else:
             self._pending.append(data)
@@ -206,7 +209,10 @@ class _CycleTransport:
     def flush(self) -> None:
         """Send what was written (nothing once the connection is closing)."""
         pending, self._pending = self._pending, None
-        if pending and not self._transport.is_closing():
+        if pending is None:
+            return
+        self._protocol.unsent.remove(self)
+        if not self._transport.is_closing():
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def close(self) -> None:

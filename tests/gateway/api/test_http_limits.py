@@ -405,3 +405,27 @@ def test_an_unexpected_route_error_is_an_openai_format_500() -> None:
         "message": "The gateway failed to handle the request", "type": "api_error", "param": None,
         "code": "internal_error",
     }  # fmt: skip
+
+
+def test_pipelined_requests_get_whole_answers_in_order(gateway: ManagedServer) -> None:
+    # Writes leave at the end of a loop turn (one send per turn): answers to requests pipelined on
+    # one connection must still leave whole and in order.
+    sock = connect(gateway)
+    try:
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        models = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"  # 401: no key
+        last = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        sock.sendall(health + models + health + last)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    finally:
+        sock.close()
+    answers = [b"HTTP/1.1 " + part for part in data.split(b"HTTP/1.1 ")[1:]]
+    assert [a[9:12] for a in answers] == [b"200", b"401", b"200", b"200"], data
+    for answer in answers:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        length = int(next(v for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+                          if k.lower() == b"content-length"))  # fmt: skip
+        assert len(body) == length, answer
+        json.loads(body)
