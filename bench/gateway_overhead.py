@@ -84,6 +84,25 @@ def measure(target: Target, stream: bool, seconds: float) -> Figures:
     )  # fmt: skip
 
 
+def fake_and_gateway(
+    root: Path, servers: list[ManagedServer], *fake_args: str
+) -> tuple[ManagedServer, ManagedServer, str]:
+    """The fast fake upstream (started with `fake_args`), one gateway worker whose policy serves it
+    as `fast` (SQLite request log under `root`), and a virtual key; both appended to `servers`."""
+    upstream = ManagedServer(
+        lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port), *fake_args]
+    )
+    servers.append(upstream)
+    policy = root / "policy.yaml"
+    policy.write_text(f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
+                      "models:\n  fast: {backend: fake}\n")  # fmt: skip
+    env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s",
+           "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'g.db'}"}  # fmt: skip
+    gateway = start_gateway(policy, env)
+    servers.append(gateway)
+    return upstream, gateway, create_key_cli(env, "bench")
+
+
 def litellm_python() -> Path:
     """The LiteLLM proxy virtualenv's python, created and installed on first use."""
     python = LITELLM_VENV / "bin" / "python"
@@ -156,18 +175,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     servers: list[ManagedServer] = []
     try:
-        upstream = ManagedServer(
-            lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port)]
-        )
-        servers.append(upstream)
-        policy = root / "policy.yaml"
-        policy.write_text(f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
-                          "models:\n  fast: {backend: fake}\n")  # fmt: skip
-        env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s",
-               "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'g.db'}"}  # fmt: skip
-        gateway = start_gateway(policy, env)
-        servers.append(gateway)
-        key = create_key_cli(env, "bench")
+        upstream, gateway, key = fake_and_gateway(root, servers)
         path = "/v1/chat/completions"
         targets = [
             Target("direct", upstream.base_url + path, {}),

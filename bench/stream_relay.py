@@ -30,9 +30,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gateway_overhead import LITELLM_MASTER, start_litellm  # noqa: E402
+from bench.gateway_overhead import LITELLM_MASTER, fake_and_gateway, start_litellm  # noqa: E402
 from tests.engine.server_proc import ManagedServer  # noqa: E402
-from tests.gateway.processes import create_key_cli, start_gateway  # noqa: E402
 
 PATH = "/v1/chat/completions"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -179,19 +178,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="relay-bench-"))
     servers: list[ManagedServer] = []
     try:
-        upstream = ManagedServer(
-            lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port),
-                          "--gap-ms", str(args.gap_ms), "--tokens", str(args.tokens)]
-        )  # fmt: skip
-        servers.append(upstream)
-        policy = root / "policy.yaml"
-        policy.write_text(f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
-                          "models:\n  fast: {backend: fake}\n")  # fmt: skip
-        env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s",
-               "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'g.db'}"}  # fmt: skip
-        gateway = start_gateway(policy, env)
-        servers.append(gateway)
-        key = create_key_cli(env, "bench")
+        pacing = ("--gap-ms", str(args.gap_ms), "--tokens", str(args.tokens))
+        upstream, gateway, key = fake_and_gateway(root, servers, *pacing)
         targets = [
             Target("direct", upstream.base_url + PATH, {}, None),
             Target("gateway", gateway.base_url + PATH, {"authorization": f"Bearer {key}"}, gateway),
