@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
+from itertools import pairwise
 
 import openai
 import pytest
@@ -35,3 +37,28 @@ def test_whole_and_streamed_answers_parse_with_the_official_client(fast: Managed
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 8
     text = list(client.completions.create(model="m", prompt="hi", stream=True))
     assert "".join(c.choices[0].text for c in text) == "Hello from fake"
+
+
+def test_a_paced_stream_spaces_its_tokens_and_sends_usage_with_the_last() -> None:
+    paced = ManagedServer(
+        lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port),
+                      "--gap-ms", "40", "--tokens", "3"]
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{paced.base_url}/v1", api_key="x", max_retries=0)
+        arrived: list[tuple[float, openai.types.chat.ChatCompletionChunk]] = []
+        started = time.perf_counter()
+        for chunk in client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True},
+        ):  # fmt: skip
+            arrived.append((time.perf_counter() - started, chunk))
+        texts = [c.choices[0].delta.content for _, c in arrived if c.choices]
+        assert texts == ["", " w0", " w1", " w2"]  # the role chunk, then one word per chunk
+        times = [t for t, _ in arrived]
+        assert all(later - earlier >= 0.03 for earlier, later in pairwise(times[:4]))
+        assert arrived[-1][1].usage is not None and times[-1] - times[3] < 0.03  # with the last word
+        text = list(client.completions.create(model="m", prompt="hi", stream=True))
+        assert "".join(c.choices[0].text for c in text) == " w0 w1 w2"
+    finally:
+        paced.stop()
