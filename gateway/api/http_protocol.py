@@ -184,7 +184,9 @@ class _CycleTransport:
 
     uvicorn writes a response's head, then each body part, each at once: a streamed answer's head,
     its role chunk and its first text were three sends, three wake-ups of the client before it had
-    its first token. Writes are joined and sent at the end of the turn (call_soon, order kept).
+    its first token. The writes of the first turn are joined and sent at its end (call_soon, order
+    kept); later ones (a stream's events, one per upstream read) go straight out, since waiting for
+    the end of the turn would cost each event a loop iteration and coalesce nothing.
     The app answers some requests before reading their bodies (401 and 413 from the headers alone,
     with `connection: close`), and uvicorn then closes the socket at once: with the client still
     sending, that is the reset that can destroy the answer (see `_linger`). Once the body is in,
@@ -196,9 +198,14 @@ class _CycleTransport:
         self._cycle = cycle
         self._transport = protocol.transport
         self._pending: list[bytes] | None = None  # written this turn, not sent yet
+        self._direct = False  # the first turn's writes have gone: write through from now on
         self.is_closing = self._transport.is_closing
 
     def write(self, data: bytes) -> None:
+        if self._direct:  # the head has gone: a stream's later events leave as they come
+            if not self._transport.is_closing():
+                self._transport.write(data)
+            return
         if self._pending is None:
             self._pending = [data]
             self._protocol.unsent.append(self)
@@ -211,6 +218,7 @@ class _CycleTransport:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        self._direct = True
         self._protocol.unsent.remove(self)
         if not self._transport.is_closing():
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))

@@ -1,8 +1,8 @@
 """What the gateway takes from a client into a provider call, and from an upstream into the books.
 
 The client's body reaches litellm only through an allow-list; an upstream's usage is billed only
-when believable; reservations cover every answer a request asks for; SSE lines are split with a
-bound and never break on bytes that are not UTF-8.
+when believable; reservations cover every answer a request asks for. (An engine's SSE lines, split
+with a bound and never broken by bytes that are not UTF-8: tests/gateway/backends/test_wire.py.)
 """
 
 from __future__ import annotations
@@ -13,14 +13,10 @@ from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
-from aiohttp.base_protocol import BaseProtocol
 
 from gateway.api.completions import CompletionsEndpoint
-from gateway.backends.base import UpstreamStreamError
-from gateway.backends.engine import sse_lines
 from gateway.backends.hosted import HostedModel, allowed_fields
 from gateway.config.policy import HostedBackend, parse_policy
 from gateway.errors import GatewayError
@@ -142,29 +138,6 @@ def _runtime() -> Runtime:
     policy = parse_policy(POLICY)
     prices = PriceBook(policy)
     return Runtime(policy, Router(policy), Failover(policy, {}), {}, "t", datetime.now(UTC), prices)
-
-
-async def _lines(*chunks: bytes, limit: int = 64) -> list[str]:
-    loop = asyncio.get_running_loop()
-    reader = aiohttp.StreamReader(BaseProtocol(loop), 1 << 16, loop=loop)
-    for chunk in chunks:
-        reader.feed_data(chunk)
-    reader.feed_eof()
-    return [line async for line in sse_lines(reader, limit)]
-
-
-def test_sse_lines_split_across_chunks_and_survive_bytes_that_are_not_utf8() -> None:
-    lines = asyncio.run(_lines(b'data: {"a"', b":1}\r\n\r\ndata: \xff\xfe ok\n", b"data: [DO", b"NE]"))
-    assert lines == ['data: {"a":1}', "data: \ufffd\ufffd ok", "data: [DONE]"]  # blank lines dropped
-
-
-def test_a_line_past_the_bound_is_a_stream_error_not_a_crash() -> None:
-    with pytest.raises(UpstreamStreamError, match="longer than 64 bytes"):
-        asyncio.run(_lines(b"data: " + b"x" * 40, b"y" * 40 + b"\n"))
-    assert asyncio.run(_lines(b"data: " + b"x" * 50 + b"\n", b"data: y\n")) == [
-        "data: " + "x" * 50,
-        "data: y",
-    ]
 
 
 class _BrokenKeys:

@@ -1,0 +1,349 @@
+"""HTTP/1.1 to one engine replica over an asyncio protocol: the engine pool's hot path, lean.
+
+Why not aiohttp (which the health checks still use): on the stream relay benchmark a relayed chunk
+went through aiohttp's protocol, its parser wrapper, a StreamReader, `iter_any` and a timer context
+before our line splitter saw it, and opening a request cost ~0.15 ms of Python before the first
+byte left. Here httptools (llhttp, the parser uvicorn uses) calls back into one small protocol
+object; the body lands in one buffer that the reader splits in place; one timer bounds the whole
+exchange. What the engine pool needs and nothing else: POST with a body, keep-alive reuse, the
+status, a bounded whole body or bounded lines, and a close that the engine sees as a disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+logger = logging.getLogger(__name__)
+
+# A reader that falls this far behind pauses the socket (the replica waits) until it catches up.
+_PAUSE_BYTES = 1 << 20
+
+
+class WireError(Exception):
+    """The connection failed, closed before the answer ended, or carried something that is not HTTP."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; one exchange at a time (the pool lends it out)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.head: asyncio.Future[None] | None = None  # resolved when the response's headers are in
+        self.waiter: asyncio.Future[None] | None = None  # a reader waiting for more body
+        self.buffer = bytearray()
+        self.received = 0  # bytes of the current response so far
+        self.status = 0
+        self.framed = False  # the answer declares its length (content-length or chunked)
+        self.complete = False  # the whole response is in
+        self.error: BaseException | None = None
+        self.reusable = False  # complete, keep-alive, nothing wrong
+        self.exchanges = 0  # responses completed on this connection
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
+
+    def data_received(self, data: bytes) -> None:
+        if self.head is None:  # bytes nobody asked for (an idle connection): not a server we trust
+            self.fail(WireError("the upstream sent bytes outside an exchange"))
+            return
+        self.received += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.fail(WireError(f"the upstream's answer is not valid HTTP/1.1 ({type(exc).__name__})"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None and self.status and not self.framed and not self.complete:
+            self.complete = True  # a body that ends with the connection (no length given) is whole
+            self._wake()
+        if not self.complete:
+            self.fail(WireError(f"the upstream closed the connection ({exc or 'end of stream'})"))
+        self.reusable = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.buffer += body
+        self._wake()
+        if len(self.buffer) > _PAUSE_BYTES and self.transport is not None:
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.reusable = self.parser.should_keep_alive()
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """End the exchange with `error` (the first one counts) and drop the connection."""
+        if self.error is None and not self.complete:
+            self.error = error
+        self.reusable = False
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(self.error or error)
+            self.head.exception()  # retrieved here: a caller that left must not log "never retrieved"
+        self._wake()
+        if self.transport is not None:
+            self.transport.close()
+
+    async def wait(self) -> None:
+        """Until more body, the end or an error arrives."""
+        assert self.transport is not None
+        if self.transport.is_reading() is False:
+            self.transport.resume_reading()
+        self.waiter = asyncio.get_running_loop().create_future()
+        await self.waiter
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class WireResponse:
+    """An answer being received: `status` now, the body by `read` or line by line by `lines`.
+
+    `release()` ends it: a connection whose answer was read to the end goes back to the pool; one
+    abandoned in the middle is closed, which the engine takes as the client leaving (it aborts).
+    """
+
+    def __init__(self, pool: WirePool, conn: _Connection, timer: asyncio.TimerHandle | None) -> None:
+        self.status = conn.status
+        self._pool = pool
+        self._conn = conn
+        self._timer = timer
+        self._start = 0  # where the next line begins in the connection's buffer
+        self._scanned = 0  # bytes of the buffer already searched for a newline
+        self._released = False
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole answer has arrived."""
+        return self._conn.complete
+
+    async def read(self, limit: int) -> bytes:
+        """The whole body, at most `limit` bytes (past it: WireError)."""
+        conn = self._conn
+        while len(conn.buffer) <= limit:
+            if conn.complete:
+                return bytes(conn.buffer)
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait()
+        logger.warning("an upstream answer passed %d bytes: refused", limit)
+        raise WireError(f"the answer is longer than {limit} bytes")
+
+    async def next_line(self, limit: int) -> str | None:
+        """The next non-blank line (at most `limit` bytes, else WireError); None at the end.
+
+        Bytes that are not UTF-8 become U+FFFD, so invalid text never reaches a client; blank lines
+        (SSE event separators) are skipped: the relay frames each event itself.
+        """
+        conn = self._conn
+        while True:
+            buffer = conn.buffer
+            end = buffer.find(b"\n", self._scanned)
+            if end != -1:
+                start = self._start
+                self._start = self._scanned = end + 1
+                if end - start > limit:
+                    raise WireError(f"an SSE line longer than {limit} bytes")
+                if end - start > 1 or (end > start and buffer[start] != 13):  # not "" nor "\r"
+                    return buffer[start:end].decode("utf-8", "replace").rstrip("\r")
+                continue
+            if self._start:  # drop what was handed out; the rest is a line still growing
+                del buffer[: self._start]
+                self._start = 0
+            self._scanned = len(buffer)
+            if self._scanned > limit:
+                raise WireError(f"an SSE line longer than {limit} bytes")
+            if conn.complete:
+                self._scanned = 0
+                if buffer.strip(b"\r"):
+                    line = buffer.decode("utf-8", "replace").rstrip("\r")
+                    buffer.clear()
+                    return line
+                return None
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait()
+
+    def release(self) -> None:
+        """Give the connection back (read to the end) or close it (abandoned); idempotent."""
+        if self._released:
+            return
+        self._released = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._pool.put_back(self._conn)
+
+
+class WirePool:
+    """Keep-alive connections to one replica URL (`http://host:port/base` or https)."""
+
+    def __init__(
+        self, url: str, headers: Mapping[str, str], limit: int = 1000, idle_seconds: float = 60.0
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._base = parts.path.rstrip("/")
+        self._static = _header_block({"host": parts.netloc, **headers})
+        self._idle: list[_Connection] = []  # most recently used last
+        self._open = 0
+        self._limit = limit
+        self._idle_seconds = idle_seconds
+        self._slots: list[asyncio.Future[None]] = []  # callers waiting for a connection under the limit
+
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        connect_timeout: float | None,
+        total: float | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> WireResponse:
+        """Send a POST and wait for the answer's head; `total` bounds the whole exchange, body included.
+
+        A reused connection that the replica had closed while idle fails before any byte of an
+        answer; such a request never reached the application, so it is sent once more on a new one.
+        """
+        request = b"".join(
+            (
+                b"POST %s HTTP/1.1\r\n" % (self._base + path).encode(),
+                self._static,
+                _header_block(headers) if headers else b"",
+                b"content-length: %d\r\n\r\n" % len(body),
+                body,
+            )
+        )
+        loop = asyncio.get_running_loop()
+        deadline = None if total is None else loop.time() + total
+        for attempt in (0, 1):
+            conn = await self._acquire(connect_timeout)
+            reused = conn.exchanges > 0
+            conn.head = loop.create_future()
+            timer = None if deadline is None else loop.call_at(deadline, conn.fail, TimeoutError())
+            assert conn.transport is not None
+            conn.transport.write(request)
+            try:
+                await conn.head
+            except WireError:
+                if timer is not None:
+                    timer.cancel()
+                self.put_back(conn)
+                if reused and conn.received == 0 and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                if timer is not None:
+                    timer.cancel()
+                conn.fail(WireError("the request was abandoned"))
+                self.put_back(conn)
+                raise
+            return WireResponse(self, conn, timer)
+        raise AssertionError("unreachable")
+
+    async def _acquire(self, connect_timeout: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._idle:
+            conn = self._idle.pop()
+            transport = conn.transport
+            if (
+                transport is not None
+                and not transport.is_closing()
+                and now - conn.idle_since < self._idle_seconds
+            ):
+                _reset(conn)
+                return conn
+            self._drop(conn)
+        while self._open >= self._limit:
+            slot = loop.create_future()
+            self._slots.append(slot)
+            try:
+                await slot
+            finally:
+                if slot in self._slots:
+                    self._slots.remove(slot)
+            if self._idle:
+                return await self._acquire(connect_timeout)
+        self._open += 1
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, conn = await loop.create_connection(
+                    _Connection, self._host, self._port, ssl=self._ssl,
+                    server_hostname=self._host if self._ssl else None,
+                )  # fmt: skip
+        except BaseException:
+            self._open -= 1
+            self._free_slot()
+            raise
+        return conn
+
+    def put_back(self, conn: _Connection) -> None:
+        """Keep a connection whose exchange ended cleanly; close any other."""
+        conn.head = None
+        if conn.reusable and conn.transport is not None and not conn.transport.is_closing():
+            conn.exchanges += 1
+            conn.idle_since = asyncio.get_running_loop().time()
+            self._idle.append(conn)
+            self._free_slot()
+            return
+        self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        if conn.transport is not None:
+            conn.transport.close()
+        self._open -= 1
+        self._free_slot()
+
+    def _free_slot(self) -> None:
+        while self._slots:
+            slot = self._slots.pop(0)
+            if not slot.done():
+                slot.set_result(None)
+                return
+
+    def close(self) -> None:
+        """Close every idle connection (lent ones close when their exchange ends)."""
+        while self._idle:
+            self._drop(self._idle.pop())
+
+
+def _reset(conn: _Connection) -> None:
+    """A kept-alive connection, ready for its next exchange."""
+    conn.parser = httptools.HttpResponseParser(conn)
+    conn.buffer = bytearray()
+    conn.received = conn.status = 0
+    conn.complete = conn.reusable = conn.framed = False
+    conn.error = None
+
+
+def _header_block(headers: Mapping[str, str]) -> bytes:
+    """`name: value\\r\\n` lines; a CR or LF in a name or value would split the request (refused)."""
+    lines = []
+    for name, value in headers.items():
+        if any(c in name or c in value for c in "\r\n\0"):
+            raise ValueError(f"header {name!r} holds a line break")
+        lines.append(f"{name}: {value}\r\n")
+    return "".join(lines).encode("latin-1")

@@ -1,0 +1,261 @@
+"""The engine pool's HTTP/1.1 client against raw loopback servers that misbehave on purpose.
+
+Each server is a plain asyncio server whose handler reads one request (or several, kept alive)
+and writes exactly the bytes a test wants: chunk boundaries in the middle of a line, bytes that
+are not UTF-8, a close in the middle of a body, nothing at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from gateway.backends.wire import WireError, WirePool
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A server on a free port; yields its URL and a list counting its connections."""
+    connections: list[int] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            await handler(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", connections
+    finally:
+        server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request's head and body (content-length framed, as the pool sends them)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    return head + await reader.readexactly(length)
+
+
+def chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def all_lines(pool: WirePool, limit: int = 1 << 20) -> list[str]:
+    resp = await pool.post("/v1/x", b"{}", 1.0, 5.0)
+    try:
+        lines = []
+        while (line := await resp.next_line(limit)) is not None:
+            lines.append(line)
+        return lines
+    finally:
+        resp.release()
+
+
+def test_lines_split_across_chunks_survive_bytes_that_are_not_utf8_and_skip_blank_lines() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            SSE_HEAD + chunked(b'data: {"a"', b":1}\r\n\r\ndata: \xff\xfe ok\n\n", b"data: [DO", b"NE]")
+        )
+
+    async def main() -> list[str]:
+        async with serving(handler) as (url, _):
+            return await all_lines(WirePool(url, {}))
+
+    assert asyncio.run(main()) == ['data: {"a":1}', "data: \ufffd\ufffd ok", "data: [DONE]"]
+
+
+def test_a_line_past_the_bound_is_an_error_and_a_line_at_it_is_not() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await read_request(reader)
+        long = b"x" * (50 if body.endswith(b"{}") else 80)
+        writer.write(SSE_HEAD + chunked(b"data: " + long[:20], long[20:] + b"\n", b"data: y\n"))
+
+    async def main() -> None:
+        async with serving(handler) as (url, _):
+            assert await all_lines(WirePool(url, {}), limit=64) == ["data: " + "x" * 50, "data: y"]
+            pool = WirePool(url, {})
+            resp = await pool.post("/v1/x", b"{}!", 1.0, 5.0)
+            with pytest.raises(WireError, match="longer than 64 bytes"):
+                while await resp.next_line(64) is not None:
+                    pass
+            resp.release()
+
+    asyncio.run(main())
+
+
+def test_connections_are_kept_alive_and_an_abandoned_answer_closes_its_connection() -> None:
+    async def main() -> None:
+        closed = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    body = await read_request(reader)
+                except asyncio.IncompleteReadError:
+                    closed.set()  # the client closed the connection
+                    return
+                if body.endswith(b"endless"):
+                    writer.write(SSE_HEAD + b"8\r\ndata: 1\n\r\n")  # and never ends
+                    await writer.drain()
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+        async with serving(handler) as (url, connections):
+            pool = WirePool(url, {"authorization": "Bearer k"})
+            for _ in range(3):
+                resp = await pool.post("/v1/x", b"{}", 1.0, 5.0)
+                assert (resp.status, await resp.read(100)) == (200, b"ok")
+                resp.release()
+            assert len(connections) == 1  # one connection served all three
+            resp = await pool.post("/v1/x", b"endless", 1.0, 5.0)
+            assert await resp.next_line(100) == "data: 1"
+            resp.release()  # abandoned mid-answer: the server must see the connection end
+            await asyncio.wait_for(closed.wait(), 2)
+            resp = await pool.post("/v1/x", b"{}", 1.0, 5.0)
+            assert await resp.read(100) == b"ok"
+            resp.release()
+            assert len(connections) == 2  # the abandoned one was not reused
+
+    asyncio.run(main())
+
+
+def test_a_body_past_its_bound_a_close_mid_answer_and_garbage_are_wire_errors() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await read_request(reader)
+        if body.endswith(b"big"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5000\r\n\r\n" + b"x" * 5000)
+        elif body.endswith(b"cut"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
+        else:
+            writer.write(b"SMTP ready, not HTTP\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> None:
+        async with serving(handler) as (url, _):
+            pool = WirePool(url, {})
+            for body, message in ((b"big", "longer than 1000 bytes"), (b"cut", "closed the connection")):
+                resp = await pool.post("/", body, 1.0, 5.0)
+                with pytest.raises(WireError, match=message):
+                    await resp.read(1000)
+                resp.release()
+            with pytest.raises(WireError, match="not valid HTTP"):
+                await pool.post("/", b"junk", 1.0, 5.0)
+
+    asyncio.run(main())
+
+
+def test_the_total_timeout_bounds_the_whole_exchange_and_the_head_wait() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await read_request(reader)
+        if body.endswith(b"silent"):
+            await asyncio.sleep(5)
+        writer.write(SSE_HEAD + b"8\r\ndata: 1\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with serving(handler) as (url, _):
+            pool = WirePool(url, {})
+            resp = await pool.post("/", b"slow", 1.0, 0.3)
+            assert await resp.next_line(100) == "data: 1"
+            with pytest.raises(TimeoutError):
+                await resp.next_line(100)
+            resp.release()
+            with pytest.raises(TimeoutError):
+                await pool.post("/", b"silent", 1.0, 0.3)
+
+    asyncio.run(main())
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_without_failing_the_request() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        # then the server closes the idle connection (its keep-alive timeout)
+
+    async def main() -> None:
+        async with serving(handler) as (url, connections):
+            pool = WirePool(url, {})
+            for _ in range(3):
+                resp = await pool.post("/", b"{}", 1.0, 5.0)
+                assert await resp.read(10) == b"ok"
+                resp.release()
+            assert len(connections) == 3
+
+    asyncio.run(main())
+
+
+def test_a_body_that_ends_with_the_connection_is_whole() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async def main() -> bytes:
+        async with serving(handler) as (url, _):
+            resp = await WirePool(url, {}).post("/", b"{}", 1.0, 5.0)
+            try:
+                return await resp.read(100)
+            finally:
+                resp.release()
+
+    assert asyncio.run(main()) == b"until the end"
+
+
+def test_unreachable_replicas_and_headers_that_would_split_a_request_are_refused() -> None:
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+
+        async with serving(handler) as (url, _):
+            pass  # closed: nothing listens there any more
+        with pytest.raises(OSError):
+            await WirePool(url, {}).post("/", b"{}", 1.0, 5.0)
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="line break"):
+        WirePool("http://127.0.0.1:1", {"x-trace": "a\r\nx-injected: 1"})
+    with pytest.raises(ValueError, match="not an http"):
+        WirePool("ftp://example.com", {})
+
+
+def test_past_the_connection_limit_a_request_waits_for_a_free_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async def main() -> None:
+        async with serving(handler) as (url, connections):
+            pool = WirePool(url, {}, limit=1)
+            first = await pool.post("/", b"{}", 1.0, 5.0)
+            second = asyncio.ensure_future(pool.post("/", b"{}", 1.0, 5.0))
+            await asyncio.sleep(0.05)
+            assert not second.done()  # waits: the only connection is lent out
+            assert await first.read(10) == b"ok"
+            first.release()
+            resp = await asyncio.wait_for(second, 2)
+            assert await resp.read(10) == b"ok"
+            resp.release()
+            assert len(connections) == 1
+
+    asyncio.run(main())
