@@ -3,20 +3,17 @@
 Usage: nice -n 10 python bench/grammar_libs.py [--model DIR] [--libs xgrammar,llguidance,outlines-core]
        [--steps N] [--threads N]
 
-For each library that imports, with the model folder's tokenizer (vocab = the model's logits width):
-- compile, cold: a fresh compile with no cache, of (a) a typical nested JSON schema (nested object,
-  array of objects, enum, required fields, bounded integer, strings), (b) any JSON object,
-  (c) a regex, (d) a choice list; plus the first mask of the compiled grammar (some libraries
-  build lexer states lazily, so "compile" alone would flatter them);
-- compile, cached: what a request pays once the compiled grammar is cached (a matcher from the
-  compiled grammar, or a copy of a template matcher where the library has no shareable compiled form);
-- mask per step at batch 1 and 64 over the schema and over any JSON object: every row's matcher is
-  advanced along the tokens of a valid answer, rows at staggered positions, so the states are
-  real mid-answer states; a step fills every row of one int32 bitmask (a loop over matchers, and
-  the library's batch call where it has one) and then accepts each row's next token.
-Applying the bitmask to float32 logits [batch, vocab] does not depend on the library (the three
-share one bitmask layout), so it is timed once: the torch bit-unpack in engine/guided and
-xgrammar's CPU kernel. The table prints the libraries side by side and each one's ratio to the best.
+Per library that imports, with the model folder's tokenizer (vocab = the model's logits width):
+- compile: cold (no cache) / cold + the first mask (lazy libraries build lexer states then) / cached
+  (a matcher from the cached compile + its first mask), for (a) a nested JSON schema (nested object,
+  array of objects, enum, required fields, bounded integer, strings), (b) any JSON object, (c) a
+  regex, (d) a choice list; and a 40-object schema compiled on a thread beside ~20 us Python steps
+  (the worst step = how long a step loop beside a compile could be held up: GIL or cores);
+- mask: one pass of a fresh compile along a valid answer (a new schema's first request); then per
+  step at batch 1 and 64, rows at staggered positions of a valid answer (real mid-answer states):
+  fill every row of one int32 bitmask (a loop, and the library's batch call), accept each row's token.
+Applying the bitmask to float32 logits [batch, vocab] does not depend on the library (one bitmask
+layout for all three): timed once, engine/guided's torch apply against xgrammar's CPU kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -74,6 +72,19 @@ ANSWER = {
 REGEX = r"[a-z]{2,12}\.[a-z]{2,12}@[a-z]{3,10}\.(com|org|net)"
 COMPACT = (",", ":")  # the answers' layout; each library allows whitespace (its default, and vLLM's)
 CHOICES = ["positive", "negative", "neutral", "mixed feelings"]
+
+
+def _big_schema(n: int) -> dict[str, Any]:
+    """n nested objects (pattern, bounded integer, 20-value enum): a large schema, for the stall figure."""
+    inner = {"a": {"type": "string", "pattern": "^[a-z]{3,9}$"}, "c": {"enum": [f"v{j}" for j in range(20)]}}
+    props = {
+        f"f{i}": {"type": "object", "properties": inner | {"b": {"type": "integer", "maximum": 9 * i}}}
+        for i in range(n)
+    }
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+BIG = _big_schema(40)
 CASES: dict[str, tuple[str, Any]] = {
     "json schema (nested)": ("schema", SCHEMA),
     "json_object (any)": ("object", None),
@@ -103,10 +114,12 @@ class XGrammarLib:
         self.xg = xg
         self.info = xg.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
         self.batch = xg.BatchGrammarMatcher(max_threads=threads)
+        self.threads = threads  # compile threads too (its default, 8, starves the step loop on 2 cores)
         self.cached = xg.GrammarCompiler(self.info, max_threads=threads)
 
     def compile(self, kind: str, payload: Any, cache: bool = False) -> Any:
-        compiler = self.cached if cache else self.xg.GrammarCompiler(self.info, cache_enabled=False)
+        fresh = self.xg.GrammarCompiler(self.info, max_threads=self.threads, cache_enabled=False)
+        compiler = self.cached if cache else fresh
         if kind == "schema":
             return compiler.compile_json_schema(json.dumps(payload))
         if kind == "object":
@@ -215,10 +228,10 @@ class OutlinesCoreLib:
         return self.oc.Guide(compiled)
 
     def accept(self, m: Any, token: int) -> bool:
-        if not m.accepts_tokens([token]):
-            return False
-        m.advance(token, return_tokens=False)
-        return True
+        ok = bool(m.accepts_tokens([token]))
+        if ok:
+            m.advance(token, return_tokens=False)
+        return ok
 
     def fill(self, m: Any, bitmask: torch.Tensor, row: int) -> None:
         r = bitmask[row]
@@ -243,7 +256,7 @@ def _byte_vocabulary(tok: Any) -> dict[bytes, list[int]]:
     return out
 
 
-LIBS: dict[str, type[XGrammarLib] | type[LLGuidanceLib] | type[OutlinesCoreLib]] = {
+LIBS: dict[str, Any] = {
     "xgrammar": XGrammarLib,
     "llguidance": LLGuidanceLib,
     "outlines-core": OutlinesCoreLib,
@@ -255,11 +268,8 @@ def _first_mask(lib: Any, kind: str, payload: Any, bitmask: torch.Tensor, cache:
 
 
 def compile_figures(lib: Any, vocab: int, slow: set[str]) -> dict[str, str]:
-    """Cold compile, cold compile + first mask, and cached, per case, as display strings.
-
-    A case whose cold compile takes over a second is timed once, and its kind goes into `slow`
-    (later figures then start from the cached compile rather than paying it again).
-    """
+    """Cold compile / + first mask / cached, per case; a cold compile over 1 s is timed once only
+    and its kind goes into `slow` (later figures then start from its cached compile)."""
     out: dict[str, str] = {}
     bitmask = torch.full((1, bitmask_width(vocab)), -1, dtype=torch.int32)
     for label, (kind, payload) in CASES.items():
@@ -292,9 +302,7 @@ def mask_figures(lib: Any, tokens: list[int], kind: str, vocab: int, batch: int,
             assert lib.accept(m, t), "the answer's tokens must be accepted"
         matchers.append(m)
     bitmask = torch.full((batch, bitmask_width(vocab)), -1, dtype=torch.int32)
-    loop_t: list[float] = []
-    batch_t: list[float] = []
-    accept_t: list[float] = []
+    loop_t, batch_t, accept_t = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         for row, m in enumerate(matchers):
@@ -316,6 +324,20 @@ def mask_figures(lib: Any, tokens: list[int], kind: str, vocab: int, batch: int,
                 pos[row] = 0
     fill_batch = f"{statistics.median(batch_t):.2f}" if batch_t else "-"
     return f"{statistics.median(loop_t):.2f} / {fill_batch} / {statistics.median(accept_t):.2f}"
+
+
+def stall_figure(lib: Any) -> str:
+    """Compile BIG on a thread beside ~20 us Python steps: compile ms / worst step ms (the stall)."""
+    worker = threading.Thread(target=lib.compile, args=("schema", BIG))
+    start = time.perf_counter()
+    worker.start()
+    worst = 0.0
+    while worker.is_alive():
+        step = time.perf_counter()
+        sum(range(1000))
+        worst = max(worst, time.perf_counter() - step)
+    worker.join()
+    return f"{(time.perf_counter() - start) * 1000:.0f} / {worst * 1000:.1f}"
 
 
 def first_pass_figures(lib: Any, tokens: list[int], kind: str, vocab: int, slow: set[str]) -> str:
@@ -359,7 +381,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--libs", default=",".join(LIBS))
     parser.add_argument("--steps", type=int, default=40, help="mask steps timed per batch size")
-    parser.add_argument("--threads", type=int, default=2, help="threads of the batch fill calls")
+    parser.add_argument("--threads", type=int, default=2, help="threads of batch fills and xgrammar compiles")
     args = parser.parse_args()
 
     from engine.tokenizer import load_tokenizer
@@ -386,16 +408,17 @@ def main() -> None:
         col = {"tokenizer setup (ms)": f"{(time.perf_counter() - start) * 1000:.0f}"}
         slow: set[str] = set()
         col.update({f"compile {k} (ms)": v for k, v in compile_figures(lib, vocab, slow).items()})
-        for label, kind, toks in (
-            ("schema", "schema", answer_tokens),
-            ("json_object", "object", object_tokens),
-        ):
+        # outlines-core's index for BIG would take minutes: its regex DFA grows with every object
+        col["compile 40 objects on a thread: ms / stall"] = (
+            "-" if lib.name == "outlines-core" else stall_figure(lib)
+        )
+        answers = {"schema": answer_tokens, "json_object": object_tokens}
+        for label, toks in answers.items():
+            kind = "schema" if label == "schema" else "object"
             col[f"mask {label}, first pass (ms/token)"] = first_pass_figures(lib, toks, kind, vocab, slow)
         step_ms = 0.0
-        for label, kind, toks in (
-            ("schema", "schema", answer_tokens),
-            ("json_object", "object", object_tokens),
-        ):
+        for label, toks in answers.items():
+            kind = "schema" if label == "schema" else "object"
             for batch, steps in ((1, args.steps * 4), (64, args.steps)):
                 figure = mask_figures(lib, toks, kind, vocab, batch, steps)
                 col[f"mask {label}, batch {batch} (ms/step)"] = figure

@@ -2,11 +2,12 @@
 
 The library is llguidance (docs/engine.md, "Guided decoding: library choice"). Compiles run on a
 small thread pool of their own and llguidance drops the GIL while it builds a grammar, so neither
-the asyncio loop nor the step loop waits on one (measured: a 40-object schema compiles in ~20 ms
-on a thread while the main thread keeps its pace). Results sit in an LRU bounded in entries and
-keyed by the spec, failures included: a spec fails the same way every time, so a client that
-resends a bad schema costs nothing. Concurrent requests for one spec share one compile (the cache
-holds futures). A spec the library refuses raises GuidedDecodingError (400) with its reason.
+the asyncio loop nor the step loop waits on one (measured: a 40-object schema compiles in 25 ms on
+a thread; the caller's ~20 us steps beside it took 0.7 ms at worst). Results sit in an LRU bounded
+in entries and keyed by the spec, failures included: a spec fails the same way every time, so a
+client that resends a bad schema costs nothing. Concurrent requests for one spec share one compile
+(the cache holds futures). A spec the library refuses raises GuidedDecodingError (400) with its
+reason.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ def hf_tokenizer() -> Any:
     )
     corpus = ['{"name": "Ada", "age": 36, "tags": ["x", "y"]}', "alan.turing@enigma.com", "positive neutral"]
     tok.train_from_iterator(corpus * 20, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")  # type: ignore[no-untyped-call]
+    fast: Any = PreTrainedTokenizerFast  # untyped in transformers 5
+    return fast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
 @pytest.fixture(scope="session")
