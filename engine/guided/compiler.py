@@ -1,0 +1,177 @@
+"""GuidedCompiler: GuidedSpecs -> compiled grammars for one tokenizer, beside the step loop.
+
+The library is llguidance (docs/engine.md, "Guided decoding: library choice"). Compiles run on a
+small thread pool of their own and llguidance drops the GIL while it builds a grammar, so neither
+the asyncio loop nor the step loop waits on one (measured: a 40-object schema compiles in 25 ms on
+a thread; the caller's ~20 us steps beside it took 0.7 ms at worst). Results sit in an LRU bounded
+in entries and keyed by the spec, failures included: a spec fails the same way every time, so a
+client that resends a bad schema costs nothing. Concurrent requests for one spec share one compile
+(the cache holds futures). A spec the library refuses raises GuidedDecodingError (400) with its
+reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer, StructTag
+from llguidance.gbnf_to_lark import any_to_lark
+
+from engine.guided.errors import GuidedDecodingError
+from engine.guided.matcher import CompiledGrammar
+from engine.guided.spec import GuidedSpec
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+
+_MAX_MESSAGE = 400
+_SOURCE_LINE = re.compile(r"^\s*(\d+\s*\|.*|\^+)?\s*$")  # llguidance's excerpt lines: "  1 | ...", "  ^"
+
+
+class GuidedCompiler:
+    """Compiles specs for one tokenizer off the caller's thread; `compile` waits, `compile_async` awaits."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        max_entries: int = 256,
+        workers: int = 1,
+    ) -> None:
+        """tokenizer: a fast HF tokenizer or an llguidance LLTokenizer; vocab_size: the model's logits
+        width (ids past the tokenizer's are never allowed); stop_token_ids: what the grammar allows
+        once complete (the model's EOS ids)."""
+        assert max_entries >= 1 and workers >= 1 and stop_token_ids
+        self.vocab_size = vocab_size
+        self.max_entries = max_entries
+        self.hits = 0
+        self.misses = 0
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="guided-compile")
+        # llguidance's token trie takes ~2 s to build for a 49k vocabulary: on the pool, not here
+        self._tokenizer = self._pool.submit(_lltokenizer, tokenizer, vocab_size, list(stop_token_ids))
+        self._cache: OrderedDict[GuidedSpec, Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._limits = LLParserLimits(verbose_errors=False)
+
+    def submit(self, spec: GuidedSpec) -> Future[CompiledGrammar]:
+        """The compile of `spec`: a cached future, or a new one queued on the pool."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[spec] = future
+            self.misses += 1
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)  # waiters hold their own reference
+            return future
+
+    def compile(self, spec: GuidedSpec) -> CompiledGrammar:
+        """Blocking compile (the offline API)."""
+        return _result(self.submit(spec), spec)
+
+    async def compile_async(self, spec: GuidedSpec) -> CompiledGrammar:
+        """Awaitable compile; cancelling the awaiting task leaves the shared compile running."""
+        future = self.submit(spec)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except GuidedDecodingError as exc:
+            raise _for_request(exc, spec) from exc
+
+    def cached(self, spec: GuidedSpec) -> bool:
+        """Whether `spec` has a finished compile in the cache (the step loop may use it at once)."""
+        with self._lock:
+            future = self._cache.get(spec)
+        return future is not None and future.done()
+
+    def close(self) -> None:
+        """Stop the pool; queued compiles are cancelled."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: GuidedSpec) -> CompiledGrammar:
+        tokenizer = self._tokenizer.result()
+        matcher = LLMatcher(tokenizer, _grammar(spec, tokenizer), log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise _refusal(spec, matcher.get_error())
+        return CompiledGrammar(spec, matcher, self.vocab_size)
+
+
+def _grammar(spec: GuidedSpec, tokenizer: LLTokenizer) -> str:
+    """llguidance's grammar text for the spec (not yet checked: building the matcher does that)."""
+    if spec.kind in ("json_schema", "json_object"):
+        options: JsonCompileOptions = {"whitespace_flexible": spec.any_whitespace}
+        if spec.whitespace_pattern is not None:
+            options["whitespace_pattern"] = spec.whitespace_pattern
+        return LLMatcher.grammar_from_json_schema(spec.text, overrides=options)
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.text)
+    if spec.kind == "choice":
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in json.loads(spec.text))
+        )
+    if spec.kind == "grammar":
+        try:
+            lark = any_to_lark(spec.text)  # GBNF ("root ::= ...") to Lark; Lark passes through
+        except Exception as exc:  # the converter raises its own error types and plain ones
+            raise _refusal(spec, f"cannot read the grammar: {exc}") from exc
+        return LLMatcher.grammar_from_lark(lark)
+    tag = json.loads(spec.text)
+    tags = [
+        StructTag(trigger=spec.trigger_of(s["begin"]), begin=s["begin"], grammar=s["schema"], end=s["end"])
+        for s in tag["structures"]
+    ]
+    # a trigger that is one special token of the vocabulary ("<|python_tag|>") is matched as that
+    # token; any other trigger is matched as text
+    special = all(_is_special(tokenizer, t) for t in tag["triggers"])
+    return LLMatcher.grammar_from_lark(StructTag.to_grammar(tags, assume_special=special))
+
+
+def _is_special(tokenizer: LLTokenizer, text: str) -> bool:
+    ids = tokenizer.tokenize_str(text, parse_special=True)
+    return len(ids) == 1 and tokenizer.is_special_token(ids[0])
+
+
+def _lltokenizer(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> LLTokenizer:
+    if isinstance(tokenizer, LLTokenizer):
+        return tokenizer
+    from llguidance.hf import from_tokenizer
+
+    return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
+
+
+def _refusal(spec: GuidedSpec, message: str) -> GuidedDecodingError:
+    """The 400 for a spec the library refuses, with its reason on one line."""
+    lines = [line.strip() for line in message.splitlines() if not _SOURCE_LINE.match(line)]
+    reason = " ".join(lines)
+    if len(reason) > _MAX_MESSAGE:
+        reason = reason[: _MAX_MESSAGE - 3] + "..."
+    what = "JSON schema" if spec.kind in ("json_schema", "json_object") else spec.kind.replace("_", " ")
+    code = "invalid_json_schema" if spec.kind in ("json_schema", "json_object") else "invalid_grammar"
+    return GuidedDecodingError(
+        f"the {what} cannot be used for guided decoding: {reason}", code=code, param=spec.param
+    )
+
+
+def _for_request(exc: GuidedDecodingError, spec: GuidedSpec) -> GuidedDecodingError:
+    """A fresh error naming this request's field: a cached refusal may come from another request
+    (equal specs may arrive through different fields), and one exception object shared by many
+    raisers would collect all their tracebacks."""
+    return GuidedDecodingError(str(exc), code=exc.code, param=spec.param)
+
+
+def _result(future: Future[CompiledGrammar], spec: GuidedSpec) -> CompiledGrammar:
+    try:
+        return future.result()
+    except GuidedDecodingError as exc:
+        raise _for_request(exc, spec) from exc
