@@ -41,9 +41,9 @@ NAMED_ADD = {"type": "function", "function": {"name": "add"}}
 
 def accepts(compiler: GuidedCompiler, tokenizer: Any, choice: Any, parallel: bool, text: str) -> bool:
     """Whether the grammar takes `text` token by token and then the end."""
-    spec = tool_spec(
-        parse_tool_request({"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": parallel})
-    )
+    tools = parse_tool_request({"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": parallel})
+    assert tools is not None
+    spec = tool_spec(tools)
     assert spec is not None
     matcher = compiler.compile(spec).matcher()
     ids = tokenizer.encode(text, add_special_tokens=False)
