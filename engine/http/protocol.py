@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
+from engine.tools.request import checked_tool_calls
 
 
 class APIError(EngineError):
@@ -138,8 +139,8 @@ class CompletionRequest(_SamplingFields):
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages as the chat template wants them: role and plain-text content."""
+def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: role and plain-text content (and tool calls, results)."""
     out = []
     for i, msg in enumerate(raw):
         if not isinstance(msg, dict):
@@ -162,7 +163,20 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
                 param=f"messages[{i}].content",
                 code="invalid_value",
             )
-        out.append({"role": "system" if role == "developer" else role, "content": content or ""})
+        turn: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if role == "assistant" and msg.get("tool_calls"):
+            turn["tool_calls"] = checked_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise APIError(
+                    400,
+                    f"messages[{i}].tool_call_id must be a string",
+                    param=f"messages[{i}].tool_call_id",
+                    code="invalid_type",
+                )
+            turn["tool_call_id"] = call_id
+        out.append(turn)
     return out
 
 

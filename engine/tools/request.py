@@ -173,3 +173,28 @@ def _legacy_tools(functions: Any) -> list[Any]:
     if not isinstance(functions, list):
         raise ToolRequestError("functions must be an array", param="functions")
     return [{"type": "function", "function": f} for f in functions]
+
+
+def checked_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant turn's `tool_calls` from the history: [{"id", "type", "function": {"name",
+    "arguments" (JSON text)}}], at most MAX_TOOLS of them."""
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise ToolRequestError(f"{param} must be an array of at most {MAX_TOOLS} calls", param=param)
+    calls = []
+    for i, call in enumerate(value):
+        where = f"{param}[{i}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise ToolRequestError(f"{where}.function must be an object", param=f"{where}.function")
+        name, arguments = function.get("name"), function.get("arguments")
+        if not isinstance(name, str) or not name:
+            raise ToolRequestError(f"{where}.function.name must be a string", param=f"{where}.function.name")
+        if not isinstance(arguments, str):
+            raise ToolRequestError(
+                f"{where}.function.arguments must be a JSON string", param=f"{where}.function.arguments"
+            )
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ToolRequestError(f"{where}.id must be a string", param=f"{where}.id")
+        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return calls
