@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.errors import EngineError
+from engine.guided import GuidedDecodingError, GuidedSpec, from_response_format, from_structured_outputs
 from engine.sampling_params import SamplingParams
 from engine.tools.request import checked_tool_calls
 
@@ -73,6 +74,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
+    # guided decoding: OpenAI's response_format, vLLM's structured_outputs (checked by guided_spec())
+    response_format: Any = None
+    structured_outputs: Any = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -84,6 +88,19 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """The output constraint (None: free text); a malformed one is a 400 naming its field."""
+        spec = from_response_format(self.response_format)
+        if self.structured_outputs is None:
+            return spec
+        if spec is not None:
+            raise GuidedDecodingError(
+                "give response_format or structured_outputs, not both",
+                code="invalid_value",
+                param="structured_outputs",
+            )
+        return from_structured_outputs(self.structured_outputs)
 
     def stop_strings(self) -> list[str]:
         """`stop` as a list, with a clear error for anything but strings."""
@@ -252,9 +269,13 @@ def validation_error(exc: ValidationError) -> APIError:
 
 
 def build_sampling_params(
-    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, float]
+    req: _SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: Mapping[str, float],
+    guided: GuidedSpec | None = None,
 ) -> SamplingParams:
-    """Request fields first, then the model's defaults, then OpenAI's."""
+    """Request fields first, then the model's defaults, then OpenAI's; `guided`: req.guided_spec()."""
 
     def pick(value: float | None, name: str, fallback: float) -> float:
         return value if value is not None else defaults.get(name, fallback)
@@ -281,6 +302,7 @@ def build_sampling_params(
             logprobs=logprobs,
             min_tokens=req.min_tokens or 0,
             skip_special_tokens=req.skip_special_tokens is not False,
+            guided=guided,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
