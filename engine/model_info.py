@@ -31,15 +31,15 @@ class ModelInfo:
     def capabilities(self) -> dict[str, bool | int]:
         """What requests to this model may ask for (GET /v1/models), for a router to filter on.
 
-        Guided decoding (response_format json_schema / json_object, structured_outputs) needs the
-        tokenizer; tool calls and image parts are not served.
+        Guided decoding (response_format json_schema / json_object, structured_outputs) and tool
+        calls (decoded under a grammar) need the tokenizer; image parts are not served.
         """
         guided = self.tokenizer is not None
         return {
             "json_schema": guided,
             "json_object": guided,
             "structured_outputs": guided,
-            "tools": False,
+            "tools": guided,
             "vision": False,
             "logprobs": True,
             "context_length": self.max_model_len,

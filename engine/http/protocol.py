@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.errors import EngineError
 from engine.guided import GuidedDecodingError, GuidedSpec, from_response_format, from_structured_outputs
 from engine.sampling_params import SamplingParams
-from engine.tools.request import checked_tool_calls
+from engine.tools.grammar import tool_spec
+from engine.tools.request import ToolRequest, checked_tool_calls, parse_tool_request
 
 
 class APIError(EngineError):
@@ -125,6 +126,31 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # tool calling (checked by tool_request()); functions / function_call: the legacy spelling
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools offered and how they may be used (None: no tools); a malformed field is a 400."""
+        fields = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+        return parse_tool_request({f: getattr(self, f) for f in fields if getattr(self, f) is not None})
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """The output constraint: response_format / structured_outputs, or the tool-call grammar."""
+        spec = super().guided_spec()
+        tools = self.tool_request()
+        if tools is None or not tools.calls_allowed:
+            return spec
+        if spec is not None:
+            raise GuidedDecodingError(
+                "response_format or structured_outputs cannot go with tools unless tool_choice is none",
+                code="invalid_value",
+                param="response_format" if self.response_format is not None else "structured_outputs",
+            )
+        return tool_spec(tools)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -13,6 +13,7 @@ from jinja2 import TemplateError
 
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
+from engine.http.chat_tools import StreamedChoices, reads_calls, whole_message
 from engine.http.event_stream import EventStream, close_all, merged, whole_output
 from engine.http.openai_format import (
     SSE_DONE,
@@ -42,6 +43,8 @@ from engine.http.request_limits import check_guided_limits, check_request_limits
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
+from engine.tools.prompt import template_takes_tools, with_tools
+from engine.tools.request import ToolRequest
 
 if TYPE_CHECKING:  # imported only when tracing is on
     from engine.http.tracing import RequestSpan
@@ -142,15 +145,16 @@ class OpenAIServing:
             raise
 
     # ------------------------------------------------------------------- chat
-    async def render_chat(self, req: ChatCompletionRequest) -> str:
-        """The conversation through the model's own chat template (long ones in a worker thread)."""
-        messages = chat_messages(req.messages)
+    async def render_chat(self, req: ChatCompletionRequest, tools: ToolRequest | None = None) -> str:
+        """The conversation (and the tools offered) through the model's own chat template, or our
+        tool prompt where the template takes no tools (long ones in a worker thread)."""
         tokenizer = self._tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        messages, listed = with_tools(chat_messages(req.messages), tools, template_takes_tools(tokenizer))
         if sum(len(m["content"]) for m in messages) <= _RENDER_INLINE_CHARS:
-            return _render(tokenizer, messages)
-        return await asyncio.to_thread(_render, tokenizer, messages)
+            return _render(tokenizer, messages, listed)
+        return await asyncio.to_thread(_render, tokenizer, messages, listed)
 
     async def chat(
         self, req: ChatCompletionRequest, span: RequestSpan | None = None
@@ -159,7 +163,8 @@ class OpenAIServing:
         model = self.served_model(req.model)
         top = (req.top_logprobs or 0) if req.logprobs else None
         check_request_limits(self.engine.config, 1, req.n or 1, req.stop_strings(), top, "top_logprobs")
-        prompt = await self.render_chat(req)
+        tools = req.tool_request()
+        prompt = await self.render_chat(req, tools)
         # absent: the rest of the context, as vLLM does for chat
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, top)
@@ -168,22 +173,25 @@ class OpenAIServing:
         )
         stream = await self._start(identity.id, prompt, params, False, span)
         if req.stream:
-            return EventStream(self._chat_events(identity, stream, params, top, req.include_usage), [stream])
+            events = self._chat_events(identity, stream, params, top, req.include_usage, tools)
+            return EventStream(events, [stream])
         try:
             final = await whole_output(stream)
         finally:
             stream.close()
         raise_if_aborted(final)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, top) if top is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = whole_message(c.text, c.finish_reason, tools)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(c, top) if top is not None else None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {**response_head(identity), "choices": choices, "usage": usage([final])}
 
     async def _chat_events(
@@ -193,8 +201,10 @@ class OpenAIServing:
         params: SamplingParams,
         top: int | None,
         include_usage: bool,
+        tools: ToolRequest | None = None,
     ) -> AsyncIterator[bytes]:
         head = {**response_head(identity), "object": "chat.completion.chunk"}
+        calls = StreamedChoices(params.n) if reads_calls(tools) else None
         extra = {"usage": None} if include_usage else {}
 
         def chunk(
@@ -216,13 +226,23 @@ class OpenAIServing:
                     yield aborted_event()
                     return
                 logprobs = chat_logprobs(c, top) if top is not None else None
-                entries = logprobs["content"] if logprobs is not None else []
-                for piece, start, end in event_pieces(c.text, len(entries)):
-                    piece_logprobs = {"content": entries[start:end]} if logprobs is not None else None
-                    yield chunk(c.index, {"content": piece}, piece_logprobs)
+                if calls is not None:  # content and call pieces (logprobs ride on the first delta)
+                    for delta in calls.deltas(c.index, c.text):
+                        yield chunk(c.index, delta, logprobs)
+                        logprobs = None
+                else:
+                    entries = logprobs["content"] if logprobs is not None else []
+                    for piece, start, end in event_pieces(c.text, len(entries)):
+                        piece_logprobs = {"content": entries[start:end]} if logprobs is not None else None
+                        yield chunk(c.index, {"content": piece}, piece_logprobs)
                 if c.finish_reason is not None:
                     ended[c.index] = True
-                    yield chunk(c.index, {}, finish=c.finish_reason)
+                    finish = c.finish_reason
+                    if calls is not None:
+                        held, finish = calls.finish(c.index, finish)
+                        for delta in held:
+                            yield chunk(c.index, delta)
+                    yield chunk(c.index, {}, finish=finish)
         if include_usage and last is not None:
             yield sse({**head, "choices": [], "usage": usage([last])})
         yield SSE_DONE
@@ -334,9 +354,11 @@ class OpenAIServing:
         yield SSE_DONE
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
     except TemplateError as exc:  # the template's own checks (e.g. role order): the client's to fix
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     return str(text)

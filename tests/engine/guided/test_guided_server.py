@@ -66,7 +66,7 @@ def test_models_report_structured_output_capabilities(server: ServerProcess) -> 
     entry = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]
     caps = entry["capabilities"]
     assert caps["json_schema"] and caps["json_object"] and caps["structured_outputs"]
-    assert caps["tools"] is False and caps["context_length"] == entry["max_model_len"]
+    assert caps["tools"] is True and caps["context_length"] == entry["max_model_len"]
 
 
 def test_json_schema_output_is_valid_whole_and_streamed_alike(client: openai.OpenAI) -> None:

@@ -1,0 +1,54 @@
+"""Tool calls in chat answers, as OpenAI gives them: `message.tool_calls` in a whole answer,
+`delta.tool_calls` pieces in a stream (index, id, type and name once, then the arguments in
+pieces), and finish_reason "tool_calls" when an answer that ended by itself made calls.
+
+The answer was decoded under engine.tools.grammar, so the calls are read exactly
+(engine.tools.parser). With tool_choice none, or without tools, the text is passed as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.tools.parser import StreamedCalls, parse_calls
+from engine.tools.request import ToolRequest
+
+
+def reads_calls(tools: ToolRequest | None) -> bool:
+    """Whether the answer may hold calls to read out of it."""
+    return tools is not None and tools.calls_allowed
+
+
+def whole_message(
+    text: str, finish_reason: str | None, tools: ToolRequest | None
+) -> tuple[dict[str, Any], str | None]:
+    """(message, finish_reason) of one choice of a whole answer."""
+    if not reads_calls(tools):
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parse_calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return message, finish_reason
+    message["tool_calls"] = [c.as_openai() for c in calls]
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class StreamedChoices:
+    """The stream readers of a request's n choices."""
+
+    def __init__(self, n: int) -> None:
+        self._readers = [StreamedCalls() for _ in range(n)]
+
+    def deltas(self, index: int, text: str) -> list[dict[str, Any]]:
+        """The deltas (content, or one call piece each) a choice's new text completes, in order."""
+        content, calls = self._readers[index].feed(text)
+        out: list[dict[str, Any]] = [{"content": content}] if content else []
+        out.extend({"tool_calls": [call.as_openai()]} for call in calls)
+        return out
+
+    def finish(self, index: int, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
+        """The deltas still held back when a choice ends, and its finish_reason."""
+        reader = self._readers[index]
+        rest = reader.finish()
+        reason = "tool_calls" if reader.calls and finish_reason == "stop" else finish_reason
+        return ([{"content": rest}] if rest else []), reason
