@@ -31,6 +31,9 @@ from gateway.governance import tokens
 
 CAPABILITIES: tuple[str, ...] = tuple(Capabilities.model_fields)  # tools, json_schema, json_object, ...
 _IMAGE_PARTS = frozenset({"image_url", "input_image"})
+# the fields that may need a capability (images aside: they are parts of messages)
+_ASKING = frozenset({"tools", "functions", "tool_choice", "function_call", "response_format", "logprobs",
+                     "top_logprobs"})  # fmt: skip
 
 Check = Callable[[str], str | None]  # model -> why it cannot serve this request (None: it can)
 
@@ -85,6 +88,8 @@ class Resolved:
 
 def needed(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     """(capability, field) for each capability `body` needs, in CAPABILITIES order."""
+    if _ASKING.isdisjoint(body.keys()):  # the common case: one set test, then the messages' parts
+        return (("vision", "messages"),) if _has_image(body.get("messages")) else ()
     found: list[tuple[str, str]] = []
     tools = _tools_field(body)
     if tools is not None:
