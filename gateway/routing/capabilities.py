@@ -138,6 +138,12 @@ class CapabilityTable:
     def __init__(self, policy: Policy, learners: Mapping[str, Learner] | None = None) -> None:
         self.policy = policy
         self._learners = {name: lr for name, lr in (learners or {}).items() if name in policy.backends}
+        # polled per request: only engines learn while the gateway runs (a hosted model's map is fixed)
+        self._polled = tuple(
+            (name, lr)
+            for name, lr in self._learners.items()
+            if isinstance(policy.backends[name], EngineBackend)
+        )
         self._models_of: dict[str, list[str]] = {name: [] for name in policy.backends}
         for model, route in policy.models.items():
             self._models_of[route.backend].append(model)
@@ -222,7 +228,7 @@ class CapabilityTable:
     def _sync(self) -> None:
         """Resolve again the models of any backend that learned something new since last time."""
         changed = False
-        for backend, learner in self._learners.items():
+        for backend, learner in self._polled:
             if learner.learned_version != self._seen.get(backend):
                 self._resolve(backend)
                 changed = True
