@@ -5,7 +5,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCac
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -18,4 +18,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -67,6 +67,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     caps.add_argument(
         "--max-logprobs", type=int, default=20, help="top_logprobs (chat) and logprobs (completions), <= 20"
     )
+    caps.add_argument(
+        "--max-guided-bytes",
+        type=int,
+        default=65536,
+        help="bytes of a guided-decoding JSON schema, grammar or structural tag",
+    )
+    caps.add_argument("--max-guided-choices", type=int, default=256, help="entries in a guided choice list")
+    caps.add_argument("--max-guided-regex-len", type=int, default=4096, help="characters in a guided regex")
     parser.add_argument(
         "--max-consecutive-step-failures",
         type=int,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -137,6 +138,8 @@ class AsyncLLMEngine:
             self._thread.join(timeout)
         if self._tokenizers is not None:
             self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        if self._inputs is not None:
+            self._inputs.close()
         if self._state is not EngineState.DEAD:
             self._state = EngineState.STOPPED
 
@@ -174,12 +177,20 @@ class AsyncLLMEngine:
     async def _prepare(
         self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool
     ) -> PreparedPrompt:
-        """Tokenize and check lengths in a worker thread: off the event loop and off the step loop."""
+        """Tokenize and check lengths in a worker thread, and compile the request's constraint on
+        the compiler's thread meanwhile: off the event loop and off the step loop."""
         inputs = self._inputs
         assert inputs is not None and self._tokenizers is not None and self._loop is not None
-        return await self._loop.run_in_executor(
-            self._tokenizers, inputs.prepare, prompt, params, add_special_tokens
+        tokenized = self._loop.run_in_executor(
+            self._tokenizers, inputs.prepare_prompt, prompt, params, add_special_tokens
         )
+        if params.guided is None:
+            return await tokenized
+        try:
+            grammar = await inputs.compiler(params.guided).compile_async(params.guided)
+        finally:
+            prepared = await tokenized  # its error first: a prompt too long is the bigger mistake
+        return dataclasses.replace(prepared, grammar=grammar)
 
     async def generate(
         self,

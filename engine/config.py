@@ -16,6 +16,9 @@ _POSITIVE = (
     "max_choices",
     "max_stop_strings",
     "max_stop_string_len",
+    "max_guided_bytes",
+    "max_guided_choices",
+    "max_guided_regex_len",
     "max_consecutive_step_failures",
 )
 
@@ -48,6 +51,11 @@ class EngineConfig:
     max_stop_strings: int = 16  # entries in `stop`
     max_stop_string_len: int = 256  # characters in one stop string
     max_logprobs: int = 20  # `top_logprobs` (chat) and `logprobs` (completions); OpenAI: 20 and 5
+    # Guided decoding: the source of a constraint bounds its compile time and memory (llguidance
+    # compiles a 40-object, 9 KB schema in ~25 ms; its own limits refuse grammars that blow up).
+    max_guided_bytes: int = 65536  # a JSON schema, grammar or structural tag, as compact UTF-8 JSON/text
+    max_guided_choices: int = 256  # entries in a `choice` list
+    max_guided_regex_len: int = 4096  # characters in a `regex`
     # Consecutive failed steps after which the engine gives up (the server then exits non-zero).
     max_consecutive_step_failures: int = 3
 

@@ -1,13 +1,19 @@
-"""InputProcessor: a prompt becomes an admitted request: tokenized, length-checked, its sequences.
+"""InputProcessor: a prompt becomes an admitted request: tokenized, length-checked, its guided-
+decoding constraint compiled, its sequences.
 
-Kept out of LLMEngine so that the engine is add / step / abort. `prepare()` reads only what loading
-fixed, so it is safe from any thread: the server runs it in a worker, and a long prompt never holds
-up the step loop. `sequences()` runs on the step-loop thread (it numbers sequences).
+Kept out of LLMEngine so that the engine is add / step / abort. `prepare_prompt()` reads only what
+loading fixed, so it is safe from any thread: the server runs it in a worker, and a long prompt
+never holds up the step loop. The constraint compiles on the compiler's own thread
+(`compiler()`): the server awaits it beside the tokenizing, the offline API waits for it
+(`prepare()`); the step loop only ever gets compiled grammars. `sequences()` runs on the step-loop
+thread (it numbers sequences and gives each its own grammar state).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +21,7 @@ import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceededError, InvalidRequestError, KVCacheCapacityError
+from engine.guided import CompiledGrammar, GuidedCompiler, GuidedDecodingError, GuidedSpec
 from engine.models.config import ModelConfig
 from engine.prompt_length import tokens_at_least
 from engine.sampling_params import SamplingParams
@@ -25,11 +32,13 @@ Prompt = str | list[int]
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A prompt that passed admission checks: its text, token ids and the completion's token bound."""
+    """A prompt that passed admission checks: its text, token ids, the completion's token bound and
+    its compiled constraint (None without one)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     max_tokens: int
+    grammar: CompiledGrammar | None = None
 
 
 class InputProcessor:
@@ -51,8 +60,19 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self._seq_ids = itertools.count()
+        self._compiler: GuidedCompiler | None = None
+        self._compiler_lock = threading.Lock()
 
     def prepare(
+        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
+    ) -> PreparedPrompt:
+        """`prepare_prompt`, then the constraint compiled (blocking: the offline API)."""
+        prepared = self.prepare_prompt(prompt, params, add_special_tokens)
+        if params.guided is None:
+            return prepared
+        return dataclasses.replace(prepared, grammar=self.compiler(params.guided).compile(params.guided))
+
+    def prepare_prompt(
         self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
     ) -> PreparedPrompt:
         """Tokenize and check lengths; raises an InvalidRequestError subclass when it cannot run."""
@@ -60,10 +80,32 @@ class InputProcessor:
         max_tokens = self._check_lengths(len(prompt_ids), params)
         return PreparedPrompt(prompt_text, prompt_ids, max_tokens)
 
+    def compiler(self, spec: GuidedSpec) -> GuidedCompiler:
+        """The engine's one grammar compiler, made on first use: its view of the vocabulary takes
+        ~0.6 s to build (49k tokens), which engines that never see a constraint should not pay.
+        `spec` names the field to blame when the model has no tokenizer."""
+        if self.tokenizer is None:
+            raise GuidedDecodingError(
+                "this model folder has no tokenizer, which guided decoding needs", param=spec.param
+            )
+        with self._compiler_lock:
+            if self._compiler is None:
+                # the grammar allows the model's EOS ids once complete (not a request's stop ids);
+                # bitmask rows span the logits' width (ids past the tokenizer's are never allowed)
+                self._compiler = GuidedCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._compiler
+
+    def close(self) -> None:
+        """Stop the compiler's thread, if one was started."""
+        if self._compiler is not None:
+            self._compiler.close()
+
     def sequences(
         self, request_id: str, prepared: PreparedPrompt, params: SamplingParams, arrival: float
     ) -> list[Sequence]:
-        """The request's `n` sequences (step-loop thread only)."""
+        """The request's `n` sequences (step-loop thread only), each with its own grammar state."""
+        assert (params.guided is None) == (prepared.grammar is None), "only compiled requests run"
+        assert prepared.grammar is None or prepared.grammar.spec == params.guided
         return [self._new_sequence(request_id, i, prepared, params, arrival) for i in range(params.n)]
 
     def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
@@ -147,4 +189,5 @@ class InputProcessor:
             detok,
             generator,
             arrival,
+            None if prepared.grammar is None else prepared.grammar.matcher(),
         )

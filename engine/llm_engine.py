@@ -180,6 +180,9 @@ class LLMEngine:
         deltas: dict[str, list[CompletionOutput]] = {}
         for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
             seq.append_token(token)
+            if seq.guided is not None:
+                accepted = seq.guided.accept_token(token)
+                assert accepted, f"the sampler chose token {token}, which the grammar masked"
             if seq.first_token_time is None:
                 seq.first_token_time = now
             stop = self._check_stop(seq, token)
@@ -198,7 +201,13 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
-        """Stop token / EOS, stop string, max_tokens, context length: the first that holds."""
+        """Stop token / EOS, stop string, a complete grammar, max_tokens, context length: the first
+        that holds.
+
+        A grammar that allows nothing but EOS next ends the sequence at once ("stop"), even under
+        ignore_eos or an unmet min_tokens: its output is whole, and masking EOS too would leave no
+        token to sample.
+        """
         params = seq.params
         if token in seq.stop_token_ids:  # the sampler masks them until min_tokens
             if seq.detokenizer is not None:
@@ -209,6 +218,10 @@ class LLMEngine:
             stop_string = seq.detokenizer.add_token(token, seq.num_output_tokens >= params.min_tokens)
             if stop_string is not None:
                 return "stop", stop_string
+        if seq.guided is not None and seq.guided.is_terminated():
+            if seq.detokenizer is not None:
+                seq.detokenizer.flush()
+            return "stop", None
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             if seq.detokenizer is not None:
                 seq.detokenizer.flush()

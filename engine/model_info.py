@@ -28,6 +28,23 @@ class ModelInfo:
     tokenizer: Any  # None for folders without one (prompts are then token ids)
     generation_defaults: Mapping[str, float]  # read-only: generation_config.json's sampling fields
 
+    def capabilities(self) -> dict[str, bool | int]:
+        """What requests to this model may ask for (GET /v1/models), for a router to filter on.
+
+        Guided decoding (response_format json_schema / json_object, structured_outputs) needs the
+        tokenizer; tool calls and image parts are not served.
+        """
+        guided = self.tokenizer is not None
+        return {
+            "json_schema": guided,
+            "json_object": guided,
+            "structured_outputs": guided,
+            "tools": False,
+            "vision": False,
+            "logprobs": True,
+            "context_length": self.max_model_len,
+        }
+
 
 def load_generation_defaults(model_dir: Path) -> dict[str, float]:
     """Sampling defaults a model folder ships in generation_config.json (as vLLM applies them)."""

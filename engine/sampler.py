@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import inf
 
 import torch
 
+from engine.guided import BitmaskFiller, allocate_bitmask, apply_token_bitmask
 from engine.sequence import Sequence
 
 
@@ -19,21 +21,27 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Applies penalties, temperature, top-k / top-p / min-p, then samples row by row.
+    """Masks guided rows to their grammar, applies penalties, temperature, top-k / top-p / min-p,
+    then samples row by row.
 
-    Randomness comes from the exponential-race trick (argmax of p / Exp(1) noise), with
-    noise drawn from the sequence's own generator when it has a seed, so a seeded request
-    gives the same tokens whatever else is in the batch.
+    The grammar mask comes first, so every later setting only ever sees allowed tokens, and
+    logprobs describe the masked distribution (as vLLM's do). Randomness comes from the
+    exponential-race trick (argmax of p / Exp(1) noise), with noise drawn from the sequence's
+    own generator when it has a seed, so a seeded request gives the same tokens whatever else is
+    in the batch (the mask is per row: a guided row's bits do not depend on the others either).
     """
 
     def __init__(self, seed: int, device: torch.device | None = None) -> None:
         # on the logits' device: a CUDA tensor draws only from a CUDA generator
         self.generator = torch.Generator(device=device or torch.device("cpu")).manual_seed(seed)
+        self._filler: BitmaskFiller | None = None  # llguidance's fill threads, made on first use
 
+    @torch.inference_mode()  # the runner's logits are inference tensors: masked in place here
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: (num_seqs, vocab) float32, one row per sequence to sample."""
         assert logits.shape[0] == len(seqs)
         logits = logits.float()
+        self._apply_grammars(logits, seqs)
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         if any(s.params.has_penalties for s in seqs):
@@ -55,9 +63,22 @@ class Sampler:
             top: list[tuple[int, float]] = []
             if seq.params.logprobs > 0:
                 vals, ids = lp.topk(seq.params.logprobs)
-                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+                # a grammar may allow fewer tokens than asked for: the others cannot be chosen
+                top = [(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True) if v != -inf]
             out_logprobs.append((float(value), rank, top))
         return SamplerOutput(token_list, out_logprobs)
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """-inf, in place, for every token a guided row's grammar does not allow next."""
+        rows = [i for i, s in enumerate(seqs) if s.guided is not None]
+        if not rows:
+            return
+        matchers = [m for m in (seqs[i].guided for i in rows) if m is not None]
+        if self._filler is None:
+            self._filler = BitmaskFiller()
+        bitmask = allocate_bitmask(len(rows), matchers[0].compiled.vocab_size)
+        self._filler.fill(matchers, bitmask)  # drops the GIL: the event loop goes on meanwhile
+        apply_token_bitmask(logits, bitmask, None if len(rows) == len(seqs) else rows)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         device = logits.device
@@ -109,13 +130,23 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def mask_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Forbid EOS and stop tokens while a sequence has fewer than min_tokens outputs."""
+    """Forbid EOS and stop tokens while a sequence has fewer than min_tokens outputs.
+
+    Not where a grammar allows nothing else: its output is complete, and a row of -inf has no
+    token to sample (a grammar that allows only EOS ends the sequence before this step).
+    """
     vocab = logits.shape[1]
     for row, seq in enumerate(seqs):
         if seq.num_output_tokens < seq.params.min_tokens:
             ids = [t for t in seq.stop_token_ids if t < vocab]
-            if ids:
-                logits[row, ids] = float("-inf")
+            if not ids:
+                continue
+            if seq.guided is not None:
+                masked = logits[row].clone()
+                masked[ids] = float("-inf")
+                if not bool(torch.isfinite(masked).any()):
+                    continue
+            logits[row, ids] = float("-inf")
     return logits
 
 

@@ -1,10 +1,37 @@
-"""SamplingParams: how one request chooses its tokens and when it stops."""
+"""SamplingParams: how one request chooses its tokens and when it stops; StructuredOutputsParams:
+what its output is held to (vLLM's offline names)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from engine.guided.spec import GuidedSpec, from_structured_outputs
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured-outputs options: exactly one constraint (json, regex, choice, grammar,
+    json_object, structural_tag), plus the JSON layout options. The same fields as the HTTP
+    `structured_outputs` object; checked when the SamplingParams holding it is made."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema, as a dict or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF/EBNF ("root ::= ...")
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_fallback: bool = False  # accepted for vLLM's sake; one library, nothing to fall back to
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def to_spec(self) -> GuidedSpec:
+        """The constraint, checked (GuidedDecodingError, a ValueError, names the field at fault)."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        return from_structured_outputs({k: v for k, v in given.items() if v is not None})
 
 
 @dataclass
@@ -27,6 +54,10 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    # the constraint the engine applies: from structured_outputs, or set directly by the HTTP layer
+    # (response_format, or its structured_outputs object), where the spec names the request field
+    guided: GuidedSpec | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -38,6 +69,10 @@ class SamplingParams:
             self._stop_list = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.structured_outputs is not None:
+            if self.guided is not None:
+                raise ValueError("give structured_outputs or guided, not both")
+            self.guided = self.structured_outputs.to_spec()
         self._validate()
 
     def _validate(self) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.guided import GuidedMatcher
 from engine.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer | None,
         generator: torch.Generator | None,
         arrival_time: float | None = None,
+        guided: GuidedMatcher | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -62,6 +64,9 @@ class Sequence:
         )
         self.detokenizer = detokenizer
         self.generator = generator
+        # its own state in the request's grammar (n > 1: one each); it has accepted every output
+        # token, so recompute preemption, which keeps the tokens, leaves it valid
+        self.guided = guided
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
 
 _MAX_MESSAGE = 400
+# Whitespace between two JSON tokens when a request allows any: up to 16 spaces or tabs, or one or
+# two line breaks and up to 48 of indentation (pretty-printed JSON 12 levels deep at 4 spaces).
+# llguidance's own default, [\x20\x0A\x0D\x09]+, has no bound, and a model can then spend every
+# token on whitespace: 8 of 8 seeded outputs of a small random model ran out of max_tokens so.
+BOUNDED_WHITESPACE = r"(?:[\x20\x09]{1,16}|[\x20\x09]{0,2}(?:\x0D?\x0A){1,2}[\x20\x09]{0,48})"
 _SOURCE_LINE = re.compile(r"^\s*(\d+\s*\|.*|\^+)?\s*$")  # llguidance's excerpt lines: "  1 | ...", "  ^"
 
 
@@ -113,6 +118,8 @@ def _grammar(spec: GuidedSpec, tokenizer: LLTokenizer) -> str:
         options: JsonCompileOptions = {"whitespace_flexible": spec.any_whitespace}
         if spec.whitespace_pattern is not None:
             options["whitespace_pattern"] = spec.whitespace_pattern
+        elif spec.any_whitespace:
+            options["whitespace_pattern"] = BOUNDED_WHITESPACE
         return LLMatcher.grammar_from_json_schema(spec.text, overrides=options)
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.text)

@@ -20,6 +20,7 @@ from engine.guided.errors import GuidedDecodingError
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
+_SHAPE = "invalid_value"  # the code of a request field in the wrong shape, not of a constraint
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's options beside the constraint; disable_fallback is accepted and has no effect (one library)
@@ -139,7 +140,7 @@ def from_response_format(response_format: Any) -> GuidedSpec | None:
     if response_format is None:
         return None
     if not isinstance(response_format, Mapping):
-        raise GuidedDecodingError("response_format must be an object", param=param)
+        raise GuidedDecodingError("response_format must be an object", code=_SHAPE, param=param)
     kind = response_format.get("type")
     if kind == "text":
         return None
@@ -151,21 +152,25 @@ def from_response_format(response_format: Any) -> GuidedSpec | None:
     if kind != "json_schema":
         raise GuidedDecodingError(
             f"response_format.type must be text, json_object, json_schema or structural_tag, not {kind!r}",
+            code=_SHAPE,
             param="response_format.type",
         )
     schema_format = response_format.get("json_schema")
     if not isinstance(schema_format, Mapping):
         raise GuidedDecodingError(
-            "response_format.json_schema must be an object", param="response_format.json_schema"
+            "response_format.json_schema must be an object", code=_SHAPE, param="response_format.json_schema"
         )
     name = schema_format.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise GuidedDecodingError(
             "response_format.json_schema.name must be 1-64 letters, digits, _ or -",
+            code=_SHAPE,
             param="response_format.json_schema.name",
         )
     if schema_format.get("strict") is not None and not isinstance(schema_format.get("strict"), bool):
-        raise GuidedDecodingError("strict must be a boolean", param="response_format.json_schema.strict")
+        raise GuidedDecodingError(
+            "strict must be a boolean", code=_SHAPE, param="response_format.json_schema.strict"
+        )
     # strict or not, the output is held to the schema: constrained decoding has no best-effort mode
     if schema_format.get("schema") is None:
         return GuidedSpec.json_object(param="response_format.json_schema")
@@ -177,21 +182,22 @@ def from_structured_outputs(options: Any) -> GuidedSpec:
     structural_tag, with disable_any_whitespace / disable_additional_properties / whitespace_pattern."""
     param = "structured_outputs"
     if not isinstance(options, Mapping):
-        raise GuidedDecodingError("structured_outputs must be an object", param=param)
+        raise GuidedDecodingError("structured_outputs must be an object", code=_SHAPE, param=param)
     unknown = sorted(set(options) - set(_CONSTRAINTS) - set(_OPTIONS))
     if unknown:
         raise GuidedDecodingError(
-            f"unknown structured_outputs field {unknown[0]!r}", param=f"{param}.{unknown[0]}"
+            f"unknown structured_outputs field {unknown[0]!r}", code=_SHAPE, param=f"{param}.{unknown[0]}"
         )
     given = [k for k in _CONSTRAINTS if options.get(k) is not None and options.get(k) is not False]
     if len(given) != 1:
         raise GuidedDecodingError(
             f"structured_outputs takes exactly one of {', '.join(_CONSTRAINTS)} (got {len(given)})",
+            code=_SHAPE,
             param=param,
         )
     for flag in ("disable_any_whitespace", "disable_additional_properties"):
         if not isinstance(options.get(flag, False), bool):
-            raise GuidedDecodingError(f"{flag} must be a boolean", param=f"{param}.{flag}")
+            raise GuidedDecodingError(f"{flag} must be a boolean", code=_SHAPE, param=f"{param}.{flag}")
     which, value = given[0], options[given[0]]
     where = f"{param}.{which}"
     any_whitespace = not options.get("disable_any_whitespace", False)

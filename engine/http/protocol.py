@@ -8,7 +8,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.errors import EngineError
+from engine.guided import GuidedDecodingError, GuidedSpec, from_response_format, from_structured_outputs
 from engine.sampling_params import SamplingParams
+from engine.tools.request import checked_tool_calls
 
 
 class APIError(EngineError):
@@ -72,6 +74,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
+    # guided decoding: OpenAI's response_format, vLLM's structured_outputs (checked by guided_spec())
+    response_format: Any = None
+    structured_outputs: Any = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -83,6 +88,19 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """The output constraint (None: free text); a malformed one is a 400 naming its field."""
+        spec = from_response_format(self.response_format)
+        if self.structured_outputs is None:
+            return spec
+        if spec is not None:
+            raise GuidedDecodingError(
+                "give response_format or structured_outputs, not both",
+                code="invalid_value",
+                param="structured_outputs",
+            )
+        return from_structured_outputs(self.structured_outputs)
 
     def stop_strings(self) -> list[str]:
         """`stop` as a list, with a clear error for anything but strings."""
@@ -138,8 +156,8 @@ class CompletionRequest(_SamplingFields):
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages as the chat template wants them: role and plain-text content."""
+def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: role and plain-text content (and tool calls, results)."""
     out = []
     for i, msg in enumerate(raw):
         if not isinstance(msg, dict):
@@ -162,7 +180,20 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, str]]:
                 param=f"messages[{i}].content",
                 code="invalid_value",
             )
-        out.append({"role": "system" if role == "developer" else role, "content": content or ""})
+        turn: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if role == "assistant" and msg.get("tool_calls"):
+            turn["tool_calls"] = checked_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise APIError(
+                    400,
+                    f"messages[{i}].tool_call_id must be a string",
+                    param=f"messages[{i}].tool_call_id",
+                    code="invalid_type",
+                )
+            turn["tool_call_id"] = call_id
+        out.append(turn)
     return out
 
 
@@ -238,9 +269,13 @@ def validation_error(exc: ValidationError) -> APIError:
 
 
 def build_sampling_params(
-    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, float]
+    req: _SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    defaults: Mapping[str, float],
+    guided: GuidedSpec | None = None,
 ) -> SamplingParams:
-    """Request fields first, then the model's defaults, then OpenAI's."""
+    """Request fields first, then the model's defaults, then OpenAI's; `guided`: req.guided_spec()."""
 
     def pick(value: float | None, name: str, fallback: float) -> float:
         return value if value is not None else defaults.get(name, fallback)
@@ -267,6 +302,7 @@ def build_sampling_params(
             logprobs=logprobs,
             min_tokens=req.min_tokens or 0,
             skip_special_tokens=req.skip_special_tokens is not False,
+            guided=guided,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

@@ -38,7 +38,7 @@ from engine.http.protocol import (
     chat_messages,
     completion_prompts,
 )
-from engine.http.request_limits import check_request_limits
+from engine.http.request_limits import check_guided_limits, check_request_limits
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
@@ -89,6 +89,7 @@ class OpenAIServing:
                 "owned_by": "switchboard",
                 "root": self.engine.config.model,
                 "max_model_len": max_len,
+                "capabilities": info.capabilities() if info is not None else None,
             }
             for name in self.served_names
         ]
@@ -102,8 +103,14 @@ class OpenAIServing:
     def sampling_params(
         self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
-        """SamplingParams from the request's fields; absent ones take the model's defaults, then OpenAI's."""
-        return build_sampling_params(req, max_tokens, logprobs, self.generation_defaults())
+        """SamplingParams from the request's fields; absent ones take the model's defaults, then OpenAI's.
+
+        The output constraint (response_format / structured_outputs) is checked and bounded here;
+        it compiles when the request is added, beside the prompt's tokenizing.
+        """
+        guided = req.guided_spec()
+        check_guided_limits(self.engine.config, guided)
+        return build_sampling_params(req, max_tokens, logprobs, self.generation_defaults(), guided)
 
     def _tokenizer(self) -> Any:
         info = self.engine.model_info

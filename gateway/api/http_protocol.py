@@ -184,9 +184,10 @@ class _CycleTransport:
 
     uvicorn writes a response's head, then each body part, each at once: a streamed answer's head,
     its role chunk and its first text were three sends, three wake-ups of the client before it had
-    its first token. The writes of the first turn are joined and sent at its end (call_soon, order
-    kept); later ones (a stream's events, one per upstream read) go straight out, since waiting for
-    the end of the turn would cost each event a loop iteration and coalesce nothing.
+    its first token. The head waits for the first body part and leaves with it in one send (or at
+    the end of the turn, call_soon, when no body part follows in it; order kept across requests);
+    later writes (a stream's events, one per upstream read) go straight out, since waiting for the
+    end of the turn would cost each event a loop iteration and coalesce nothing.
     The app answers some requests before reading their bodies (401 and 413 from the headers alone,
     with `connection: close`), and uvicorn then closes the socket at once: with the client still
     sending, that is the reset that can destroy the answer (see `_linger`). Once the body is in,
@@ -206,12 +207,13 @@ class _CycleTransport:
             if not self._transport.is_closing():
                 self._transport.write(data)
             return
-        if self._pending is None:
+        if self._pending is None:  # the head: held for the end of the turn, or for the body's first part
             self._pending = [data]
             self._protocol.unsent.append(self)
             self._protocol.loop.call_soon(self.flush)
-        else:
+        else:  # the head and the first body part: one send, now (not a loop iteration later)
             self._pending.append(data)
+            self.flush()
 
     def flush(self) -> None:
         """Send what was written (nothing once the connection is closing)."""

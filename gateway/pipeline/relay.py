@@ -40,12 +40,12 @@ async def relay(call: Call, served: Served, wants_usage: bool,
         async with aclosing(served):
             try:
                 ended = _DONE in served.head  # the upstream's end arrived (it may be in the head)
-                for line in served.head:  # read before committing to this upstream
-                    call.upstream_seconds += perf_counter() - mark
-                    event = relay_line(call, line, wants_usage)
-                    mark = perf_counter()
-                    if event is not None:
-                        yield event
+                call.upstream_seconds += perf_counter() - mark
+                # read before committing to this upstream: one event for the client (one send)
+                head = [e for line in served.head if (e := relay_line(call, line, wants_usage)) is not None]
+                mark = perf_counter()
+                if head:
+                    yield b"".join(head)
                 async for line in upstream.lines:
                     call.upstream_seconds += perf_counter() - mark
                     ended = ended or line == _DONE

@@ -116,3 +116,21 @@ def test_a_cached_refusal_names_the_field_of_the_request_that_asked(compiler: Gu
     with pytest.raises(GuidedDecodingError) as info:
         asyncio.run(compiler.compile_async(GuidedSpec.json_schema(bad, param="structured_outputs.json")))
     assert info.value.param == "structured_outputs.json" and "not" in str(info.value)
+
+
+def test_any_whitespace_is_bounded_between_two_json_tokens(
+    compiler: GuidedCompiler, hf_tokenizer: Any
+) -> None:
+    compiled = compiler.compile(GuidedSpec.json_schema({**SCHEMA, "title": "ws"}))
+
+    def accepts(text: str) -> bool:
+        matcher = compiled.matcher()
+        return all(matcher.accept_token(t) for t in hf_tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts('{"id": 1}') and accepts('{\n    "id" :  1\n}') and accepts('{\r\n\r\n\t"id":1}')
+    assert accepts("{" + " " * 16 + '"id":1}')
+    assert not accepts("{" + " " * 17 + '"id":1}')  # a model cannot spend its tokens on blanks
+    assert not accepts('{\n\n\n"id":1}')
+    free = compiler.compile(GuidedSpec.json_schema({**SCHEMA, "title": "ws"}, whitespace_pattern=r"[ ]*"))
+    matcher = free.matcher()
+    assert all(matcher.accept_token(t) for t in hf_tokenizer.encode("{" + " " * 40, add_special_tokens=False))

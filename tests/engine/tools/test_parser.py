@@ -1,0 +1,74 @@
+"""Calls read back out of answers: whole, and streamed in pieces of any size, agree exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from engine.tools.grammar import call_text
+from engine.tools.parser import StreamedCalls, parse_calls
+
+WEATHER_ARGS = '{"city": "Pa\\"ris {x}", "days": [1, {"n": 2}]}'
+ANSWER = "Checking both.\n" + call_text("get_weather", WEATHER_ARGS) + "\n" + call_text("add", '{"a": 1}')
+
+
+def test_a_whole_answer_gives_its_text_and_each_call_with_an_openai_id() -> None:
+    content, calls = parse_calls(ANSWER)
+    assert content == "Checking both.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'Pa"ris {x}', "days": [1, {"n": 2}]}),
+        ("add", {"a": 1}),
+    ]
+    assert all(c.id.startswith("call_") and len(c.id) == 29 for c in calls)
+    assert len({c.id for c in calls}) == 2
+    assert calls[0].as_openai()["type"] == "function"
+
+
+def test_only_calls_means_no_content_and_no_calls_means_all_content() -> None:
+    assert parse_calls(call_text("add", "{}"))[0] is None
+    assert parse_calls("plain <tool_ text") == ("plain <tool_ text", [])
+
+
+def test_a_call_cut_short_keeps_the_complete_ones_and_stays_text() -> None:
+    cut = ANSWER[: ANSWER.rindex('{"a"') + 3]
+    content, calls = parse_calls(cut)
+    assert [c.name for c in calls] == ["get_weather"]
+    assert content is not None and content.startswith("Checking both.\n") and content.endswith('{"a')
+
+
+def streamed(text: str, sizes: list[int]) -> tuple[str, list[tuple[str | None, str]]]:
+    reader = StreamedCalls()
+    content = ""
+    calls: list[tuple[str | None, str]] = []
+    pos = 0
+    for size in sizes:
+        text_piece, deltas = reader.feed(text[pos : pos + size])
+        pos += size
+        content += text_piece
+        for d in deltas:
+            if d.id is not None:
+                assert d.index == len(calls)
+                calls.append((d.name, d.arguments))
+            else:
+                name, args = calls[d.index]
+                calls[d.index] = (name, args + d.arguments)
+    return content + reader.finish(), calls
+
+
+def test_streamed_pieces_of_any_size_give_what_the_whole_answer_gives() -> None:
+    rng = random.Random(7)
+    whole = parse_calls(ANSWER)
+    expected = [(c.name, c.arguments) for c in whole[1]]
+    for trial in range(200):
+        sizes = [1] * len(ANSWER) if trial == 0 else [rng.randint(1, 12) for _ in range(len(ANSWER))]
+        content, calls = streamed(ANSWER, sizes)
+        assert content == whole[0]
+        assert calls == expected
+
+
+def test_text_that_only_looks_like_the_tag_is_released_when_it_turns_out_not_to_be() -> None:
+    reader = StreamedCalls()
+    assert reader.feed("a <tool") == ("a ", [])  # held back: it may be the tag
+    assert reader.feed("box> b") == ("<toolbox> b", [])
+    assert reader.feed(" <tool_c")[0] == " "
+    assert reader.finish() == "<tool_c"  # the answer ended: what was held back is text

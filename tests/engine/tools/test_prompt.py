@@ -1,0 +1,78 @@
+"""Tools and tool history reach the prompt: natively through templates that take tools, else ours."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.tools.grammar import call_text
+from engine.tools.prompt import template_takes_tools, with_tools
+from engine.tools.request import parse_tool_request
+
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "adds", "parameters": {"type": "object"}}}
+]
+HISTORY: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "1+2 and 3+4?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+            },
+            {
+                "id": "call_2",
+                "type": "function",
+                "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'},
+            },
+        ],
+    },
+    {"role": "tool", "content": "3", "tool_call_id": "call_1"},
+    {"role": "tool", "content": "7", "tool_call_id": "call_2"},
+]
+
+
+class _Template:
+    def __init__(self, text: str) -> None:
+        self.chat_template = text
+
+
+def test_a_template_without_tools_gets_our_prompt_calls_in_the_grammars_form_and_joined_results() -> None:
+    messages, listed = with_tools(HISTORY, parse_tool_request({"tools": TOOLS}), native=False)
+    assert listed is None
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.\n\n")
+    assert '{"name": "add", "description": "adds"' in messages[0]["content"]
+    assert messages[2] == {
+        "role": "assistant",
+        "content": call_text("add", '{"a": 1, "b": 2}') + "\n" + call_text("add", '{"a": 3, "b": 4}'),
+    }
+    assert messages[3] == {
+        "role": "user",
+        "content": "<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response>",
+    }
+    assert len(messages) == 4
+
+
+def test_tool_choice_none_offers_nothing_but_the_history_still_renders() -> None:
+    messages, listed = with_tools(
+        HISTORY, parse_tool_request({"tools": TOOLS, "tool_choice": "none"}), native=False
+    )
+    assert listed is None and messages[0] == {"role": "system", "content": "Be brief."}
+    assert "<tool_call>" in messages[2]["content"]
+
+
+def test_a_template_that_takes_tools_gets_them_and_the_history_with_arguments_as_objects() -> None:
+    assert template_takes_tools(_Template("{% if tools %}...{% endif %}"))
+    assert not template_takes_tools(_Template("{{ message['content'] }}"))
+    messages, listed = with_tools(HISTORY, parse_tool_request({"tools": TOOLS}), native=True)
+    assert listed == [
+        {
+            "type": "function",
+            "function": {"name": "add", "description": "adds", "parameters": {"type": "object"}},
+        }
+    ]
+    assert messages[2]["tool_calls"][1]["function"]["arguments"] == {"a": 3, "b": 4}
+    assert messages[4] == {"role": "tool", "content": "7", "tool_call_id": "call_2"}

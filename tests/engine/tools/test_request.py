@@ -1,0 +1,73 @@
+"""Tool fields are checked at the boundary: clear 400s that name the field, OpenAI's defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.tools.request import MAX_TOOLS, ToolRequestError, parse_tool_request
+
+
+def tool(name: str, parameters: Any = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name, "description": f"does {name}"}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def test_tools_default_to_auto_and_parallel_and_a_function_without_parameters_takes_none() -> None:
+    req = parse_tool_request({"tools": [tool("ping"), tool("add", {"type": "object", "properties": {}})]})
+    assert req is not None and req.choice == "auto" and req.parallel
+    assert [f.name for f in req.offered()] == ["ping", "add"]
+    assert req.functions[0].schema() == {"type": "object", "properties": {}}
+    assert req.functions[0].as_openai()["function"]["description"] == "does ping"
+    assert parse_tool_request({"messages": []}) is None
+    assert parse_tool_request({"tools": [], "tool_choice": "none"}) is None
+
+
+def test_a_named_choice_offers_only_that_function_and_none_offers_calls_not_at_all() -> None:
+    named = {"type": "function", "function": {"name": "add"}}
+    req = parse_tool_request({"tools": [tool("ping"), tool("add")], "tool_choice": named})
+    assert req is not None and req.choice == "add" and [f.name for f in req.offered()] == ["add"]
+    none = parse_tool_request({"tools": [tool("ping")], "tool_choice": "none", "parallel_tool_calls": False})
+    assert none is not None and not none.calls_allowed and not none.parallel
+
+
+def test_legacy_functions_map_onto_tools() -> None:
+    req = parse_tool_request({"functions": [{"name": "ping"}], "function_call": {"name": "ping"}})
+    assert req is not None and req.choice == "ping"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"tool_choice": "auto"}, "tool_choice", "only allowed when tools"),
+        ({"tools": {"a": 1}}, "tools", "must be an array"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", '"function"'),
+        ({"tools": [tool("bad name")]}, "tools[0].function.name", "1-64 letters"),
+        ({"tools": [tool("a"), tool("a")]}, "tools[1].function.name", "two tools"),
+        ({"tools": [tool("a", {"type": "string"})]}, "tools[0].function.parameters", "object"),
+        ({"tools": [tool("a", [1])]}, "tools[0].function.parameters", "JSON schema object"),
+        ({"tools": [tool("a")], "tool_choice": "sometimes"}, "tool_choice", '"none", "auto"'),
+        (
+            {"tools": [tool("a")], "tool_choice": {"type": "function", "function": {"name": "b"}}},
+            "tool_choice.function.name",
+            "names no tool",
+        ),
+        ({"tools": [tool("a")], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+        ({"tools": [tool("a")], "functions": [{"name": "a"}]}, "functions", "not both"),
+        ({"tools": [tool(f"t{i}") for i in range(MAX_TOOLS + 1)]}, "tools", f"at most {MAX_TOOLS}"),
+        (
+            {"tools": [tool("a", {"type": "object", "x": "y" * 300_000})]},
+            "tools[0].function.parameters",
+            "exceeds",
+        ),
+    ],
+)
+def test_malformed_tool_fields_are_400s_naming_the_field(
+    body: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(ToolRequestError, match=words) as caught:
+        parse_tool_request(body)
+    assert (caught.value.status, caught.value.param) == (400, param)
