@@ -2,7 +2,9 @@
 
 Each entry of `data` is a model card: its `id` (the served name), `max_model_len` (prompt plus
 output tokens it takes at most: its context) and, from engines that report them, `capabilities`:
-`{"tools": true, "json_schema": true, "json_object": true, "vision": false, "logprobs": true}`.
+`{"tools": false, "json_schema": true, "json_object": true, "vision": false, "logprobs": true,
+"context_length": 8192}` (engine/model_info.py; other keys, e.g. `structured_outputs`, are not
+routed on). `max_model_len` wins over `capabilities.context_length` when both are given.
 A value of the wrong type counts as unsaid, never as true: a card is the upstream's word, and a
 routing decision must not rest on a guess. The replicas of a pool are merged conservatively (a
 rolling upgrade may leave them disagreeing, and a request may land on any of them): a capability
@@ -41,11 +43,16 @@ def parse_model_cards(raw: bytes) -> dict[str, Learned] | None:
 
 
 def _learned(card: Mapping[str, Any]) -> Learned:
-    length = card.get("max_model_len")
-    context = length if type(length) is int and 0 < length <= MAX_CONTEXT else None
     said = card.get("capabilities")
-    flags = {n: v for n in _NAMES if isinstance(said, dict) and isinstance(v := said.get(n), bool)}
-    return Learned(Capabilities(**flags), context)
+    said = said if isinstance(said, dict) else {}
+    flags = {name: value for name in _NAMES if isinstance(value := said.get(name), bool)}
+    return Learned(
+        Capabilities(**flags), _context(card.get("max_model_len")) or _context(said.get("context_length"))
+    )
+
+
+def _context(length: Any) -> int | None:
+    return length if type(length) is int and 0 < length <= MAX_CONTEXT else None
 
 
 def merge_replicas(reports: Iterable[Mapping[str, Learned]]) -> dict[str, Learned]:

@@ -45,6 +45,18 @@ def test_a_card_gives_the_context_and_the_capabilities_it_states() -> None:
     }
 
 
+def test_the_switchboard_engines_own_card_is_understood() -> None:
+    # the shape engine/model_info.py's ModelInfo.capabilities() gives GET /v1/models
+    said = {"json_schema": True, "json_object": True, "structured_outputs": True, "tools": False,
+            "vision": False, "logprobs": True, "context_length": 8192}  # fmt: skip
+    card = {"id": "SmolLM2-135M-Instruct", "object": "model", "max_model_len": None, "capabilities": said}
+    assert parse_model_cards(_listing(card)) == {
+        "SmolLM2-135M-Instruct": Learned(
+            Capabilities(tools=False, json_schema=True, json_object=True, vision=False, logprobs=True), 8192
+        )
+    }
+
+
 @pytest.mark.parametrize("raw", [b"not json", b"[]", b'{"data": {}}', b'{"object": "list"}'])
 def test_an_answer_that_is_not_a_model_list_reports_nothing(raw: bytes) -> None:
     assert parse_model_cards(raw) is None
