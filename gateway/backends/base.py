@@ -7,7 +7,9 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.config.policy import Timeouts
+from gateway.config.policy import Capabilities, Timeouts
+
+UNREPORTED = Capabilities()  # a backend that says nothing about a capability
 
 
 class UpstreamUnavailableError(Exception):
@@ -55,10 +57,28 @@ class UpstreamStream:
     verdict: Callable[[bool], None] = field(default=_no_verdict)
 
 
+@dataclass(frozen=True)
+class Learned:
+    """What a backend says one of its models can do: each capability true, false or unsaid (None)."""
+
+    capabilities: Capabilities = UNREPORTED
+    context_length: int | None = None  # prompt tokens it takes at most
+
+
 class Upstream(Protocol):
     """An engine pool or a hosted model."""
 
     name: str
+
+    @property
+    def learned_version(self) -> int:
+        """Changes whenever what `learned` answers changes (a replica reported something new)."""
+        ...
+
+    def learned(self, model: str) -> Learned | None:
+        """What the backend says about `model` (its upstream name), or None when it said nothing.
+        Never I/O: the answer was learned beforehand (health checks, litellm's bundled map)."""
+        ...
 
     @property
     def timeouts(self) -> Timeouts:
@@ -102,6 +122,10 @@ class Upstream(Protocol):
         ...
 
 
+LACKS = "lacks "  # outcome of a model skipped for a capability: `lacks tools, vision`
+TOO_LONG = "prompt too long"  # ... for its context: `prompt too long (9100 tokens > 8192)`
+
+
 @dataclass
 class Attempt:
     """One try: which model, backend and deployment, and what happened."""
@@ -110,6 +134,7 @@ class Attempt:
     backend: str
     deployment: str | None
     outcome: str
+    called: bool = True  # False: skipped before any call (unavailable, or it cannot serve the request)
 
     def describe(self) -> str:
         """Everything known, replica URL and error text included: for the request log, never a client."""
@@ -123,12 +148,17 @@ class Attempt:
     @property
     def reason(self) -> str:
         """The outcome as a bounded label (metrics, traces): unavailable, unreachable, timeout,
-        first_token_timeout, stream_broke or status_<code>."""
+        first_token_timeout, stream_broke, status_<code>, lacks_<capability> (the first it lacks)
+        or context_exceeded."""
         outcome = self.outcome
         if outcome.startswith("status "):
             return "status_" + outcome[7:]
         if outcome.startswith("unavailable"):
             return "unavailable"
+        if outcome.startswith(LACKS):
+            return "lacks_" + outcome[len(LACKS) :].split(",")[0]
+        if outcome.startswith(TOO_LONG):
+            return "context_exceeded"
         if outcome.startswith("stream broke"):
             return "stream_broke"
         return outcome.replace(" ", "_")

@@ -15,8 +15,15 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from gateway.backends.base import UpstreamReply, UpstreamStream, UpstreamStreamError, UpstreamUnavailableError
+from gateway.backends.base import (
+    Learned,
+    UpstreamReply,
+    UpstreamStream,
+    UpstreamStreamError,
+    UpstreamUnavailableError,
+)
 from gateway.backends.health import HealthChecker, Replica, pick
+from gateway.backends.model_cards import merge_replicas
 from gateway.backends.wire import WireError, WirePool, WireResponse
 from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 
@@ -40,7 +47,9 @@ class EnginePool:
         auth = {"authorization": f"Bearer {key}"} if key else {}
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}
-        self._checker = HealthChecker(name, self.replicas, health, auth)
+        self._checker = HealthChecker(name, self.replicas, health, auth, self._cards_changed)
+        self._learned: dict[str, Learned] = {}  # served name -> what the replicas' cards say
+        self._learned_version = 0
 
     async def start(self) -> None:
         """Start the active health checks."""
@@ -50,6 +59,22 @@ class EnginePool:
     def timeouts(self) -> Timeouts:
         """The backend's own timeouts."""
         return self.spec.timeouts
+
+    @property
+    def learned_version(self) -> int:
+        """Bumped whenever the replicas' model cards say something new."""
+        return self._learned_version
+
+    def learned(self, model: str) -> Learned | None:
+        """What the replicas' /v1/models say about `model` (None: no replica described it)."""
+        return self._learned.get(model)
+
+    def _cards_changed(self) -> None:
+        merged = merge_replicas(r.cards for r in self.replicas if r.cards is not None)
+        if merged != self._learned:
+            self._learned = merged
+            self._learned_version += 1
+            logger.info("engine pool %s: model cards %s", self.name, merged)
 
     @property
     def unavailable_reason(self) -> str | None:

@@ -1,10 +1,12 @@
 """Replica health: circuit breakers, active checks, and picking the least-loaded healthy replica.
 
 Two sources of truth meet here. Active checks (`GET /health`, then queue depth and KV-cache usage
-from `GET /metrics`) run on an interval per replica and mark it up or down. Real traffic feeds the
-replica's circuit breaker: connection errors, 5xx answers, timeouts and first tokens slower than
-the SLO count as failures. A replica takes traffic when its last check passed and its breaker
-lets it; among those, the one with the fewest requests in flight wins (then the shorter queue).
+from `GET /metrics`) run on an interval per replica and mark it up or down; a replica that comes up
+(or has not answered yet) is also asked `GET /v1/models` for its model cards (model_cards.py).
+Real traffic feeds the replica's circuit breaker: connection errors, 5xx answers, timeouts and
+first tokens slower than the SLO count as failures. A replica takes traffic when its last check
+passed and its breaker lets it; among those, the one with the fewest requests in flight wins (then
+the shorter queue).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from enum import Enum
 
 import aiohttp
 
+from gateway.backends.base import Learned
+from gateway.backends.model_cards import MAX_CARDS_BYTES, parse_model_cards
 from gateway.config.policy import Breaker, HealthSettings
 
 logger = logging.getLogger(__name__)
@@ -137,6 +141,7 @@ class Replica:
         self.queue_depth = 0.0
         self.kv_usage = 0.0
         self.in_flight = 0
+        self.cards: dict[str, Learned] | None = None  # its /v1/models, once it answered
 
     def usable(self) -> bool:
         """Up by the last check and let through by the breaker."""
@@ -175,12 +180,14 @@ class HealthChecker:
     """Checks every replica of one pool each `interval` s until stopped."""
 
     def __init__(
-        self, name: str, replicas: list[Replica], health: HealthSettings, headers: dict[str, str]
-    ) -> None:
+        self, name: str, replicas: list[Replica], health: HealthSettings, headers: dict[str, str],
+        on_cards: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.replicas = replicas
         self.health = health
         self._headers = headers
+        self._on_cards = on_cards  # a replica's model cards changed
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -230,9 +237,27 @@ class HealthChecker:
             level = logging.INFO if ok else logging.WARNING
             logger.log(level, "%s replica %s is %s%s", self.name, replica.url, "up" if ok else "down",
                        f" ({error})" if error else "")  # fmt: skip
+        came_up = ok and not replica.check_ok
         replica.check_ok, replica.last_error = ok, error
+        if ok and (came_up or replica.cards is None):  # a restarted engine may serve another model
+            await self._learn(replica)
         if ok and replica.breaker.state is BreakerState.HALF_OPEN and replica.breaker.claim():
             replica.breaker.record(True)  # a passing check is the half-open probe
+
+    async def _learn(self, replica: Replica) -> None:
+        """The replica's model cards; an engine without them (or failing to give them) is asked again
+        at its next check, and is no less healthy for it."""
+        assert self._session is not None
+        try:
+            async with self._session.get(replica.url + "/v1/models") as resp:
+                raw = await resp.content.read(MAX_CARDS_BYTES + 1) if resp.status == 200 else b""
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.debug("%s replica %s: no model cards (%s)", self.name, replica.url, exc)
+            return
+        cards = parse_model_cards(raw) if 0 < len(raw) <= MAX_CARDS_BYTES else None
+        if cards is not None and cards != replica.cards:
+            replica.cards = cards
+            self._on_cards()
 
     @staticmethod
     def _read_gauges(replica: Replica, text: bytes) -> None:

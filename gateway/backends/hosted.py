@@ -13,6 +13,7 @@ import litellm  # LITELLM_LOCAL_MODEL_COST_MAP keeps its import off the network:
 import orjson
 
 from gateway.backends.base import (
+    Learned,
     ModelUnavailableError,
     UpstreamReply,
     UpstreamStream,
@@ -20,7 +21,7 @@ from gateway.backends.base import (
     UpstreamUnavailableError,
 )
 from gateway.backends.side_loop import SideLoop
-from gateway.config.policy import HostedBackend, Timeouts
+from gateway.config.policy import Capabilities, HostedBackend, Timeouts
 
 logger = logging.getLogger(__name__)
 litellm.suppress_debug_info = True
@@ -51,6 +52,18 @@ class HostedModel:
         self.spec = spec
         self._api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         self._side = SideLoop(f"litellm-{name}")  # litellm's per-call Python work runs there
+        self._learned: dict[str, Learned] = {}
+
+    @property
+    def learned_version(self) -> int:
+        """What litellm's bundled map says never changes while the gateway runs."""
+        return 0
+
+    def learned(self, model: str) -> Learned | None:
+        """What litellm's map says about `model` (a litellm name), read once per name."""
+        if model not in self._learned:
+            self._learned[model] = learned_from_litellm(model)
+        return self._learned[model]
 
     @property
     def timeouts(self) -> Timeouts:
@@ -193,6 +206,41 @@ class HostedModel:
     async def close(self) -> None:
         """Stop the side loop (litellm owns its clients)."""
         await self._side.close()
+
+
+def learned_from_litellm(model: str) -> Learned:
+    """What litellm's bundled model map (LITELLM_LOCAL_MODEL_COST_MAP: no network) says `model` can do.
+
+    The model's own entry gives tools, json_schema, vision and its input context; the provider's
+    OpenAI parameters decide the rest and deny what the provider cannot take at all (no
+    `response_format`: neither JSON mode; no `logprobs`). A model the map lacks says nothing.
+    """
+    try:
+        info: Mapping[str, Any] = litellm.get_model_info(model)
+    except Exception:  # litellm raises a bare Exception for a name its map lacks
+        info = {}
+    if info.get("mode") not in (None, "chat", "completion", "responses"):
+        info = {}  # the map's entry for that name is an embedding (or image, audio) model's
+    try:
+        params = litellm.get_supported_openai_params(model=model)
+    except Exception:  # an unknown provider
+        params = None
+    said = {
+        "tools": info.get("supports_function_calling"),
+        "json_schema": info.get("supports_response_schema"),
+        "vision": info.get("supports_vision"),
+    }
+    if info.get("supports_response_schema") is True:
+        said["json_object"] = True  # a model that keeps to a schema keeps to JSON
+    if params is not None:
+        for capability, param in (("tools", "tools"), ("json_schema", "response_format"),
+                                  ("json_object", "response_format")):  # fmt: skip
+            if param not in params:
+                said[capability] = False
+        said["logprobs"] = "logprobs" in params
+    flags = {name: value for name, value in said.items() if isinstance(value, bool)}
+    context = info.get("max_input_tokens")
+    return Learned(Capabilities(**flags), context if type(context) is int and context > 0 else None)
 
 
 def _provider_message(exc: Exception) -> str | None:

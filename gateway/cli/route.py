@@ -1,17 +1,34 @@
-"""`policy check`, `route eval` and `route explain`: the routing policy offline, for ops and CI."""
+"""`policy check`, `route eval` and `route explain`: the routing policy offline, for ops and CI.
+
+`route explain` shows the capability filter as the gateway applies it, with what it can know
+offline: declared values, and litellm's map for hosted models (imported, a few seconds, only for a
+request that needs a capability or has a body over LOOKUP_BYTES). Engines report theirs to a
+running gateway only: offline they show as unknown, and unknown is assumed present.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.config.policy import EngineBackend, Policy, PolicyError, load_policy
+from gateway.config.policy import EngineBackend, HostedBackend, Policy, PolicyError, load_policy
 from gateway.governance.keys import KeyInfo
+from gateway.routing.capabilities import (
+    CAPABILITIES,
+    CapabilityError,
+    CapabilityTable,
+    Learner,
+    Needs,
+    needed,
+)
 from gateway.routing.complexity import ComplexityModel
 from gateway.routing.router import NoRouteError, Router
+
+LOOKUP_BYTES = 2048  # a smaller body fits every context a chat model has: no need to ask litellm
 
 
 def policy_check(path: Path) -> int:
@@ -67,12 +84,19 @@ def route_eval(policy_path: Path, data: Path, route: str | None) -> dict[str, fl
 
 
 def route_explain(policy_path: Path, body: Mapping[str, Any], route: str | None, team: str | None) -> str:
-    """Features, their contributions, the score, the tier and the chain, as text."""
+    """Features, their contributions, the score, the tier, the capability filter and the chain, as text."""
     policy = load_policy(policy_path)
     name = str(body.get("model") or tiered_route(policy, route))
     if name not in policy.exposed():
         raise ValueError(f"'{name}' is neither a model nor a route in {policy_path}")
-    router = Router(policy, ComplexityModel.load())
+    body = {**body, "model": name}
+    size = len(json.dumps(body).encode())
+    learners = _hosted_learners(policy) if needed(body) or size > LOOKUP_BYTES else {}
+    table = CapabilityTable(policy, learners)
+    needs = table.needs(name, body, size)
+    if needs.to_count:
+        needs = asyncio.run(table.counted(needs, body))
+    router = Router(policy, ComplexityModel.load(), table)
     lines = []
     result = router.explain(name, body)
     if result is not None:
@@ -86,10 +110,13 @@ def route_explain(policy_path: Path, body: Mapping[str, Any], route: str | None,
                 lines.append(f"{feature:<32} {result.features[feature]:>10.3f} {contribution:>+13.3f}")
         if silent := sum(1 for c in result.contributions.values() if not c):
             lines.append(f"({silent} features contribute nothing here)")
+    lines += _capability_lines(table, name, needs)
     try:
-        decision = router.decide(name, body, _anonymous(team))
+        decision = router.decide(name, body, _anonymous(team), needs)
     except NoRouteError as exc:
         return "\n".join([*lines, f"no route: {exc}"])
+    except CapabilityError as exc:
+        return "\n".join([*lines, f"refused {exc.status} {exc.code} (param {exc.param}): {exc.message}"])
     first = decision.chain[0]
     backend = policy.models[first].backend
     where = "self-hosted" if _self_hosted(policy, first) else "hosted"
@@ -99,7 +126,46 @@ def route_explain(policy_path: Path, body: Mapping[str, Any], route: str | None,
         f"chain   {' -> '.join(decision.chain)}",
         f"first   {first} on backend {backend} ({where})",
     ]
+    if decision.skipped:
+        lines.append(f"skipped {', '.join(f'{a.model} ({a.outcome})' for a in decision.skipped)}")
     return "\n".join(lines)
+
+
+def _capability_lines(table: CapabilityTable, name: str, needs: Needs) -> list[str]:
+    """What the request needs, and what each model it may reach can do (where each value comes from)."""
+    if not needs.capabilities and not needs.prompt_tokens:
+        return ["needs   no capability, and its prompt fits every known context: nothing filtered"]
+    wanted = ", ".join(f"{c} (by `{p}`)" for c, p in needs.capabilities) or "no capability"
+    lines = [f"needs   {wanted}"]
+    if needs.prompt_tokens:
+        counts = ", ".join(f"{m} {n}" for m, n in needs.prompt_tokens.items())
+        lines.append(f"prompt  tokens by each model's tokenizer, where the context may be short: {counts}")
+    lines.append("capabilities (d: declared, l: learned, ?: nobody said: assumed present)")
+    header = "".join(f"{c:>13}" for c in (*CAPABILITIES, "context"))
+    lines.append(f"  {'model':<24}{header}")
+    for model in table.reachable(name):
+        resolved = table.of(model)
+        cells = [_cell(resolved.supports[c], resolved.sources[c]) for c in CAPABILITIES]
+        cells.append(_cell(resolved.context_length, resolved.sources["context_length"]))
+        lines.append(f"  {model:<24}" + "".join(f"{cell:>13}" for cell in cells))
+    return lines
+
+
+def _cell(value: bool | int | None, source: str) -> str:
+    if value is None:
+        return "?"
+    shown = ("yes" if value else "no") if isinstance(value, bool) else str(value)
+    return f"{shown} {source[0]}"
+
+
+def _hosted_learners(policy: Policy) -> dict[str, Learner]:
+    """litellm's word on the policy's hosted models (importing litellm takes seconds: only when asked)."""
+    hosted = {name: spec for name, spec in policy.backends.items() if isinstance(spec, HostedBackend)}
+    if not hosted:
+        return {}
+    from gateway.backends.hosted import HostedModel
+
+    return {name: HostedModel(name, spec) for name, spec in hosted.items()}
 
 
 def _self_hosted(policy: Policy, model: str) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 
 class PolicyError(ValueError):
@@ -142,12 +142,27 @@ class HostedBackend(_Strict):
 Backend = Annotated[EngineBackend | HostedBackend, Field(discriminator="type")]
 
 
+class Capabilities(_Strict):
+    """What a model can do, as ops declare it; unset: what the backend reports, else assumed present.
+
+    Declared values beat learned ones (an engine's /v1/models, litellm's model map): ops know when
+    a model does a feature badly even where its server accepts the field."""
+
+    tools: StrictBool | None = None  # `tools`, `functions`, a `tool_choice` other than none
+    json_schema: StrictBool | None = None  # response_format {"type": "json_schema"}
+    json_object: StrictBool | None = None  # response_format {"type": "json_object"}
+    vision: StrictBool | None = None  # image parts in messages (image_url, input_image)
+    logprobs: StrictBool | None = None  # `logprobs`, `top_logprobs`
+
+
 class ModelRoute(_Strict):
     """A model name clients may ask for, served by one backend."""
 
     backend: str
     model: str | None = None  # the upstream's name for it (default: the exposed name)
     fallbacks: list[str] = []  # other models to try when this one cannot answer
+    capabilities: Capabilities = Capabilities()
+    context_length: StrictInt | None = Field(default=None, ge=1)  # prompt tokens it takes at most
 
 
 class Retries(_Strict):
@@ -266,6 +281,14 @@ class Policy(_Strict):
         """Every name a client may ask for: models, then routes."""
         return [*self.models, *self.routes]
 
+    def reachable(self, name: str) -> list[str]:
+        """Every model a request for `name` (a model or a route) may reach, overrides aside."""
+        if name in self.models:
+            return [name, *self.models[name].fallbacks]
+        route = self.routes[name]
+        tiers = [m for tier in route.tiers for m in tier.candidates]
+        return list(dict.fromkeys([*route.candidates, *tiers, *route.fallbacks]))
+
     def upstream_model(self, name: str) -> str:
         """The name the backend knows a model by (a hosted backend's own model by default)."""
         route = self.models[name]
@@ -335,6 +358,10 @@ def _describe(err: Any) -> str:
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
+        if len(loc) >= 2 and loc[-2] == "capabilities":
+            msg = f"unknown capability (known: {', '.join(Capabilities.model_fields)})"
+    elif err["type"] == "bool_type":
+        msg = "must be true or false"
     if where and _SUBPATH.match(msg):
         return f"{where}.{msg}"  # a validator naming a sub-path: `routes.auto` + `tiers[1].threshold: ...`
     return f"{where}: {msg}" if where else msg

@@ -24,6 +24,8 @@ _O200K_PREFIXES = ("gpt-4o", "gpt-4.1", "gpt-4.5", "gpt-5", "o1", "o3", "o4", "c
 # slow on long runs without spaces (1 MiB of one letter: ~0.7 s here), and megabytes of text must
 # not hold a worker thread for seconds.
 EXACT_CHARS = 1 << 18
+PIECE_CHARS = 16 * 1024  # count_until's pieces: ~15 ms of tokenizing each
+_SLACK_PER_CUT = 4
 
 
 @lru_cache(maxsize=2)
@@ -54,6 +56,37 @@ def count(text: str, model: str, tokenizer: str | None = None) -> int:
         except Exception:  # unreadable since the policy was checked: tiktoken's estimate instead
             logger.warning("tokenizer %s is unreadable; counting with tiktoken", tokenizer, exc_info=True)
     return len(_encoding(encoding_for(model)).encode(text, disallowed_special=()))
+
+
+def counted_by(model: str, tokenizer: str | None = None) -> str:
+    """What `count` counts `model`'s text with: two models with the same answer count alike."""
+    if tokenizer is not None:
+        return tokenizer
+    return "anthropic" if "claude" in model.lower() else encoding_for(model)
+
+
+def count_until(text: str, model: str, tokenizer: str | None, limit: int) -> int:
+    """Tokens in `text`, stopping once surely past `limit`: a number above `limit` then, else the count.
+
+    Counted in pieces of PIECE_CHARS characters cut at a space, so the work (and the GIL, which the
+    Rust tokenizer holds for a whole call) stays near `limit` tokens whatever the text's size. A
+    cut can split what would be one token: each cut is granted _SLACK_PER_CUT tokens, so a text is
+    called too long only when it surely is, and a count near the limit is low by at most that.
+    """
+    if len(text) <= PIECE_CHARS:
+        return count(text, model, tokenizer)
+    counted = cuts = start = 0
+    while start < len(text):
+        end = min(start + PIECE_CHARS, len(text))
+        if end < len(text):
+            space = text.rfind(" ", start + PIECE_CHARS // 2, end)
+            end = space if space > start else end
+            cuts += 1
+        counted += count(text[start:end], model, tokenizer)
+        start = end
+        if counted - _SLACK_PER_CUT * cuts > limit:
+            break
+    return max(0, counted - _SLACK_PER_CUT * cuts)
 
 
 def _bundled(name: str) -> str | None:

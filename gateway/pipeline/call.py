@@ -81,7 +81,7 @@ class Call:
         row["cached_tokens"] = details.get("cached_tokens") if isinstance(details, dict) else None
         row["ttft_ms"] = round(self.ttft * 1e3, 3) if self.ttft is not None else None
         row["overhead_ms"] = round(self.overhead_ms(), 3)
-        called = len([a for a in self.attempts if not a.outcome.startswith("unavailable")])
+        called = len([a for a in self.attempts if a.called])
         row["attempts"] = called + (1 if self.backend and self.deployment else 0)
         row["cost_picousd"] = cost
         row["reference_cost_picousd"] = reference

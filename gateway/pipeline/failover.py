@@ -240,6 +240,9 @@ class _State:
         self.last: UpstreamReply | None = None
         self.last_timeout = False
         self.calls = 0
+        for attempt in decision.skipped:  # models the router skipped (capabilities): noted, never called
+            self.attempts.append(attempt)
+            trace.failed_over(attempt.model, attempt.backend, None, attempt.outcome, attempt.reason)
 
     def budget(self) -> bool:
         return self.calls < _ATTEMPT_CAP
@@ -268,12 +271,12 @@ class _State:
         """The backend had nothing to offer: noted (unless this round already tried its replicas)."""
         self.trace.no_call(model, backend, f"unavailable ({reason})", noted=not tried_some)
         if not tried_some:
-            self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
+            self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})", called=False))
             self.unavailable_reasons.append(f"{model}: {reason}")
 
     def skipped(self, model: str, backend: str, reason: str) -> None:
         """A model whose backend cannot be called now: noted, never called."""
-        self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})"))
+        self.attempts.append(Attempt(model, backend, None, f"unavailable ({reason})", called=False))
         self.unavailable_reasons.append(f"{model}: {reason}")
         self.trace.failed_over(model, backend, None, f"unavailable ({reason})", "unavailable")
 
@@ -281,12 +284,12 @@ class _State:
         """The error for a chain that served nothing; its message is for the client (no URL, no
         upstream error text: those stay in the log row's failover column)."""
         tried = ", ".join(a.public() for a in self.attempts) or "nothing"
-        called = any(not a.outcome.startswith("unavailable") for a in self.attempts)
+        called = any(a.called for a in self.attempts)
         residency = (
             " (hosted models skipped: data must stay self-hosted)" if self.decision.self_hosted_only else ""
         )
         if not called and self.unavailable_reasons:
-            models = ", ".join(dict.fromkeys(a.model for a in self.attempts))
+            models = ", ".join(dict.fromkeys(a.model for a in self.attempts if a.reason == "unavailable"))
             message = f"no model can serve '{self.decision.alias}' now ({models}: unavailable)"
         else:
             message = f"every model for '{self.decision.alias}' failed; tried: {tried}"

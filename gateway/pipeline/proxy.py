@@ -27,6 +27,7 @@ from gateway.pipeline.prepare import prepare
 from gateway.pipeline.relay import relay
 from gateway.pipeline.reply import SSE_HEADERS, Reply, error_reply
 from gateway.pipeline.runtime import Runtime, RuntimeHolder
+from gateway.routing.capabilities import CapabilityError
 from gateway.store.record import RecordSink, RequestRecord, blank_row
 from gateway.telemetry.trace import NO_TRACE, NO_TRACING, Trace, Tracing
 
@@ -71,7 +72,7 @@ class Proxy:
         for name in rt.policy.exposed():
             if not key.allows(name):
                 continue
-            chain = _static_chain(rt.policy, name)
+            chain = rt.policy.reachable(name)
             usable = any(rt.pools[rt.policy.models[m].backend].unavailable_reason is None for m in chain)
             listed.append((name, None if usable else "no backend can serve this model now"))
         return listed
@@ -83,7 +84,11 @@ class Proxy:
         call.prices = rt.prices
         try:
             body, wants_usage = prepare(rt, call, raw)
-            call.decision = rt.router.decide(call.model or "", body, key)
+            model = call.model or ""
+            needs = rt.router.capabilities.needs(model, body, len(raw))  # NO_NEEDS unless it needs something
+            if needs.to_count:  # a body bigger than some model's context: count its prompt, off the loop
+                needs = await rt.router.capabilities.counted(needs, body)
+            call.decision = rt.router.decide(model, body, key, needs)
             trace.routed(call.decision)
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
             if call.stream:
@@ -99,6 +104,9 @@ class Proxy:
                 return self._failed(call, exc)
             call.deployment = exc.last.url  # the last upstream error answer, as it was
             return self._answered(call, *passed_on(call, exc.last.status, exc.last.body))
+        except CapabilityError as exc:  # no model can serve what it needs: the skipped ones are logged
+            call.attempts = exc.attempts
+            return self._failed(call, exc)
         except GatewayError as exc:
             return self._failed(call, exc)
         except asyncio.CancelledError:  # the client left before the answer was ready
@@ -152,12 +160,3 @@ class Proxy:
 
     def _failed(self, call: Call, exc: GatewayError) -> Reply:
         return self._answered(call, error_reply(exc), exc.code)
-
-
-def _static_chain(policy: Policy, name: str) -> list[str]:
-    """Every model a name may reach (for listing availability)."""
-    if name in policy.models:
-        return [name, *policy.models[name].fallbacks]
-    route = policy.routes[name]
-    tiers = [m for tier in route.tiers for m in tier.candidates]
-    return list(dict.fromkeys([*route.candidates, *tiers, *route.fallbacks]))

@@ -31,6 +31,7 @@ from gateway.config.policy import (
 from gateway.governance import tokens
 from gateway.governance.costs import PriceBook
 from gateway.pipeline.failover import Failover
+from gateway.routing.capabilities import CapabilityTable
 from gateway.routing.complexity import ComplexityModel
 from gateway.routing.router import Router
 
@@ -62,7 +63,7 @@ async def build_runtime(
             continue
         pools[name] = _new_backend(name, policy)
         await pools[name].start()
-    router = Router(policy, model)
+    router = Router(policy, model, CapabilityTable(policy, pools))  # learns from the pools
     return Runtime(
         policy, router, Failover(policy, pools), pools, version, datetime.now(UTC), PriceBook(policy)
     )
@@ -190,6 +191,7 @@ class PolicyWatcher:
                        "replicas": [r.describe() for r in getattr(pool, "replicas", [])]}
                 for name, pool in rt.pools.items()
             },
+            "models": {name: _capabilities(rt, name) for name in rt.policy.models},
         }  # fmt: skip
 
     async def stop(self) -> None:
@@ -203,6 +205,13 @@ class PolicyWatcher:
         for pool in self._to_close:
             await pool.close()
         self._to_close.clear()
+
+
+def _capabilities(rt: Runtime, model: str) -> dict[str, Any]:
+    """A model's capabilities as routing sees them now, and where each came from (declared, learned)."""
+    resolved = rt.router.capabilities.of(model)
+    return {"capabilities": dict(resolved.supports), "context_length": resolved.context_length,
+            "sources": dict(resolved.sources)}  # fmt: skip
 
 
 def _stamp(path: Path) -> tuple[float, int] | None:

@@ -3,7 +3,8 @@
 Replies are deterministic: the completion is "echo:" plus the words of the last message (or the
 prompt), one word per token; usage counts whitespace-separated words. `POST /control` sets
 `latency_ms` (before the response), `chunk_delay_ms` (between streamed chunks), `fail_status`
-(answer every request with that status) and `omit_usage` (report no usage); `GET /stats`
+(answer every request with that status), `omit_usage` (report no usage) and `card` (fields added
+to its model's entry in `GET /v1/models`, e.g. `max_model_len` and `capabilities`); `GET /stats`
 reports requests served, the usage reported so far, and how many callers left during the latency
 wait or mid-stream.
 
@@ -27,7 +28,9 @@ from fastapi.responses import StreamingResponse
 def create_app() -> FastAPI:
     """The fake's app; its state lives on app.state (one fake per process)."""
     app = FastAPI()
-    app.state.control = {"latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0, "omit_usage": False}
+    app.state.control = {
+        "latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0, "omit_usage": False, "card": {},
+    }  # fmt: skip
     app.state.stats = {
         "requests": 0,
         "prompt_tokens": 0,
@@ -51,10 +54,8 @@ def create_app() -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}],
-        }
+        card = {"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}
+        return {"object": "list", "data": [{**card, **app.state.control["card"]}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -14,6 +14,16 @@ from tests.gateway.pipeline.test_failover import Load
 from tests.gateway.processes import create_key_cli, start_gateway
 
 
+def _tools_refused(client: openai.OpenAI, messages: list[dict[str, str]]) -> openai.BadRequestError | None:
+    """The 400 a tools request gets, or None when it was served."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    try:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, tools=tools)  # type: ignore[arg-type]
+    except openai.BadRequestError as exc:
+        return exc
+    return None
+
+
 def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp_path: Path) -> None:
     engine = ServerProcess(tiny_chat_model, "--kv-cache-memory", str(32 << 20), "--no-access-log")
     gateway = None
@@ -50,6 +60,15 @@ def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp
             "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             == want.choices[0].message.content
         )
+        # the gateway learned the engine's card (GET /v1/models: no tools): a tools request never reaches it
+        deadline = time.monotonic() + 10
+        refused = _tools_refused(through, messages)
+        while refused is None or refused.code != "model_capability_missing":
+            assert time.monotonic() < deadline, f"the gateway never learned the engine's card: {refused}"
+            time.sleep(0.2)
+            refused = _tools_refused(through, messages)
+        assert refused.param == "tools"
+        assert refused.response.headers["x-gateway-failover"] == "tiny=lacks_tools"
     finally:
         if gateway is not None:
             assert gateway.stop() == 0

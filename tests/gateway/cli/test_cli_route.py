@@ -49,3 +49,43 @@ def test_route_eval_on_the_dev_set_meets_the_accuracy_target() -> None:
     assert done.returncode == 0, done.stderr
     figures = dict(zip(done.stdout.split()[::2], done.stdout.split()[1::2], strict=False))
     assert float(figures["accuracy"]) >= 0.9 and int(figures["n"]) == 120
+
+
+CAPABLE = """
+backends:
+  local: {type: engine, urls: ["http://127.0.0.1:9"]}
+  gpu: {type: engine, urls: ["http://127.0.0.1:10"]}
+models:
+  small: {backend: local, capabilities: {tools: false}, context_length: 8192}
+  big: {backend: gpu, capabilities: {tools: true, vision: false}}
+routes:
+  auto:
+    tiers:
+      - {name: simple, threshold: 0, candidates: [small]}
+      - {name: complex, threshold: 0.99, candidates: [big]}
+"""
+
+
+def test_route_explain_shows_the_capability_filter_and_the_refusal(tmp_path: Path) -> None:
+    policy, body = tmp_path / "p.yaml", tmp_path / "body.json"
+    policy.write_text(CAPABLE)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body.write_text(json.dumps({"messages": [{"role": "user", "content": "weather?"}], "tools": tools}))
+    done = _cli("route", "explain", "--policy", str(policy), "--messages", str(body))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "needs   tools (by `tools`)" in lines
+    small = next(line.split() for line in lines if line.startswith("  small"))
+    big = next(line.split() for line in lines if line.startswith("  big"))
+    assert small == ["small", "no", "d", "?", "?", "?", "?", "8192", "d"]  # declared, the rest unknown
+    assert big == ["big", "yes", "d", "?", "?", "no", "d", "?", "?"]
+    assert (
+        "reason  complexity" in done.stdout and "-> tier simple -> tier complex (needs tools)" in done.stdout
+    )
+    assert "chain   big" in lines and "skipped small (lacks tools)" in lines
+    done = _cli("route", "explain", "--policy", str(policy), "--messages", str(body), "--route", "small")
+    assert done.returncode == 0, done.stderr
+    refused = (
+        "refused 400 model_capability_missing (param tools): no model for 'small' can serve this request"
+    )
+    assert refused in done.stdout and done.stdout.rstrip().endswith("small: lacks tools")

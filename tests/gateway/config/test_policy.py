@@ -33,6 +33,7 @@ def test_the_commented_example_uses_every_feature_and_is_valid() -> None:
     assert policy.routes["auto"].tiers and policy.routes["fast"].candidates
     assert {o.data_residency for o in policy.overrides} == {"any", "self_hosted_only"}
     assert policy.health_for("gpu-pool").max_queue_depth == 32 and policy.health.max_queue_depth is None
+    assert policy.models["llama-8b"].capabilities.vision is False and policy.models["llama-8b"].context_length
 
 
 _ROUTES = """  hosted: {backend: api}
@@ -102,6 +103,35 @@ def test_invalid_policies_name_the_offending_path(text: str, message: str) -> No
     with pytest.raises(PolicyError) as info:
         parse_policy(text, "p.yaml")
     assert message in str(info.value) and str(info.value).startswith("p.yaml: ")
+
+
+def test_a_model_declares_capabilities_and_context_length() -> None:
+    declared = "capabilities: {tools: true, vision: false}, context_length: 8192"
+    policy = parse_policy(GOOD.replace("model: SmolLM2-135M-Instruct}", f"model: x, {declared}}}"))
+    small = policy.models["small"]
+    assert small.capabilities.tools is True and small.capabilities.vision is False
+    assert small.capabilities.json_schema is None  # unset: left to what the backend reports
+    assert small.context_length == 8192 and policy.models["direct"].context_length is None
+
+
+@pytest.mark.parametrize(("declared", "message"), [
+    ("capabilities: {tools: maybe}", "models.small.capabilities.tools: must be true or false"),
+    ("capabilities: {tools: 1}", "models.small.capabilities.tools: must be true or false"),
+    ('capabilities: {vision: "false"}', "models.small.capabilities.vision: must be true or false"),
+    ("capabilities: {tool: true}", "models.small.capabilities.tool: unknown capability (known: tools, "
+                                   "json_schema, json_object, vision, logprobs)"),
+    ("capabilities: [tools]", "models.small.capabilities: "),
+    ("context_length: 0", "models.small.context_length: Input should be greater than or equal to 1"),
+    ("context_length: 8k", "models.small.context_length: Input should be a valid integer"),
+    ("context_length: 1.5", "models.small.context_length: Input should be a valid integer"),
+    ("context_length: true", "models.small.context_length: Input should be a valid integer"),
+])  # fmt: skip
+def test_bad_capability_values_are_errors_that_name_the_key(declared: str, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(
+            GOOD.replace("model: SmolLM2-135M-Instruct}", f"model: SmolLM2-135M-Instruct, {declared}}}")
+        )
+    assert message in str(info.value)
 
 
 def test_missing_policy_file_is_a_clear_error(tmp_path: Path) -> None:

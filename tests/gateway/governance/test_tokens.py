@@ -53,3 +53,16 @@ def test_claude_models_are_counted_with_the_bundled_anthropic_tokenizer() -> Non
     text = "hello world, this is Claude"
     claude = tokens.count(text, "anthropic/claude-3-5-haiku-latest")
     assert claude > 0 and claude == tokens.count(text, "claude-3-opus")
+
+
+def test_count_until_is_exact_under_its_limit_and_stops_early_past_it(default_model_dir: Path) -> None:
+    tokenizer = str(default_model_dir)
+    words = " ".join(f"w{i % 97}" for i in range(12_000))  # ~60k characters: four pieces
+    exact = tokens.count(words, "SmolLM2-135M-Instruct", tokenizer)
+    counted = tokens.count_until(words, "SmolLM2-135M-Instruct", tokenizer, exact + 100)
+    assert exact - 4 * 4 <= counted <= exact  # pieces cut at spaces: low by at most the slack per cut
+    assert tokens.count_until(words, "SmolLM2-135M-Instruct", tokenizer, 1000) > 1000
+    assert tokens.count_until("short text", "gpt-4o", None, 1) == tokens.count("short text", "gpt-4o")
+    assert tokens.counted_by("x", tokenizer) == tokenizer
+    assert tokens.counted_by("anthropic/claude-haiku-4-5") == "anthropic"
+    assert tokens.counted_by("openai/gpt-4o") == "o200k_base"
