@@ -2,7 +2,7 @@
 
 Each entry of `data` is a model card: its `id` (the served name), `max_model_len` (prompt plus
 output tokens it takes at most: its context) and, from engines that report them, `capabilities`:
-`{"tools": false, "json_schema": true, "json_object": true, "vision": false, "logprobs": true,
+`{"tools": true, "json_schema": true, "json_object": true, "vision": false, "logprobs": true,
 "context_length": 8192}` (engine/model_info.py; other keys, e.g. `structured_outputs`, are not
 routed on). `max_model_len` wins over `capabilities.context_length` when both are given.
 A value of the wrong type counts as unsaid, never as true: a card is the upstream's word, and a

@@ -6,6 +6,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 
@@ -14,11 +15,16 @@ from tests.gateway.pipeline.test_failover import Load
 from tests.gateway.processes import create_key_cli, start_gateway
 
 
-def _tools_refused(client: openai.OpenAI, messages: list[dict[str, str]]) -> openai.BadRequestError | None:
-    """The 400 a tools request gets, or None when it was served."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+def _image_refused(client: openai.OpenAI) -> openai.BadRequestError | None:
+    """The 400 a request with an image part gets, or None when it was served."""
+    parts: Any = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    ]
     try:
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, tools=tools)  # type: ignore[arg-type]
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=4
+        )
     except openai.BadRequestError as exc:
         return exc
     return None
@@ -60,15 +66,15 @@ def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp
             "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             == want.choices[0].message.content
         )
-        # the gateway learned the engine's card (GET /v1/models: no tools): a tools request never reaches it
+        # the gateway learned the engine's card (GET /v1/models: no vision): an image never reaches it
         deadline = time.monotonic() + 10
-        refused = _tools_refused(through, messages)
+        refused = _image_refused(through)
         while refused is None or refused.code != "model_capability_missing":
             assert time.monotonic() < deadline, f"the gateway never learned the engine's card: {refused}"
             time.sleep(0.2)
-            refused = _tools_refused(through, messages)
-        assert refused.param == "tools"
-        assert refused.response.headers["x-gateway-failover"] == "tiny=lacks_tools"
+            refused = _image_refused(through)
+        assert refused.param == "messages"
+        assert refused.response.headers["x-gateway-failover"] == "tiny=lacks_vision"
     finally:
         if gateway is not None:
             assert gateway.stop() == 0
