@@ -120,7 +120,7 @@ def test_a_seeded_guided_answer_is_the_same_alone_in_a_crowd_and_after_preemptio
         if i == 3:
             return _chat(client, "Describe a city.", **kwargs).choices[0]
         if i % 2:
-            return _chat(client, f"Talk {i}", max_tokens=150, extra_body={"ignore_eos": True})
+            return _chat(client, f"Talk {i}", max_tokens=100, extra_body={"ignore_eos": True})
         rf = {"type": "json_schema", "json_schema": {"name": f"t{i}", "schema": SCHEMA}}
         return _chat(client, f"Town {i}", response_format=rf, extra_body={"min_tokens": 5})
 
