@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -66,6 +67,37 @@ def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp
             "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             == want.choices[0].message.content
         )
+        # tool calls and structured outputs pass through the gateway as the engine gives them
+        tools: Any = [{"type": "function", "function": {"name": "set_unit", "parameters": {
+            "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+            "additionalProperties": False}}}]  # fmt: skip
+        ask: Any = {"messages": messages, "tools": tools, "tool_choice": "required",
+                    "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}  # fmt: skip
+        want_call = direct.chat.completions.create(model=model, **ask).choices[0]
+        got_call = through.chat.completions.create(model="tiny", **ask).choices[0]
+        assert got_call.finish_reason == want_call.finish_reason == "tool_calls"
+        assert got_call.message.tool_calls and want_call.message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in got_call.message.tool_calls] == [
+            (c.function.name, c.function.arguments) for c in want_call.message.tool_calls
+        ]
+        arguments, finish = "", None
+        for chunk in through.chat.completions.create(model="tiny", stream=True, **ask):
+            for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                arguments += (piece.function.arguments or "") if piece.function else ""
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        assert finish == "tool_calls" and arguments == want_call.message.tool_calls[0].function.arguments
+        schema: Any = {
+            "type": "json_schema",
+            "json_schema": {"name": "u", "schema": tools[0]["function"]["parameters"]},
+        }
+        shaped = through.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=80,
+            temperature=0,
+            response_format=schema,  # type: ignore[arg-type]
+        )
+        assert json.loads(shaped.choices[0].message.content or "")["unit"] in ("c", "f")
         # the gateway learned the engine's card (GET /v1/models: no vision): an image never reaches it
         deadline = time.monotonic() + 10
         refused = _image_refused(through)
