@@ -79,6 +79,20 @@ class _SamplingFields(BaseModel):
     response_format: Any = None
     structured_outputs: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_removed_guided_fields(cls, data: Any) -> Any:
+        # vLLM 0.12 removed these; ignored like other unknown fields, a constraint would be dropped
+        # silently and the answer would not be held to it
+        if isinstance(data, Mapping):
+            for key in data:
+                if isinstance(key, str) and key.startswith("guided_"):
+                    raise ValueError(
+                        f"{key}: {key} was removed (as in vLLM 0.12): use structured_outputs "
+                        "(json, regex, choice, grammar, json_object, whitespace_pattern)"
+                    )
+        return data
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:

@@ -158,6 +158,7 @@ def test_a_seeded_guided_answer_is_the_same_alone_in_a_crowd_and_after_preemptio
             "invalid_grammar",
         ),
         ({"structured_outputs": {"guided_json": {}}}, "structured_outputs.guided_json", "invalid_value"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex", "invalid_value"),
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
             "structured_outputs",
