@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,27 @@ def start_gateway(policy: Path, env: dict[str, str]) -> ManagedServer:
         60,
         env,
     )
+
+
+@contextmanager
+def gateway_in_front(
+    engine_url: str, model: str, root: Path, alias: str = "tiny"
+) -> Iterator[tuple[ManagedServer, str]]:
+    """A gateway subprocess (SQLite in `root`) whose policy serves `alias` from the engine server at
+    `engine_url` (its model `model`); yields (the gateway, a key's plaintext) and stops it after."""
+    policy = root / "policy.yaml"
+    policy.write_text(f'backends:\n  local: {{type: engine, urls: ["{engine_url}"]}}\n'
+                      f"models:\n  {alias}: {{backend: local, model: {model}}}\n")  # fmt: skip
+    env = {
+        "GATEWAY_MASTER_KEY": "m",
+        "GATEWAY_KEY_SECRET": "s",
+        "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'g.db'}",
+    }
+    gateway = start_gateway(policy, env)
+    try:
+        yield gateway, create_key_cli(env, alias)
+    finally:
+        assert gateway.stop() == 0
 
 
 def create_key_cli(env: dict[str, str], name: str) -> str:

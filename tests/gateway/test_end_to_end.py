@@ -13,7 +13,7 @@ import openai
 
 from tests.engine.server_proc import ManagedServer, ServerProcess
 from tests.gateway.pipeline.test_failover import Load
-from tests.gateway.processes import create_key_cli, start_gateway
+from tests.gateway.processes import create_key_cli, gateway_in_front, start_gateway
 
 
 def _image_refused(client: openai.OpenAI) -> openai.BadRequestError | None:
@@ -33,83 +33,75 @@ def _image_refused(client: openai.OpenAI) -> openai.BadRequestError | None:
 
 def test_gateway_serves_the_engine_whole_and_streamed(tiny_chat_model: Path, tmp_path: Path) -> None:
     engine = ServerProcess(tiny_chat_model, "--kv-cache-memory", str(32 << 20), "--no-access-log")
-    gateway = None
+    model = tiny_chat_model.name
     try:
-        model = tiny_chat_model.name
-        policy = tmp_path / "policy.yaml"
-        policy.write_text(f'backends:\n  local: {{type: engine, urls: ["{engine.base_url}"]}}\n'
-                          f"models:\n  tiny: {{backend: local, model: {model}}}\n")  # fmt: skip
-        env = {
-            "GATEWAY_MASTER_KEY": "m",
-            "GATEWAY_KEY_SECRET": "s",
-            "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'g.db'}",
-        }
-        gateway = start_gateway(policy, env)
-        plaintext = create_key_cli(env, "e2e")
-        direct = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="x", max_retries=0)
-        through = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=plaintext, max_retries=0)
-        messages = [{"role": "user", "content": "Hello through the gateway"}]
-        want = direct.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)  # type: ignore[arg-type]
-        got = through.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)  # type: ignore[arg-type]
-        assert got.choices[0].message.content == want.choices[0].message.content
-        assert got.usage is not None and want.usage is not None
-        assert got.usage.completion_tokens == want.usage.completion_tokens
-        chunks = list(
-            through.chat.completions.create(
+        with gateway_in_front(engine.base_url, model, tmp_path) as (gateway, plaintext):
+            direct = openai.OpenAI(base_url=f"{engine.base_url}/v1", api_key="x", max_retries=0)
+            through = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=plaintext, max_retries=0)
+            messages = [{"role": "user", "content": "Hello through the gateway"}]
+            want = direct.chat.completions.create(
+                model=model, messages=messages, max_tokens=12, temperature=0
+            )  # type: ignore[arg-type]
+            got = through.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=12, temperature=0
+            )  # type: ignore[arg-type]
+            assert got.choices[0].message.content == want.choices[0].message.content
+            assert got.usage is not None and want.usage is not None
+            assert got.usage.completion_tokens == want.usage.completion_tokens
+            chunks = list(
+                through.chat.completions.create(
+                    model="tiny",
+                    messages=messages,
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,  # type: ignore[arg-type]
+                )
+            )
+            assert (
+                "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                == want.choices[0].message.content
+            )
+            # tool calls and structured outputs pass through the gateway as the engine gives them
+            tools: Any = [{"type": "function", "function": {"name": "set_unit", "parameters": {
+                "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+                "additionalProperties": False}}}]  # fmt: skip
+            ask: Any = {"messages": messages, "tools": tools, "tool_choice": "required",
+                        "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}  # fmt: skip
+            want_call = direct.chat.completions.create(model=model, **ask).choices[0]
+            got_call = through.chat.completions.create(model="tiny", **ask).choices[0]
+            assert got_call.finish_reason == want_call.finish_reason == "tool_calls"
+            assert got_call.message.tool_calls and want_call.message.tool_calls
+            assert [(c.function.name, c.function.arguments) for c in got_call.message.tool_calls] == [
+                (c.function.name, c.function.arguments) for c in want_call.message.tool_calls
+            ]
+            arguments, finish = "", None
+            for chunk in through.chat.completions.create(model="tiny", stream=True, **ask):
+                for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                    arguments += (piece.function.arguments or "") if piece.function else ""
+                finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+            assert finish == "tool_calls" and arguments == want_call.message.tool_calls[0].function.arguments
+            schema: Any = {
+                "type": "json_schema",
+                "json_schema": {"name": "u", "schema": tools[0]["function"]["parameters"]},
+            }
+            shaped = through.chat.completions.create(
                 model="tiny",
                 messages=messages,
-                max_tokens=12,
+                max_tokens=80,
                 temperature=0,
-                stream=True,  # type: ignore[arg-type]
+                response_format=schema,  # type: ignore[arg-type]
             )
-        )
-        assert (
-            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            == want.choices[0].message.content
-        )
-        # tool calls and structured outputs pass through the gateway as the engine gives them
-        tools: Any = [{"type": "function", "function": {"name": "set_unit", "parameters": {
-            "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
-            "additionalProperties": False}}}]  # fmt: skip
-        ask: Any = {"messages": messages, "tools": tools, "tool_choice": "required",
-                    "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}  # fmt: skip
-        want_call = direct.chat.completions.create(model=model, **ask).choices[0]
-        got_call = through.chat.completions.create(model="tiny", **ask).choices[0]
-        assert got_call.finish_reason == want_call.finish_reason == "tool_calls"
-        assert got_call.message.tool_calls and want_call.message.tool_calls
-        assert [(c.function.name, c.function.arguments) for c in got_call.message.tool_calls] == [
-            (c.function.name, c.function.arguments) for c in want_call.message.tool_calls
-        ]
-        arguments, finish = "", None
-        for chunk in through.chat.completions.create(model="tiny", stream=True, **ask):
-            for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-                arguments += (piece.function.arguments or "") if piece.function else ""
-            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
-        assert finish == "tool_calls" and arguments == want_call.message.tool_calls[0].function.arguments
-        schema: Any = {
-            "type": "json_schema",
-            "json_schema": {"name": "u", "schema": tools[0]["function"]["parameters"]},
-        }
-        shaped = through.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=80,
-            temperature=0,
-            response_format=schema,  # type: ignore[arg-type]
-        )
-        assert json.loads(shaped.choices[0].message.content or "")["unit"] in ("c", "f")
-        # the gateway learned the engine's card (GET /v1/models: no vision): an image never reaches it
-        deadline = time.monotonic() + 10
-        refused = _image_refused(through)
-        while refused is None or refused.code != "model_capability_missing":
-            assert time.monotonic() < deadline, f"the gateway never learned the engine's card: {refused}"
-            time.sleep(0.2)
+            assert json.loads(shaped.choices[0].message.content or "")["unit"] in ("c", "f")
+            # the gateway learned the engine's card (GET /v1/models: no vision): an image never reaches it
+            deadline = time.monotonic() + 10
             refused = _image_refused(through)
-        assert refused.param == "messages"
-        assert refused.response.headers["x-gateway-failover"] == "tiny=lacks_vision"
+            while refused is None or refused.code != "model_capability_missing":
+                assert time.monotonic() < deadline, f"the gateway never learned the engine's card: {refused}"
+                time.sleep(0.2)
+                refused = _image_refused(through)
+            assert refused.param == "messages"
+            assert refused.response.headers["x-gateway-failover"] == "tiny=lacks_vision"
     finally:
-        if gateway is not None:
-            assert gateway.stop() == 0
         engine.stop()
 
 

@@ -1,5 +1,6 @@
-"""Structured outputs from the default model (SmolLM2-135M-Instruct) through the `openai` client:
-`beta.chat.completions.parse` with Pydantic models, json_object, streamed json_schema, capabilities.
+"""Structured outputs from the default model (SmolLM2-135M-Instruct) through the `openai` client,
+against the engine server and through the gateway in front of it: `beta.chat.completions.parse`
+with Pydantic models, json_object, streamed json_schema, capabilities.
 
 Strings and lists carry bounds: a 135M model may repeat itself inside a string, and a bound is what
 makes the grammar end before max_tokens (the output is held to the schema either way).
@@ -18,6 +19,7 @@ from openai.lib._parsing._completions import type_to_response_format_param
 from pydantic import BaseModel, Field
 
 from tests.engine.server_proc import ServerProcess
+from tests.gateway.processes import gateway_in_front
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +134,14 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def via_gateway(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A client of the gateway, whose policy serves "default" from the engine server above."""
+    root = tmp_path_factory.mktemp("gateway")
+    with gateway_in_front(server.base_url, "default", root, alias="default") as (gateway, key):
+        yield openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
 def _user(text: str) -> list[Any]:
     return [{"role": "user", "content": text}]
 
@@ -145,17 +155,17 @@ JSON_OBJECT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def answers(client: openai.OpenAI) -> dict[str, list[Any]]:
-    """Every request of this module at once: the engine runs them as one batch (about 25 rows)."""
+def answers(client: openai.OpenAI, via_gateway: openai.OpenAI) -> dict[str, list[Any]]:
+    """Every request of this module at once: the engine runs them as one batch (about 50 rows)."""
 
-    def parse(case: tuple[str, type[BaseModel]]) -> Any:
+    def parse(case: tuple[str, type[BaseModel]], through: openai.OpenAI = client) -> Any:
         prompt, model = case
-        return client.beta.chat.completions.parse(
+        return through.beta.chat.completions.parse(
             model="default", messages=_user(prompt), response_format=model, max_tokens=250, temperature=0
         )
 
-    def json_object(prompt: str) -> Any:
-        return client.chat.completions.create(
+    def json_object(prompt: str, through: openai.OpenAI = client) -> Any:
+        return through.chat.completions.create(
             model="default",
             messages=_user(prompt),
             response_format={"type": "json_object"},
@@ -174,19 +184,23 @@ def answers(client: openai.OpenAI) -> dict[str, list[Any]]:
         )
         return "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
 
-    with ThreadPoolExecutor(len(CASES) + len(JSON_OBJECT_PROMPTS) + 1) as pool:
+    with ThreadPoolExecutor(2 * len(CASES) + 2 * len(JSON_OBJECT_PROMPTS) + 1) as pool:
         parsed = [pool.submit(parse, case) for case in CASES]
+        gateway = [pool.submit(parse, case, via_gateway) for case in CASES]
         objects = [pool.submit(json_object, prompt) for prompt in JSON_OBJECT_PROMPTS]
+        objects += [pool.submit(json_object, prompt, via_gateway) for prompt in JSON_OBJECT_PROMPTS]
         stream = pool.submit(streamed, "What is the weather like in Oslo in winter?")
         return {
             "parsed": [f.result() for f in parsed],
+            "gateway": [f.result() for f in gateway],
             "objects": [f.result() for f in objects],
             "stream": [stream.result()],
         }
 
 
-def test_parse_gives_a_parsed_object_for_every_prompt(answers: dict[str, list[Any]]) -> None:
-    for (prompt, model), resp in zip(CASES, answers["parsed"], strict=True):
+@pytest.mark.parametrize("path", ["parsed", "gateway"])
+def test_parse_gives_a_parsed_object_for_every_prompt(answers: dict[str, list[Any]], path: str) -> None:
+    for (prompt, model), resp in zip(CASES, answers[path], strict=True):
         message = resp.choices[0].message
         assert isinstance(message.parsed, model), (prompt, message.content)
         assert resp.choices[0].finish_reason == "stop"

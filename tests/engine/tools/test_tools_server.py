@@ -1,10 +1,11 @@
 """Tool calling through the engine server and the official `openai` client.
 
-On the default model (SmolLM2-135M-Instruct, whose ChatML template takes no tools: our tool prompt)
-a whole round trip per tool_choice, whole and streamed: call -> tool result -> final answer (one
-call at a time: greedy, a 135M model given the chance goes on calling until max_tokens). On a
-tiny random model with the same tokenizer, what many seeds show: arguments that always fit the
-schema, never more than one call when parallel calls are off; the 400s.
+On the default model (SmolLM2-135M-Instruct, whose ChatML template takes no tools: our tool prompt),
+against the engine server and through the gateway, a round trip per tool_choice, whole and
+streamed: call -> tool result -> final answer (one call at a time: greedy, a 135M model given the
+chance goes on calling until max_tokens). On a tiny random model with the same tokenizer, what many
+seeds show: arguments that always fit the schema, parallel calls (whole and streamed alike), never
+more than one call when parallel calls are off; the 400s.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import openai
 import pytest
 
 from tests.engine.server_proc import ServerProcess
+from tests.gateway.processes import gateway_in_front
 
 WEATHER = {
     "type": "object",
@@ -91,93 +93,125 @@ def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[dict[str,
     return content, calls, finish
 
 
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
+CHOICES: dict[str, Any] = {"required": "required", "named": NAMED, "auto": "auto"}
+# Left to choose, a 135M model answers in prose (or writes a call's JSON without its tag); shown
+# one earlier round trip and asked for a call, it calls under auto as well
+AUTO_QUESTION: list[Any] = [
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21, "sky": "sunny"}'},
+    {"role": "assistant", "content": "It is 21 degrees and sunny in Rome."},
+    {"role": "user", "content": "Now write the <tool_call> for Paris."},
+]  # fmt: skip
+
+
+def _ask(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+    """(content, calls as {id, name, arguments}, finish_reason), whole or assembled from a stream."""
+    if stream:
+        return _streamed(client, **kwargs)
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in reply.message.tool_calls or []]  # fmt: skip
+    if calls:
+        _checked_calls(reply.message.tool_calls or [])
+    return reply.message.content or "", calls, reply.finish_reason
+
+
+def _round_trip(client: openai.OpenAI, model: str, choice: str, stream: bool) -> dict[str, Any]:
+    """call under `choice` -> the tools' results -> the final answer (tool_choice none), one mode."""
+    question = AUTO_QUESTION if choice == "auto" else QUESTION
+    ask: dict[str, Any] = {"model": model, "tools": TOOLS, "parallel_tool_calls": False, "temperature": 0}
+    content, calls, finish = _ask(
+        client, stream, messages=question, tool_choice=CHOICES[choice], max_tokens=60, **ask
+    )
+    assistant: dict[str, Any] = {"role": "assistant", "content": content or None, "tool_calls": [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls]}  # fmt: skip
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": '{"temp": 18, "sky": "clear"}'}
+               for c in calls]  # fmt: skip
+    answer, again, final = _ask(
+        client, stream, messages=[*question, assistant, *results], tool_choice="none", max_tokens=40, **ask
+    )
+    return {"content": content, "calls": calls, "finish": finish,
+            "answer": answer, "again": again, "final": final}  # fmt: skip
+
+
 @pytest.mark.slow
 class TestDefaultModel:
     @pytest.fixture(scope="class")
     @classmethod
-    def client(cls) -> Iterator[openai.OpenAI]:
+    def clients(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, openai.OpenAI]]:
+        """The engine server's client, and the gateway's (which serves it as "default")."""
         proc = ServerProcess("default", "--max-model-len", "2048", "--no-access-log")
         try:
-            yield openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+            root = tmp_path_factory.mktemp("tools")
+            with gateway_in_front(proc.base_url, "default", root, alias="default") as (gateway, key):
+                yield {
+                    "engine": openai.OpenAI(
+                        base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0, timeout=300
+                    ),
+                    "gateway": openai.OpenAI(
+                        base_url=f"{gateway.base_url}/v1", api_key=key, max_retries=0, timeout=300
+                    ),
+                }
         finally:
             assert proc.stop() == 0
 
-    @pytest.mark.parametrize(
-        "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-    )
-    def test_a_whole_round_trip_call_result_answer(self, client: openai.OpenAI, choice: Any) -> None:
-        first = client.chat.completions.create(
-            model="",
-            messages=QUESTION,
-            tools=TOOLS,
-            tool_choice=choice,
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=60,
-        )
-        message = first.choices[0].message
-        assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls
-        calls = _checked_calls(message.tool_calls)
-        assert calls[0][0] == "get_weather" or choice == "required"
-        history: list[Any] = [*QUESTION, message.model_dump(exclude_none=True)]
-        history += [{"role": "tool", "tool_call_id": c.id, "content": '{"temp": 18, "sky": "clear"}'}
-                    for c in message.tool_calls]  # fmt: skip
-        final = client.chat.completions.create(
-            model="", messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40
-        )
-        answer = final.choices[0]
-        assert answer.message.tool_calls is None and answer.message.content
-        assert answer.finish_reason in ("stop", "length")
+    @pytest.fixture(scope="class")
+    @classmethod
+    def client(cls, clients: dict[str, openai.OpenAI]) -> openai.OpenAI:
+        return clients["engine"]
 
-    def test_a_streamed_round_trip_gives_ids_and_names_once_and_arguments_in_pieces(
-        self, client: openai.OpenAI
+    @pytest.fixture(scope="class")
+    @classmethod
+    def trips(cls, clients: dict[str, openai.OpenAI]) -> dict[tuple[str, str, bool], dict[str, Any]]:
+        """Every round trip at once (the engine batches them): per tool_choice, whole and streamed,
+        against the engine server and through the gateway."""
+        runs = [(path, choice, stream) for path in clients for choice in CHOICES for stream in (False, True)]
+
+        def trip(run: tuple[str, str, bool]) -> dict[str, Any]:
+            path, choice, stream = run
+            return _round_trip(clients[path], "default" if path == "gateway" else "", choice, stream)
+
+        with ThreadPoolExecutor(len(runs)) as pool:
+            return dict(zip(runs, pool.map(trip, runs), strict=True))
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+    @pytest.mark.parametrize("choice", list(CHOICES))
+    @pytest.mark.parametrize("path", ["engine", "gateway"])
+    def test_a_round_trip_call_result_answer_for_each_tool_choice(
+        self, trips: dict[tuple[str, str, bool], dict[str, Any]], path: str, choice: str, stream: bool
     ) -> None:
-        content, calls, finish = _streamed(
-            client,
-            model="",
-            messages=QUESTION,
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=60,
-        )
-        assert finish == "tool_calls" and calls and not content.strip()
-        for call in calls:
-            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
-        whole = client.chat.completions.create(
-            model="",
-            messages=QUESTION,
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=60,
-        )
-        assert [c.function.arguments for c in whole.choices[0].message.tool_calls or []] == [
-            c["arguments"] for c in calls
-        ]  # the same calls, streamed or whole
-        history: list[Any] = [*QUESTION, {"role": "assistant", "tool_calls": [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls]}]  # fmt: skip
-        history += [{"role": "tool", "tool_call_id": c["id"], "content": "18 C, clear"} for c in calls]
-        options: dict[str, Any] = {"parallel_tool_calls": False, "temperature": 0, "max_tokens": 40}
-        content, again, finish = _streamed(client, model="", messages=history, tools=TOOLS, **options)
-        assert content or again  # auto: an answer, or calls that fit the schema
-        for call in again:
-            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        trip = trips[path, choice, stream]
+        assert trip["finish"] == "tool_calls" and len(trip["calls"]) == 1 and not trip["content"].strip()
+        call = trip["calls"][0]
+        assert call["id"].startswith("call_") and (call["name"] == "get_weather" or choice != "named")
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        # after the tool's result, under none: a text answer and never a call
+        assert trip["answer"].strip() and not trip["again"] and trip["final"] in ("stop", "length")
 
-    def test_auto_answers_with_text_or_valid_calls_and_none_never_calls(self, client: openai.OpenAI) -> None:
-        for choice in ("auto", "none"):
-            reply = client.chat.completions.create(
-                model="", messages=QUESTION, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
-                temperature=0, max_tokens=40,
-            ).choices[0]  # fmt: skip
-            if reply.message.tool_calls:
-                assert choice == "auto" and reply.finish_reason == "tool_calls"
-                _checked_calls(reply.message.tool_calls)
-            else:
-                assert reply.message.content and reply.finish_reason in ("stop", "length")
+    @pytest.mark.parametrize("choice", list(CHOICES))
+    @pytest.mark.parametrize("path", ["engine", "gateway"])
+    def test_streamed_calls_are_the_whole_calls(
+        self, trips: dict[tuple[str, str, bool], dict[str, Any]], path: str, choice: str
+    ) -> None:
+        whole, streamed = trips[path, choice, False], trips[path, choice, True]
+        assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [
+            (c["name"], c["arguments"]) for c in whole["calls"]
+        ]
+        assert streamed["answer"] == whole["answer"]
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+    def test_none_answers_with_text_even_when_tools_are_offered(
+        self, client: openai.OpenAI, stream: bool
+    ) -> None:
+        content, calls, finish = _ask(
+            client, stream, model="", messages=QUESTION, tools=TOOLS,
+            tool_choice="none", temperature=0, max_tokens=30,
+        )  # fmt: skip
+        assert content.strip() and not calls and finish in ("stop", "length")
 
 
 class TestTinyModel:
@@ -190,26 +224,50 @@ class TestTinyModel:
         finally:
             assert proc.stop() == 0
 
-    def _calls(self, client: openai.OpenAI, parallel: bool, seed: int) -> list[tuple[str, dict[str, Any]]]:
-        reply = client.chat.completions.create(
-            model="", messages=QUESTION, tools=SHORT_TOOLS, tool_choice="required",
-            parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=200,
-        ).choices[0]  # fmt: skip
-        if reply.finish_reason == "length":  # a random model may ramble inside a string: no verdict
-            return []
-        assert reply.finish_reason == "tool_calls" and reply.message.tool_calls
-        return _checked_calls(reply.message.tool_calls)
+    @pytest.fixture(scope="class")
+    @classmethod
+    def seeded(cls, client: openai.OpenAI) -> list[tuple[bool, int, Any]]:
+        """(parallel, seed, choice) of seeded required-call answers, all asked at once (one batch)."""
+        # after a call the random model ends the answer 9 times in 10: enough seeds to see a second one
+        runs = [(True, seed) for seed in range(24)] + [(False, seed) for seed in range(6)]
+
+        def ask(run: tuple[bool, int]) -> tuple[bool, int, Any]:
+            reply = client.chat.completions.create(
+                model="", messages=QUESTION, tools=SHORT_TOOLS, tool_choice="required",
+                parallel_tool_calls=run[0], temperature=1.0, seed=run[1], max_tokens=200,
+            )  # fmt: skip
+            return (*run, reply.choices[0])
+
+        with ThreadPoolExecutor(len(runs)) as pool:
+            return list(pool.map(ask, runs))
 
     def test_seeded_calls_always_fit_their_schemas_and_come_one_at_a_time_when_asked(
-        self, client: openai.OpenAI
+        self, seeded: list[tuple[bool, int, Any]]
     ) -> None:
-        runs = [(True, seed) for seed in range(10)] + [(False, seed) for seed in range(6)]
-        with ThreadPoolExecutor(len(runs)) as pool:  # at once: the engine decodes them as one batch
-            counts = list(pool.map(lambda run: len(self._calls(client, *run)), runs))
-        # every answer that ended is one or more calls that fit their schema (that more than one may
-        # follow when allowed, and not otherwise, is the grammar's: tests/engine/tools/test_grammar.py)
-        assert max(counts[:10]) >= 1
-        assert max(counts[10:]) == 1
+        counts: dict[bool, list[int]] = {True: [], False: []}
+        for parallel, _, reply in seeded:
+            if reply.finish_reason == "length":  # a random model may ramble inside a string: no verdict
+                continue
+            assert reply.finish_reason == "tool_calls" and reply.message.tool_calls
+            counts[parallel].append(len(_checked_calls(reply.message.tool_calls)))
+        # every answer that ended is one or more calls that fit their schema; more than one only
+        # when parallel calls are allowed (the grammar's own tests: tests/engine/tools/test_grammar.py)
+        assert max(counts[True]) >= 2
+        assert max(counts[False]) == 1
+
+    def test_parallel_calls_are_indexed_with_id_and_name_once_and_stream_as_they_answer_whole(
+        self, client: openai.OpenAI, seeded: list[tuple[bool, int, Any]]
+    ) -> None:
+        seed, reply = next((s, r) for p, s, r in seeded if p and len(r.message.tool_calls or []) >= 2)
+        content, calls, finish = _streamed(
+            client, model="", messages=QUESTION, tools=SHORT_TOOLS, tool_choice="required",
+            parallel_tool_calls=True, temperature=1.0, seed=seed, max_tokens=200,
+        )  # fmt: skip
+        assert finish == "tool_calls" and not content.strip()
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in reply.message.tool_calls
+        ]  # _streamed checked the indexes 0, 1, ... and that id and name came once per call
+        assert len({c["id"] for c in calls}) == len(calls)
 
     def test_bad_tools_and_tools_with_a_response_format_are_400s_naming_the_field(
         self, client: openai.OpenAI
