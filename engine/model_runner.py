@@ -105,9 +105,10 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
-        self.backend = load_backend(resolve_backend_name(config.attention_backend, self.device))
+        backend_name = resolve_backend_name(config.attention_backend, self.device)
         # bit-identical batching is a property of the torch CPU path (see kernels/reference.py)
-        self.batch_invariant = config.batch_invariant and not self.backend.is_triton
+        self.batch_invariant = config.batch_invariant and backend_name != "triton"
+        self.backend = load_backend(backend_name, self.batch_invariant or self.device.type != "cpu")
         self.model_config = model_config
         self.config = config
         self.max_model_len = max_model_len

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
 from kernels.checks import interpreting
@@ -23,6 +24,10 @@ class KernelBackend:
     fused_add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     rotary_embedding: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
+    # y = x @ w.T (+ b): the model's projections and LM head
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = F.linear
+    # the LM head in fixed vocabulary slices, which keeps it batch-invariant on CPU (torch only)
+    chunked_logits: bool = True
 
     @property
     def is_triton(self) -> bool:
@@ -40,6 +45,25 @@ TORCH_BACKEND = KernelBackend(
 )
 
 
+# Up to this many rows, `small_batch_linear` computes (w @ x.T).T; past it, F.linear.
+SMALL_BATCH_ROWS = 64
+
+
+def small_batch_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """x @ w.T (+ b), with MKL's fast path for a few rows (decode steps).
+
+    On CPU, MKL's sgemm for x (m, k) @ w.T with m of 1 to 8 rows reads the weights at a third of the
+    memory bandwidth that w (n, k) @ x.T (m columns) reaches: a batch-1 decode step of the default
+    model spends 44 ms instead of 74 ms (docs/BENCHMARKS.md). The result is the transposed view of
+    that product (the next projection reads it as a contiguous operand). Its rounding depends on the
+    number of rows, so it is used only when batch invariance is off.
+    """
+    if x.dim() != 2 or x.shape[0] > SMALL_BATCH_ROWS:
+        return F.linear(x, w, b)
+    out = torch.mm(w, x.t()).t()
+    return out if b is None else out + b
+
+
 def resolve_backend_name(requested: str, device: torch.device) -> str:
     """`auto`: Triton on CUDA, torch on CPU. Triton on CPU runs only under the interpreter."""
     if requested == "auto":
@@ -52,10 +76,16 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
     return requested
 
 
-def load_backend(name: str) -> KernelBackend:
-    """The kernel set called `name` ("torch" or "triton"); Triton is imported only when asked for."""
+def load_backend(name: str, batch_invariant: bool = True) -> KernelBackend:
+    """The kernel set called `name` ("torch" or "triton"); Triton is imported only when asked for.
+
+    torch without batch invariance computes small batches' projections the fast way
+    (`small_batch_linear`) and the LM head in one product.
+    """
     if name == "torch":
-        return TORCH_BACKEND
+        if batch_invariant:
+            return TORCH_BACKEND
+        return replace(TORCH_BACKEND, linear=small_batch_linear, chunked_logits=False)
     if name != "triton":
         raise ValueError(f"unknown kernel backend {name!r}")
     from kernels.activation import silu_and_mul
@@ -70,4 +100,5 @@ def load_backend(name: str) -> KernelBackend:
         fused_add_rms_norm=fused_add_rms_norm,
         rotary_embedding=rotary_embedding,
         silu_and_mul=silu_and_mul,
+        chunked_logits=False,
     )

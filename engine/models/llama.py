@@ -52,12 +52,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
+        self.linear = backend.linear
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -66,7 +67,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, meta)
-        return F.linear(out.reshape(n, self.q_size), self.o_proj)
+        return self.linear(out.reshape(n, self.q_size), self.o_proj, None)
 
 
 class MLP(nn.Module):
@@ -75,11 +76,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.silu_and_mul = backend.silu_and_mul
+        self.linear = backend.linear
         self.gate_up_proj = _linear_weight(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _linear_weight(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return self.linear(self.silu_and_mul(self.linear(x, self.gate_up_proj, None)), self.down_proj, None)
 
 
 class DecoderLayer(nn.Module):
@@ -153,8 +155,8 @@ class LlamaForCausalLM(nn.Module):
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         vocab = weight.shape[0]
-        if hidden.device.type != "cpu" or vocab <= 2 * _LOGITS_CHUNK:
-            return F.linear(hidden, weight).float()
+        if not self.backend.chunked_logits or hidden.device.type != "cpu" or vocab <= 2 * _LOGITS_CHUNK:
+            return self.backend.linear(hidden, weight, None).float().contiguous()
         # On CPU one big GEMM streams the whole matrix once per row block; slices that stay in
         # cache while every row uses them run about 25% faster (fixed slices: batch-invariant).
         out = hidden.new_empty(hidden.shape[0], vocab)

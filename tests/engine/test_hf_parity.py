@@ -44,6 +44,10 @@ def _cases(bytes_per_block: int, pool_blocks: int) -> dict[str, dict[str, Any]]:
             max_num_batched_tokens=24,
             kv_cache_memory=pool_blocks * bytes_per_block,
         ),
+        # without batch invariance: the fast small-batch projections (engine/layers/backend.py)
+        "fast_chunked_prefix_cache": dict(
+            enable_prefix_caching=True, max_num_batched_tokens=40, batch_invariant=False
+        ),
     }
 
 
@@ -101,5 +105,10 @@ def test_default_model_matches_hf_greedy(default_model_dir: Path) -> None:
     ref = hf_greedy(default_model_dir, prompts, MAX_NEW)
     bpb = _kv_bytes_per_block(default_model_dir)
     cases = _cases(bpb, pool_blocks=24)
-    for name in ("one_batch_prefix_cache", "chunked_prefix_cache_preempting", "chunked_no_cache_preempting"):
+    for name in (
+        "one_batch_prefix_cache",
+        "chunked_prefix_cache_preempting",
+        "chunked_no_cache_preempting",
+        "fast_chunked_prefix_cache",
+    ):
         _check_case(default_model_dir, prompts, ref, cases[name])

@@ -15,7 +15,13 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from engine.layers.backend import resolve_backend_name
+from engine.layers.backend import (
+    SMALL_BATCH_ROWS,
+    TORCH_BACKEND,
+    load_backend,
+    resolve_backend_name,
+    small_batch_linear,
+)
 from engine.model_runner import gpu_kv_budget
 
 CUDA = torch.cuda.is_available()
@@ -173,3 +179,36 @@ def test_triton_engine_matches_hf_transformers_on_gpu(
         with torch.no_grad():
             out = hf.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
         assert got == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 11, 12, 64, 65, 300])
+def test_the_small_batch_projection_equals_f_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((rows, 96), (160, 96), (160,)))
+    for bias in (None, b):
+        got = small_batch_linear(x, w, bias)
+        want = torch.nn.functional.linear(x, w, bias)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if rows > SMALL_BATCH_ROWS:  # a prefill's rows: F.linear itself
+            assert torch.equal(got, want)
+
+
+def test_only_the_torch_backend_without_batch_invariance_takes_the_fast_projection() -> None:
+    assert load_backend("torch") is TORCH_BACKEND and TORCH_BACKEND.chunked_logits
+    fast = load_backend("torch", batch_invariant=False)
+    assert fast.linear is small_batch_linear and not fast.chunked_logits
+    assert fast.rms_norm is TORCH_BACKEND.rms_norm  # everything else as the invariant set
+
+
+@pytest.mark.skipif(CUDA, reason="CPU projections")
+def test_an_engine_without_batch_invariance_projects_the_fast_way(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    path = str(tiny_model_factory("qwen2"))  # QKV bias: the fast projection adds it too
+    prompts = [list(range(3, 40)), [5] * 3]
+    invariant = LLM(path, max_model_len=128)
+    fast = LLM(path, max_model_len=128, batch_invariant=False)
+    assert fast.engine.runner.backend.linear is small_batch_linear
+    assert invariant.engine.runner.backend is TORCH_BACKEND
+    assert _greedy(fast, prompts, 8) == _greedy(invariant, prompts, 8)
