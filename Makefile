@@ -30,7 +30,7 @@ model: install
 # dev` gets it, stops both processes and exits 0, and so does make. `; exit $$?` keeps the shell
 # from exec'ing the command in its own place (and group). Without a terminal: as before.
 run: model
-	@if [ -t 0 ]; then set -m; fi; $(PY) -m gateway dev --model default --port 8000 --engine-port 8001; exit $$?
+	@if [ -t 0 ]; then set -m; fi; $(PY) -m gateway dev --model default --port 8000 --engine-port 8001 --engine-option=--no-batch-invariant; exit $$?
 
 demo: model
 	$(PY) -m engine demo

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -135,7 +136,9 @@ def _request_stop(signum: int, _frame: object) -> None:
     raise _StopRequested(signal.Signals(signum).name)
 
 
-def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.1") -> int:
+def run_dev_stack(
+    model: str, port: int, engine_port: int, host: str = "127.0.0.1", engine_options: Sequence[str] = ()
+) -> int:
     """Start the engine, then the gateway in dev mode; stop both on Ctrl-C (SIGINT) or SIGTERM.
 
     Both signals get our own handler: Python installs its KeyboardInterrupt handler only when
@@ -150,7 +153,7 @@ def run_dev_stack(model: str, port: int, engine_port: int, host: str = "127.0.0.
     signal.signal(signal.SIGTERM, _request_stop)
     try:
         engine_cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--host", host,
-                      "--port", str(engine_port), "--no-access-log"]  # fmt: skip
+                      "--port", str(engine_port), "--no-access-log", *engine_options]  # fmt: skip
         procs.append(subprocess.Popen(engine_cmd))
         print(f"starting the engine ({model}) on {engine_url} ...", flush=True)
         _wait_healthy("engine", procs[0], engine_url, timeout=900)

@@ -156,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     dev.add_argument("--model", default="default", help="engine model: 'default' or a local HF folder")
     dev.add_argument("--port", type=int, default=8000, help="gateway port")
     dev.add_argument("--engine-port", type=int, default=8001)
+    dev.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="one more `engine serve` option, as --engine-option=--no-batch-invariant (repeatable)",
+    )
     database = sub.add_parser("db", help="database schema migrations (Alembic)")
     database_sub = database.add_subparsers(dest="db_command", required=True)
     up = database_sub.add_parser("upgrade", help="migrate up (to the newest revision by default)")
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "dev":
             from gateway.cli.dev import run_dev_stack
 
-            return run_dev_stack(args.model, args.port, args.engine_port)
+            return run_dev_stack(args.model, args.port, args.engine_port, engine_options=args.engine_option)
         settings = GatewaySettings()  # the secrets are checked by the commands that use them
         if args.command == "db":
             return _database_command(args, settings)

@@ -29,8 +29,9 @@ def _dev_stack(
     env = dict(os.environ, GATEWAY_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
     for name in ("GATEWAY_MASTER_KEY", "GATEWAY_KEY_SECRET", "GATEWAY_DATABASE_URL"):
         env.pop(name, None)
+    # the engine option as make run gives it
     cmd = [sys.executable, "-m", "gateway", "dev", "--model", str(model), "--port", str(port),
-           "--engine-port", str(engine_port)]  # fmt: skip
+           "--engine-port", str(engine_port), "--engine-option=--no-batch-invariant"]  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, preexec_fn=preexec,
@@ -66,6 +67,8 @@ def test_dev_stack_serves_through_the_gateway_and_stops_on_sigint(
         key = re.search(r"^\s+key\s+(sk-\S+)", out, re.M)
         example = re.search(r'"model": "([^"]+)"', out)  # the model the printed examples use
         assert key is not None and example is not None, out
+        session = subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+        assert any(" engine serve " in p and p.endswith("--no-batch-invariant") for p in session.splitlines())
         for model in {tiny_chat_model.name, example.group(1)}:
             r = httpx.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions",

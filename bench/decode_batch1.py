@@ -1,0 +1,158 @@
+"""One user's decode speed: the engine vs HF transformers (and llama.cpp when it is here), one run.
+
+The default model in float32 with N threads (2), a P-token prompt (128) and G greedy tokens (128),
+one request at a time. ms/token of decode = (time for G tokens - time for 1 token) / (G - 1), best
+of R runs (3), for: HF `generate`; the engine with batch invariance (its default) and without it
+(the fast small-batch projections); and llama.cpp's `llama-bench` on a GGUF of the same weights
+when `--llama-bench` or $LLAMA_BENCH names the binary and `--gguf` the file (skipped otherwise).
+Also the engine's fixed cost per decode step: the step's time outside the model's forward pass and
+LM head (scheduling, batch preparation, sampling, detokenizing, outputs).
+
+Usage: python bench/decode_batch1.py [--prompt-len 128] [--new-tokens 128] [--threads 2]
+           [--runs 3] [--llama-bench PATH --gguf FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import LLM, SamplingParams
+from engine.default_model import prepare_default_model
+
+
+def decode_ms(run: Callable[[int], object], new_tokens: int, runs: int) -> float:
+    """Best-of-`runs` decode ms/token: (G tokens - 1 token) / (G - 1)."""
+    run(new_tokens)  # warm-up
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        run(new_tokens)
+        whole = time.perf_counter() - start
+        start = time.perf_counter()
+        run(1)
+        first = time.perf_counter() - start
+        best = min(best, (whole - first) / (new_tokens - 1) * 1e3)
+    return best
+
+
+def hf_ms(model_dir: Path, prompt: list[int], new_tokens: int, runs: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    def run(n: int) -> None:
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    return decode_ms(run, new_tokens, runs)
+
+
+def engine_ms(prompt: list[int], new_tokens: int, runs: int, **options: Any) -> tuple[float, float]:
+    """(decode ms/token, the step's ms outside the model) for one engine configuration."""
+    llm = LLM("default", max_model_len=2048, enable_prefix_caching=False, **options)
+    model = llm.engine.runner.model
+    inside = [0.0]
+
+    def timed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapper(*args: Any) -> torch.Tensor:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                inside[0] += time.perf_counter() - start
+
+        return wrapper
+
+    model.forward = timed(model.forward)  # type: ignore[method-assign]
+    model.compute_logits = timed(model.compute_logits)  # type: ignore[method-assign]
+
+    def run(n: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+
+    ms = decode_ms(run, new_tokens, runs)
+    steps = 200
+    run(2)  # prefill + one decode, then time decode steps alone
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    llm.engine.add_request("fixed", prompt, params)
+    llm.engine.step()  # the prefill
+    inside[0] = 0.0
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    outside = (time.perf_counter() - start - inside[0]) / steps * 1e3
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return ms, outside
+
+
+def llama_cpp_ms(binary: str, gguf: Path, prompt_len: int, new_tokens: int, threads: int) -> float | None:
+    """llama-bench's text-generation ms/token (tg N after a P-token prompt), or None if it failed."""
+    cmd = [binary, "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-pg", f"{prompt_len},{new_tokens}",
+           "-t", str(threads), "-o", "csv"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rows = [line.split(",") for line in done.stdout.splitlines()]
+    if done.returncode != 0 or len(rows) < 2:
+        print(f"llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
+        return None
+    header = [h.strip('"') for h in rows[0]]
+    for row in rows[1:]:
+        fields = dict(zip(header, (v.strip('"') for v in row), strict=False))
+        if fields.get("n_prompt") == "0" and fields.get("n_gen") == str(new_tokens):
+            return 1e3 / float(fields["avg_ts"])
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"))
+    parser.add_argument("--gguf", type=Path, default=None, help="the same weights as a GGUF file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = prepare_default_model()
+    prompt = [(i * 7919) % 40000 + 1000 for i in range(args.prompt_len)]
+    print(f"default model, float32, {args.threads} threads, {args.prompt_len}-token prompt, "
+          f"{args.new_tokens} greedy tokens, best of {args.runs}")  # fmt: skip
+    hf = hf_ms(model_dir, prompt, args.new_tokens, args.runs)
+    print(f"  HF transformers generate            {hf:7.1f} ms/token")
+    results = {}
+    for name, options in (("engine, batch-invariant (default)", {}),
+                          ("engine, --no-batch-invariant", {"batch_invariant": False})):  # fmt: skip
+        ms, outside = engine_ms(prompt, args.new_tokens, args.runs, **options)
+        results[name] = ms
+        print(f"  {name:<35} {ms:7.1f} ms/token  ({hf / ms:.2f}x HF; outside the model "
+              f"{outside:.2f} ms per step)")  # fmt: skip
+    if args.llama_bench and args.gguf:
+        cpp = llama_cpp_ms(args.llama_bench, args.gguf, args.prompt_len, args.new_tokens, args.threads)
+        if cpp is not None:
+            print(f"  llama.cpp ({args.gguf.name})    {cpp:7.1f} ms/token")
+            for name, ms in results.items():
+                print(f"    {name}: {ms / cpp:.2f}x llama.cpp's ms/token")
+    else:
+        print("  llama.cpp: skipped (give --llama-bench and --gguf, or set LLAMA_BENCH)")
+    if re.search("AVX512", torch.__config__.show()):
+        print("  (CPU capability: AVX512)")
+
+
+if __name__ == "__main__":
+    main()
