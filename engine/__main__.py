@@ -57,6 +57,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="never capture CUDA graphs for decode steps"
     )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="quantize the weights at load time: int8 = one scale per output channel (CPU)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling draws from it)")
     caps = parser.add_argument_group("per-request caps (HTTP 400 naming the parameter when exceeded)")
     caps.add_argument("--max-prompts", type=int, default=32, help="prompts in one /v1/completions list")
@@ -132,6 +138,22 @@ def _demo(args: argparse.Namespace) -> int:
         )
     total = sum(len(o.token_ids) for o in outs)
     print(f"\n{len(outs)} requests, {total} tokens in {elapsed:.1f}s ({total / elapsed:.1f} tok/s)")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from engine import LLM
+    from engine.evaluate import evaluate, report
+
+    config = _config(args)
+    options = dataclasses.asdict(config) | {"enable_prefix_caching": False}
+    full = options | {"quantization": None}
+    measure = (args.text_tokens, args.window, args.new_tokens, args.prompts)
+    if args.baseline or config.quantization is None:
+        print(report("full precision", evaluate(LLM(**full), *measure), None))
+        return 0
+    tested = evaluate(LLM(**options), *measure)
+    print(report(str(config.quantization), tested, evaluate(LLM(**full), *measure)))
     return 0
 
 
@@ -300,8 +322,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
+    evaluate = sub.add_parser(
+        "eval",
+        help="a precision setting's quality beside full precision: perplexity, greedy agreement, tasks",
+    )
+    _add_engine_options(evaluate)
+    evaluate.add_argument("--baseline", action="store_true", help="evaluate full precision alone")
+    evaluate.add_argument("--text-tokens", type=int, default=8192, help="tokens of text for perplexity")
+    evaluate.add_argument("--window", type=int, default=512, help="tokens scored per prefill")
+    evaluate.add_argument("--prompts", type=int, default=16, help="prompts for greedy agreement (<= 16)")
+    evaluate.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
     args = parser.parse_args(argv)
-    commands = {"demo": demo, "serve": serve, "generate": gen}
+    commands = {"demo": demo, "serve": serve, "generate": gen, "eval": evaluate}
     if args.command in commands:
         args.engine_options = _given_options(commands[args.command], args)
     return args
@@ -319,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
+        if args.command == "eval":
+            return _eval(args)
         return _demo(args) if args.command == "demo" else _generate(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -265,8 +265,9 @@ class AsyncLLMEngine:
         try:
             engine = LLMEngine(self.config)
             info = model_info(
-                self.model_name, self.config.model, engine.max_model_len, engine.tokenizer, engine.model_dir
-            )
+                self.model_name, self.config.model, engine.max_model_len, engine.tokenizer, engine.model_dir,
+                engine.runner.precision(),
+            )  # fmt: skip
         except Exception:
             logger.exception("loading the model failed")
             self._error = "loading failed"
@@ -275,7 +276,8 @@ class AsyncLLMEngine:
         self.engine, self.model_info, self._inputs = engine, info, engine.inputs
         self._heartbeat = time.monotonic()
         self._state = EngineState.READY
-        logger.info("engine ready: %s", self.model_name)
+        logger.info("engine ready: %s (%s)", self.model_name,
+                    ", ".join(f"{k} {v}" for k, v in info.precision.items()))  # fmt: skip
         try:
             self._loop_forever(engine)
         except Exception:

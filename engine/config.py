@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("int8",)  # weight quantization at load time (engine/layers/quant.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _POSITIVE = (
     "max_prompts",
@@ -42,6 +43,7 @@ class EngineConfig:
     batch_invariant: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    quantization: str | None = None  # None: the checkpoint's precision; "int8": per-channel, at load
     # Per-request caps, checked when a request is admitted (HTTP 400 naming the parameter).
     # They bound the work and memory one request can claim; the defaults allow what OpenAI does
     # for everything except `n` (OpenAI: 128) and `stop` (OpenAI: 4).
@@ -60,6 +62,10 @@ class EngineConfig:
     max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

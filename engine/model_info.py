@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -27,6 +27,8 @@ class ModelInfo:
     max_model_len: int  # prompt plus completion tokens
     tokenizer: Any  # None for folders without one (prompts are then token ids)
     generation_defaults: Mapping[str, float]  # read-only: generation_config.json's sampling fields
+    # what is served: {"dtype", "quantization", "batch_invariant"} (GET /v1/models, the startup log)
+    precision: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def capabilities(self) -> dict[str, bool | int]:
         """What requests to this model may ask for (GET /v1/models), for a router to filter on.
@@ -62,7 +64,16 @@ def load_generation_defaults(model_dir: Path) -> dict[str, float]:
     }
 
 
-def model_info(served_name: str, root: str, max_model_len: int, tokenizer: Any, model_dir: Path) -> ModelInfo:
+def model_info(
+    served_name: str,
+    root: str,
+    max_model_len: int,
+    tokenizer: Any,
+    model_dir: Path,
+    precision: Mapping[str, Any] | None = None,
+) -> ModelInfo:
     """The info of a model loaded from `model_dir`."""
     defaults = MappingProxyType(load_generation_defaults(model_dir))
-    return ModelInfo(served_name, root, max_model_len, tokenizer, defaults)
+    return ModelInfo(
+        served_name, root, max_model_len, tokenizer, defaults, MappingProxyType(dict(precision or {}))
+    )

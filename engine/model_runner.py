@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.layers.attention import AttentionMetadata
 from engine.layers.backend import load_backend, resolve_backend_name
+from engine.layers.quant import quantize_model
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.scheduler import ScheduledSeq
@@ -121,6 +122,16 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         model.to(dtype=self.dtype)
         model.load_weights(iter_weights(model_dir, self.dtype))
+        if config.quantization is not None:
+            if self.device.type != "cpu":
+                raise ValueError(
+                    f"quantization={config.quantization!r} runs on the CPU path only (device "
+                    f"{self.device}): serve the checkpoint's precision on the GPU"
+                )
+            nbytes = quantize_model(model, config.quantization)
+            logger.info(
+                "weights: %s, %.1f MiB of projections and LM head", config.quantization, nbytes / 2**20
+            )
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
@@ -149,6 +160,14 @@ class ModelRunner:
                 num_kv_heads=model_config.num_kv_heads,
                 max_model_len=max_model_len,
             )
+
+    def precision(self) -> dict[str, str | bool | None]:
+        """What this runner serves: weight dtype, weight quantization, batch invariance."""
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.config.quantization,
+            "batch_invariant": self.batch_invariant,
+        }
 
     @torch.inference_mode()
     def profile_activation_peak(self) -> int:

@@ -93,6 +93,7 @@ class OpenAIServing:
                 "root": self.engine.config.model,
                 "max_model_len": max_len,
                 "capabilities": info.capabilities() if info is not None else None,
+                "precision": dict(info.precision) if info is not None else None,
             }
             for name in self.served_names
         ]

@@ -11,6 +11,7 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.layers.backend import TORCH_BACKEND, KernelBackend
 from engine.layers.norm import RMSNorm
+from engine.layers.quant import Int8Weight
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 
@@ -132,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         )
+        self.quantized_head: Int8Weight | None = None  # set by engine.layers.quant.quantize_model
 
     def forward(
         self,
@@ -153,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits."""
+        if self.quantized_head is not None:
+            return self.quantized_head.matmul(hidden).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         vocab = weight.shape[0]
         if not self.backend.chunked_logits or hidden.device.type != "cpu" or vocab <= 2 * _LOGITS_CHUNK:
