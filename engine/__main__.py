@@ -60,8 +60,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="quantize the weights at load time: int8 = one scale per output channel (CPU)",
+        choices=["int8", "int4"],
+        help="quantize the weights at load time (CPU): int8 = one scale per output channel; "
+        "int4 = groups of 128/64/32 inputs, LM head in int8",
     )
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling draws from it)")
     caps = parser.add_argument_group("per-request caps (HTTP 400 naming the parameter when exceeded)")

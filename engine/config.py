@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8",)  # weight quantization at load time (engine/layers/quant.py)
+QUANTIZATIONS = ("int8", "int4")  # weight quantization at load time (engine/layers/quant.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _POSITIVE = (
     "max_prompts",
