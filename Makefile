@@ -41,7 +41,7 @@ demo: model
 test: model
 	$(PY) -m ruff check engine kernels gateway tests bench migrations
 	$(PY) -m mypy
-	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: install
 	$(PY) -m ruff check engine kernels gateway tests bench migrations
