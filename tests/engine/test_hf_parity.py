@@ -105,10 +105,6 @@ def test_default_model_matches_hf_greedy(default_model_dir: Path) -> None:
     ref = hf_greedy(default_model_dir, prompts, MAX_NEW)
     bpb = _kv_bytes_per_block(default_model_dir)
     cases = _cases(bpb, pool_blocks=24)
-    for name in (
-        "one_batch_prefix_cache",
-        "chunked_prefix_cache_preempting",
-        "chunked_no_cache_preempting",
-        "fast_chunked_prefix_cache",
-    ):
+    # (the tiny models above run every case; here the one without prefix caching is left out)
+    for name in ("one_batch_prefix_cache", "chunked_prefix_cache_preempting", "fast_chunked_prefix_cache"):
         _check_case(default_model_dir, prompts, ref, cases[name])
