@@ -104,6 +104,11 @@ class ModelRunner:
         self.device = resolve_device(config)
         if self.device.type == "cuda":  # Triton and graph capture use the current device
             torch.cuda.set_device(self.device)
+        if config.quantization is not None and self.device.type != "cpu":
+            raise ValueError(
+                f"quantization={config.quantization!r} runs on the CPU path only (device "
+                f"{self.device}): serve the checkpoint's precision on the GPU"
+            )
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         backend_name = resolve_backend_name(config.attention_backend, self.device)
@@ -123,11 +128,6 @@ class ModelRunner:
         model.to(dtype=self.dtype)
         model.load_weights(iter_weights(model_dir, self.dtype))
         if config.quantization is not None:
-            if self.device.type != "cpu":
-                raise ValueError(
-                    f"quantization={config.quantization!r} runs on the CPU path only (device "
-                    f"{self.device}): serve the checkpoint's precision on the GPU"
-                )
             nbytes = quantize_model(model, config.quantization)
             logger.info(
                 "weights: %s, %.1f MiB of projections and LM head", config.quantization, nbytes / 2**20
