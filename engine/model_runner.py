@@ -102,13 +102,13 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int
     ) -> None:
         self.device = resolve_device(config)
-        if self.device.type == "cuda":  # Triton and graph capture use the current device
-            torch.cuda.set_device(self.device)
         if config.quantization is not None and self.device.type != "cpu":
             raise ValueError(
                 f"quantization={config.quantization!r} runs on the CPU path only (device "
                 f"{self.device}): serve the checkpoint's precision on the GPU"
             )
+        if self.device.type == "cuda":  # Triton and graph capture use the current device
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         backend_name = resolve_backend_name(config.attention_backend, self.device)

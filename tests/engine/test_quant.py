@@ -76,9 +76,13 @@ def test_a_rows_quantized_product_does_not_depend_on_the_other_rows(kind: type) 
         assert torch.equal(q.matmul(batch)[at], alone)
 
 
-def test_an_unknown_quantization_is_refused() -> None:
+def test_an_unknown_quantization_and_one_on_a_gpu_are_refused(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="runs on the CPU path only"):  # before any CUDA call
+        LLM(str(tiny_model_factory("llama")), device="cuda", quantization="int4")
 
 
 def _logprobs(out: RequestOutput) -> list[list[tuple[int, float]]]:
