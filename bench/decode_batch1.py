@@ -3,13 +3,14 @@
 The default model in float32 with N threads (2), a P-token prompt (128) and G greedy tokens (128),
 one request at a time. ms/token of decode = (time for G tokens - time for 1 token) / (G - 1), best
 of R runs (3), for: HF `generate`; the engine with batch invariance (its default) and without it
-(the fast small-batch projections); and llama.cpp's `llama-bench` on a GGUF of the same weights
-when `--llama-bench` or $LLAMA_BENCH names the binary and `--gguf` the file (skipped otherwise).
+(the fast small-batch projections), in float32, int8 and int4; and llama.cpp's `llama-bench` on
+GGUF files of the same weights when `--llama-bench` or $LLAMA_BENCH names the binary and `--gguf`
+the files (skipped otherwise).
 Also the engine's fixed cost per decode step: the step's time outside the model's forward pass and
 LM head (scheduling, batch preparation, sampling, detokenizing, outputs).
 
 Usage: python bench/decode_batch1.py [--prompt-len 128] [--new-tokens 128] [--threads 2]
-           [--runs 3] [--llama-bench PATH --gguf FILE]
+           [--runs 3] [--llama-bench PATH --gguf FILE [--gguf FILE2]]
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"))
-    parser.add_argument("--gguf", type=Path, default=None, help="the same weights as a GGUF file")
+    parser.add_argument(
+        "--gguf", type=Path, action="append", default=[], help="the same weights as a GGUF file (repeatable)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = prepare_default_model()
@@ -136,18 +139,26 @@ def main() -> None:
     hf = hf_ms(model_dir, prompt, args.new_tokens, args.runs)
     print(f"  HF transformers generate            {hf:7.1f} ms/token")
     results = {}
-    for name, options in (("engine, batch-invariant (default)", {}),
-                          ("engine, --no-batch-invariant", {"batch_invariant": False})):  # fmt: skip
+    configurations: list[tuple[str, dict[str, Any]]] = [
+        ("engine, batch-invariant (default)", {}),
+        ("engine, --no-batch-invariant", {"batch_invariant": False}),
+        ("engine int8, batch-invariant", {"quantization": "int8"}),
+        ("engine int4, batch-invariant", {"quantization": "int4"}),
+        ("engine int4, --no-batch-invariant", {"quantization": "int4", "batch_invariant": False}),
+    ]
+    for name, options in configurations:
         ms, outside = engine_ms(prompt, args.new_tokens, args.runs, **options)
         results[name] = ms
         print(f"  {name:<35} {ms:7.1f} ms/token  ({hf / ms:.2f}x HF; outside the model "
               f"{outside:.2f} ms per step)")  # fmt: skip
     if args.llama_bench and args.gguf:
-        cpp = llama_cpp_ms(args.llama_bench, args.gguf, args.prompt_len, args.new_tokens, args.threads)
-        if cpp is not None:
-            print(f"  llama.cpp ({args.gguf.name})    {cpp:7.1f} ms/token")
+        for gguf in args.gguf:
+            cpp = llama_cpp_ms(args.llama_bench, gguf, args.prompt_len, args.new_tokens, args.threads)
+            if cpp is None:
+                continue
+            print(f"  llama.cpp ({gguf.name})  {cpp:7.1f} ms/token")
             for name, ms in results.items():
-                print(f"    {name}: {ms / cpp:.2f}x llama.cpp's ms/token")
+                print(f"    {name}: {ms / cpp:.2f}x its ms/token")
     else:
         print("  llama.cpp: skipped (give --llama-bench and --gguf, or set LLAMA_BENCH)")
     if re.search("AVX512", torch.__config__.show()):
