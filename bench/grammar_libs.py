@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.default_model import default_model_dir
 from engine.guided.bitmask import apply_token_bitmask, bitmask_width
 
-MODEL = Path("/root/.cache/switchboard/models/SmolLM2-135M-Instruct")
+MODEL = default_model_dir()  # where `make model` put the converted default model
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

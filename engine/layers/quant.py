@@ -1,18 +1,17 @@
 """Weight-only quantization at load time (`quantization="int8"` or `"int4"`): the CPU path.
 
-int4 (`Int4Weight`): groups of 32 inputs with a bfloat16 scale and zero each, through torch's
-int4 CPU matmul (`aten._weight_int4pack_mm_for_cpu`); the LM head stays int8. The default model
-ships as a 4-bit GGUF in blocks of 32, so int4 gives it back its own values (perplexity +0.2%)
-at 21–25 ms/token. What follows is int8:
-
-Each projection (QKV, output, gate/up, down) and the LM head becomes int8 with one scale per output
-channel (symmetric: w ≈ q * s, s = max|w_row| / 127). Decode reads the weights once per step, so
-a quarter of the bytes is most of the speed: torch's packed-int8 matmul
-(`aten._weight_int8pack_mm`, bfloat16 activations, float32 accumulation) runs a batch-1 step of
-the default model in ~33 ms against 44–80 ms in float32 (docs/BENCHMARKS.md). It also computes
-each row on its own, so its results do not depend on the batch: batch invariance holds as it does
-in float32. Its float32-activation variant is 10x slower here, hence the bfloat16 activations
-(which move perplexity by 0.01%; the int8 weights by ~1%: docs/quantization.md).
+Decode reads every weight once per step, so fewer bytes are most of the speed. Each projection
+(QKV, output, gate/up, down) becomes
+- int8 (`Int8Weight`): one scale per output channel (symmetric, w ≈ q * s, s = max|w_row| / 127),
+  through torch's packed-int8 matmul (`aten._weight_int8pack_mm`);
+- int4 (`Int4Weight`): groups of 32 inputs with a scale and a zero each, through torch's int4 CPU
+  matmul (`aten._weight_int4pack_mm_for_cpu`). 32 is GGUF's 4-bit block: the default model ships
+  as a 4-bit GGUF, so int4 gives it back its own values.
+The LM head is int8 in both (every logit of the vocabulary reads it). Both kernels take bfloat16
+activations (their float32-activation variants are ~10x slower here; bfloat16 moves perplexity by
+0.01%) and compute each row on its own, so a quantized engine stays batch-invariant. The default
+model's figures (batch-1 step ~28 ms int8, ~25 ms int4, against 51–80 ms in float32; perplexity
++0.15% and +0.21%) are in docs/quantization.md.
 
 The embedding table stays in the model's dtype for the lookups (tied to the LM head, the head gets
 its own int8 copy).
@@ -135,7 +134,7 @@ QuantizedWeight = Int8Weight | Int4Weight
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
-def int8_aware(linear: Linear) -> Callable[[Tensor, Tensor | QuantizedWeight, Tensor | None], Tensor]:
+def quantization_aware(linear: Linear) -> Callable[[Tensor, Tensor | QuantizedWeight, Tensor | None], Tensor]:
     """`linear`, except that a quantized weight does its own product."""
 
     def project(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
@@ -167,7 +166,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
             setattr(module, name, quantized)
             total += quantized.nbytes
         if names:
-            setattr(module, "linear", int8_aware(getattr(module, "linear")))  # noqa: B009, B010
+            setattr(module, "linear", quantization_aware(getattr(module, "linear")))  # noqa: B009, B010
     llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
     # the LM head in int8 for int4 too: the logits of a whole vocabulary feel 4-bit steps most
     head = Int8Weight.quantize(llama.embed_tokens if llama.lm_head is None else llama.lm_head)

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.layers.quant import Int4Weight, Int8Weight, int8_aware
+from engine.layers.quant import Int4Weight, Int8Weight, quantization_aware
 from engine.outputs import RequestOutput
 from tests.engine.server_proc import ServerProcess
 
@@ -46,7 +46,7 @@ def test_the_int8_product_matches_the_dequantized_weight_on_bfloat16_activations
     want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), q.dequantize(), bias)
     assert got.dtype == torch.float32 and got.shape == (rows, 80)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-2)  # the product comes back in bfloat16
-    project = int8_aware(torch.nn.functional.linear)
+    project = quantization_aware(torch.nn.functional.linear)
     assert torch.equal(project(x, q, bias), got) and torch.equal(project(x, w, None), x @ w.T)
 
 
