@@ -11,6 +11,9 @@ from typing import Any
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")  # weight quantization at load time (engine/layers/quant.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# KV pool storage (vLLM's names): the model's dtype, or codes with scales (engine/layers/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 _POSITIVE = (
     "max_prompts",
     "max_n",
@@ -44,6 +47,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None  # None: the checkpoint's precision; "int8": per-channel, at load
+    kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3" ("fp8"): per token-head codes, ~2x the blocks
     # Per-request caps, checked when a request is admitted (HTTP 400 naming the parameter).
     # They bound the work and memory one request can claim; the defaults allow what OpenAI does
     # for everything except `n` (OpenAI: 128) and `stop` (OpenAI: 4).
@@ -66,6 +70,10 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}"
             )
+        kv = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        object.__setattr__(self, "kv_cache_dtype", kv)  # one name per format from here on
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -15,12 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from engine.layers.attention import AttentionMetadata
+from engine.layers.kv_cache import LayerKVCache
 from engine.scheduler import ScheduledSeq
 from kernels.split_kv import choose_num_splits
 
 logger = logging.getLogger(__name__)
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -48,7 +47,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[KVCache],
+        kv_caches: list[LayerKVCache],
         sizes: list[int],
         max_blocks_per_seq: int,
         num_kv_heads: int,
@@ -59,7 +58,7 @@ class DecodeGraphs:
         self.capture = capture  # False: replay runs the forward eagerly on the same buffers (tests)
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
-        device = kv_caches[0][0].device
+        device = kv_caches[0].device
         self.device = device
         top = self.sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)

@@ -6,7 +6,9 @@ download), computed by the same engine twice (the setting under test, then full 
   topics that CPython ships as `pydoc_data.topics` (English prose with code), in windows of
   `--window` tokens, each scored by one prefill through the engine's own model and KV pool;
 - greedy agreement: `--prompts` fixed prompts, `--new-tokens` greedy tokens each, and the
-  position where each answer first differs from full precision's;
+  position where each answer first differs from full precision's; and, since one near-tie flipped
+  early sends the rest of an answer elsewhere, the share of full precision's greedy tokens that the
+  setting under test also ranks first when fed the same prefix (teacher-forced top-1 agreement);
 - accuracy on a small task set (engine/data/eval_tasks.json, ours): multiple choice, the answer
   being the option whose tokens the model finds likeliest after the question.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -52,6 +55,7 @@ class EvalResult:
     perplexity: float
     greedy: list[list[int]]  # each prompt's greedy tokens
     accuracy: float
+    top1_agreement: float | None = None  # share of a reference's greedy tokens this engine ranks first
 
 
 class _Window:
@@ -75,7 +79,15 @@ def reference_text(tokenizer: Any, num_tokens: int) -> list[int]:
 
 @torch.inference_mode()
 def next_token_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    """log p(tokens[i + 1] | tokens[: i + 1]) for each i: one prefill through the engine's model.
+    """log p(tokens[i + 1] | tokens[: i + 1]) for each i: one prefill through the engine's model."""
+    logprobs = prefill_logprobs(llm, tokens)
+    targets = torch.tensor(tokens[1:], device=logprobs.device)
+    return logprobs.gather(1, targets[:, None])[:, 0].cpu()
+
+
+@torch.inference_mode()
+def prefill_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """(len(tokens) - 1, vocab) next-token log-probabilities after each prefix but the whole.
 
     Needs an idle engine (it writes its KV to the first blocks of the pool) and a window that fits
     the pool and max_model_len.
@@ -90,8 +102,20 @@ def next_token_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
     hidden = runner.model(input_ids, positions, runner.kv_caches, meta)[: len(tokens) - 1]
     logits = runner.model.compute_logits(hidden)
     llm.engine.block_manager.reset_prefix_cache()  # those blocks' KV is ours now, not what it cached
-    targets = torch.tensor(tokens[1:], device=logits.device)
-    return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].cpu()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def top1_agreement(llm: LLM, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """Share of the continuations' tokens that `llm` ranks first after the prompt and the tokens
+    before them (teacher-forced: every position is judged on the same prefix)."""
+    agree = total = 0
+    for prompt, tokens in zip(prompts, continuations, strict=True):
+        if not tokens:
+            continue
+        logprobs = prefill_logprobs(llm, prompt + tokens)[len(prompt) - 1 :]
+        agree += int((logprobs.argmax(dim=-1).cpu() == torch.tensor(tokens)).sum())
+        total += len(tokens)
+    return agree / total if total else 1.0
 
 
 def perplexity(llm: LLM, tokens: list[int], window: int) -> float:
@@ -122,8 +146,16 @@ def task_accuracy(llm: LLM, tasks: list[dict[str, Any]]) -> float:
     return right / len(tasks)
 
 
-def evaluate(llm: LLM, text_tokens: int, window: int, new_tokens: int, num_prompts: int) -> EvalResult:
-    """Perplexity, greedy answers and task accuracy of one engine."""
+def evaluate(
+    llm: LLM,
+    text_tokens: int,
+    window: int,
+    new_tokens: int,
+    num_prompts: int,
+    reference: EvalResult | None = None,
+) -> EvalResult:
+    """Perplexity, greedy answers and task accuracy of one engine; with a `reference` (full
+    precision's result), also how often it ranks the reference's greedy tokens first."""
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:
         raise ValueError("eval needs a model folder with a tokenizer")
@@ -132,7 +164,17 @@ def evaluate(llm: LLM, text_tokens: int, window: int, new_tokens: int, num_promp
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tasks = json.loads(TASKS.read_text())
-    return EvalResult(ppl, [list(o.outputs[0].token_ids) for o in outs], task_accuracy(llm, tasks))
+    greedy = [list(o.outputs[0].token_ids) for o in outs]
+    agreement = None if reference is None else top1_agreement(llm, prompts, reference.greedy)
+    return EvalResult(ppl, greedy, task_accuracy(llm, tasks), agreement)
+
+
+def setting_name(config: EngineConfig) -> str:
+    """A precision setting in a few characters: "int4", "kv int8", "int8 + kv fp8_e4m3"."""
+    parts = [config.quantization] if config.quantization else []
+    if config.kv_cache_dtype != "auto":
+        parts.append(f"kv {config.kv_cache_dtype}")
+    return " + ".join(parts) or "full precision"
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -155,4 +197,9 @@ def report(name: str, tested: EvalResult, base: EvalResult | None) -> str:
         f"greedy agreement: {agree}/{len(divergences)} answers identical over {length} tokens; "
         f"first divergence at {sorted(divergences)} (median {sorted(divergences)[len(divergences) // 2]})",
     ]
+    if tested.top1_agreement is not None:
+        lines.append(
+            f"teacher-forced top-1 agreement: {tested.top1_agreement:.1%} of full precision's "
+            f"{sum(len(g) for g in base.greedy)} greedy tokens"
+        )
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from engine.layers import kv_cache
 from engine.layers.attention import AttentionMetadata
 from engine.layers.backend import load_backend, resolve_backend_name
 from engine.layers.quant import quantize_model
@@ -69,16 +70,12 @@ def plan_kv_cache(
     activation_peak: int = 0,
 ) -> KVCacheLayout:
     """Number of blocks that fit the memory budget: kv_cache_memory bytes when set, else 1 GiB on
-    CPU, else on GPU `gpu_memory_utilization` of the device less weights and the activation peak."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_block = (
-        2
-        * model_config.num_layers
-        * config.block_size
-        * model_config.num_kv_heads
-        * model_config.head_dim
-        * elem
+    CPU, else on GPU `gpu_memory_utilization` of the device less weights and the activation peak.
+    A quantized pool (kv_cache_dtype int8/fp8) costs its codes plus a scale per token and head."""
+    per_token = kv_cache.bytes_per_token(
+        model_config.num_kv_heads, model_config.head_dim, dtype, config.kv_cache_dtype
     )
+    per_block = model_config.num_layers * config.block_size * per_token
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
@@ -109,6 +106,11 @@ class ModelRunner:
             )
         if self.device.type == "cuda":  # Triton and graph capture use the current device
             torch.cuda.set_device(self.device)
+            if config.kv_cache_dtype == "fp8_e4m3" and torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError(
+                    "kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9 or newer (fp8 "
+                    "conversions): use 'int8'"
+                )
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
         backend_name = resolve_backend_name(config.attention_backend, self.device)
@@ -135,19 +137,13 @@ class ModelRunner:
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
-        shape = (self.layout.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = [self.allocate_kv(self.layout.num_blocks) for _ in range(model_config.num_layers)]
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB); kernels: %s",
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %s); kernels: %s",
             self.layout.num_blocks,
             config.block_size,
             self.layout.num_blocks * self.layout.bytes_per_block / 2**20,
+            self.kv_cache_dtype(),
             self.backend.name,
         )
         self.graphs: DecodeGraphs | None = None
@@ -161,11 +157,31 @@ class ModelRunner:
                 max_model_len=max_model_len,
             )
 
+    def allocate_kv(self, num_blocks: int) -> kv_cache.LayerKVCache:
+        """One layer's zeroed pool of num_blocks blocks, stored as kv_cache_dtype says."""
+        mc = self.model_config
+        return kv_cache.allocate(
+            num_blocks,
+            self.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.config.kv_cache_dtype,
+            self.device,
+        )
+
+    def kv_cache_dtype(self) -> str:
+        """What the KV pool stores: the model's dtype, or int8 / fp8_e4m3 codes."""
+        if self.config.kv_cache_dtype == "auto":
+            return str(self.dtype).removeprefix("torch.")
+        return self.config.kv_cache_dtype
+
     def precision(self) -> dict[str, str | bool | None]:
-        """What this runner serves: weight dtype, weight quantization, batch invariance."""
+        """What this runner serves: weight dtype, weight quantization, KV cache, batch invariance."""
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.config.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype(),
             "batch_invariant": self.batch_invariant,
         }
 
@@ -190,15 +206,14 @@ class ModelRunner:
 
     def dummy_prefill(
         self,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], AttentionMetadata]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[kv_cache.LayerKVCache], AttentionMetadata]:
         """The largest prefill step: (input ids, positions, a one-block KV pool, metadata)."""
         dev, mc = self.device, self.model_config
         total = self.config.max_num_batched_tokens
         seq_len = min(self.max_model_len, total)
         lens = [seq_len] * (total // seq_len) + ([total % seq_len] if total % seq_len else [])
-        shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
-        block = torch.zeros(shape, dtype=self.dtype, device=dev)
-        dummy_kv = [(block, block) for _ in range(mc.num_layers)]
+        block = self.allocate_kv(1)
+        dummy_kv = [block] * mc.num_layers
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
@@ -271,9 +286,10 @@ class ModelRunner:
             plan = plan_decode(
                 dec_block_tables,
                 dec_context_lens,
-                self.kv_caches[0][0],
+                self.kv_caches[0].k,
                 self.model_config.num_heads,
                 self.batch_invariant,
+                self.dtype,
             )
         meta = AttentionMetadata(
             num_actual_tokens=num_actual,

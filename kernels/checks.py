@@ -7,6 +7,7 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8, torch.float8_e4m3fn)  # values, or quantized codes
 
 
 def interpreting() -> bool:

@@ -10,15 +10,34 @@ whatever the context lengths.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_device, check_shape, check_tensor, interpreting
+from kernels import kv_quant
+from kernels.checks import KV_CACHE_DTYPES, check_device, check_shape, check_tensor, interpreting
 from kernels.split_kv import MAX_SPLITS, choose_num_splits
 
 LOG2E = math.log2(math.e)
+# QUANT meta-parameter: how a cache tile is read
+PLAIN, INT8, FP8_E4M3 = 0, 1, 2
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr, scale_ptr, off, scale_off, kv_mask, n_mask, offs_d, dtype: tl.constexpr, QUANT: tl.constexpr
+):
+    """A (BLOCK_N, BLOCK_D) tile of K or V in `dtype`: plain values, or codes times their
+    per-token scales (fp8 codes arrive as bytes and are reinterpreted)."""
+    x = tl.load(cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+    if QUANT != 0:
+        scales = tl.load(scale_ptr + scale_off, mask=n_mask, other=0.0).to(tl.float32)
+        if QUANT == 2:
+            x = x.to(tl.float8e4nv, bitcast=True)
+        x = (x.to(tl.float32) * scales[:, None]).to(dtype)
+    return x
 
 
 @triton.jit
@@ -26,6 +45,8 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     context_lens_ptr,
     out_ptr,
@@ -39,6 +60,8 @@ def _decode_split_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,
+    stride_ss,
     stride_bt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -49,6 +72,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,9 +104,10 @@ def _decode_split_kernel(
         # int64: block id times the block stride overflows 32 bits in large pools
         block = tl.load(table_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = block * stride_cb + (tok % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        s_off = block * stride_sb + (tok % BLOCK_SIZE) * stride_ss + kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, off, s_off, kv_mask, n_mask, offs_d, q.dtype, QUANT)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, off, s_off, kv_mask, n_mask, offs_d, q.dtype, QUANT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -145,6 +170,43 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+class KVArgs(NamedTuple):
+    """What a kernel reads a (possibly quantized) pool through."""
+
+    k: torch.Tensor  # values, int8 codes, or fp8 codes as bytes
+    v: torch.Tensor
+    k_scale: torch.Tensor  # float16 (num_blocks, block_size, kv_heads); the pool itself when unused
+    v_scale: torch.Tensor
+    stride_sb: int
+    stride_ss: int
+    quant: int  # PLAIN, INT8 or FP8_E4M3
+
+
+def kv_scale_args(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> KVArgs:
+    """A plain cache passes itself as unused scale pointers; a quantized one needs its float16
+    scales (num_blocks, block_size, num_kv_heads), contiguous."""
+    if not kv_quant.is_quantized(k_cache):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"a {k_cache.dtype} cache takes no scales")
+        return KVArgs(k_cache, v_cache, k_cache, v_cache, 0, 0, PLAIN)
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {k_cache.dtype} cache needs k_scale and v_scale")
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_tensor(name, t, ndim=3, dtypes=(kv_quant.SCALE_DTYPE,))
+        check_shape(name, t, (num_blocks, block_size, num_kv_heads))
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    quant = INT8 if k_cache.dtype == torch.int8 else FP8_E4M3
+    k_codes, v_codes = kv_quant.storage_view(k_cache), kv_quant.storage_view(v_cache)
+    return KVArgs(k_codes, v_codes, k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), quant)
+
+
 def check_paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -153,9 +215,10 @@ def check_paged_attention(
     context_lens: torch.Tensor,
 ) -> tuple[int, int]:
     """Query (tokens, heads, dim) against a cache (num_blocks, block_size, kv_heads, dim) of its
-    dtype, int32 block tables and context lengths, one per sequence; returns (block_size, kv_heads)."""
+    dtype (or of int8/fp8 codes), int32 block tables and context lengths, one per sequence;
+    returns (block_size, kv_heads)."""
     check_tensor("query", query, ndim=3)
-    check_tensor("k_cache", k_cache, ndim=4)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_CACHE_DTYPES)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
         raise ValueError("k_cache and v_cache must share dtype and strides")
@@ -170,7 +233,7 @@ def check_paged_attention(
             f"query (heads {num_heads}, dim {query.shape[2]}) does not fit a cache of {num_kv_heads} KV "
             f"heads of dim {head_dim}"
         )
-    if query.dtype != k_cache.dtype:
+    if query.dtype != k_cache.dtype and not kv_quant.is_quantized(k_cache):
         raise ValueError(f"query dtype {query.dtype} differs from the cache's {k_cache.dtype}")
     check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
@@ -189,17 +252,21 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     max_context: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its cached context (the new token's K/V stored).
 
     query: (num_seqs, num_heads, head_dim); caches: (num_blocks, block_size, num_kv_heads,
-    head_dim); block_tables: (num_seqs, max_blocks) int32; context_lens: (num_seqs,) int32, 0 for
-    a padding row (its output is zeros). `num_splits` defaults to `choose_num_splits` with
-    `max_context` (default: the block table's width in tokens, which needs no device sync).
-    Returns (num_seqs, num_heads, head_dim) in the query's dtype.
+    head_dim), plain or int8/fp8 codes with their scales; block_tables: (num_seqs, max_blocks) int32;
+    context_lens: (num_seqs,) int32, 0 for a padding row (its output is zeros). `num_splits`
+    defaults to `choose_num_splits` with `max_context` (default: the block table's width in
+    tokens, which needs no device sync). Returns (num_seqs, num_heads, head_dim) in the query's dtype.
     """
     check_device(query, k_cache, v_cache, block_tables, context_lens)
     block_size, num_kv_heads = check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
+    kv = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
+    check_device(query, kv.k_scale, kv.v_scale)
     num_seqs, num_heads, head_dim = query.shape
     check_shape("context_lens", context_lens, (num_seqs,))
     out = torch.empty_like(query)
@@ -223,8 +290,10 @@ def paged_decode_attention(
         part_out = part_lse = out
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
-        k_cache,
-        v_cache,
+        kv.k,
+        kv.v,
+        kv.k_scale,
+        kv.v_scale,
         block_tables,
         context_lens,
         out,
@@ -238,6 +307,8 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        kv.stride_sb,
+        kv.stride_ss,
         block_tables.stride(0),
         NUM_HEADS=num_heads,
         GROUP=group,
@@ -248,6 +319,7 @@ def paged_decode_attention(
         BLOCK_N=128 if interpreting() else 64,  # the interpreter pays per op, not per element
         NUM_SPLITS=num_splits,
         PRECISION=dot_precision(query.dtype),
+        QUANT=kv.quant,
         num_warps=8,  # 4 warps need 255 registers and spill at head_dim 128 (ptxas, sm_90a)
     )
     if num_splits > 1:

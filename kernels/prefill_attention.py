@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_device, check_shape, check_tensor, interpreting
-from kernels.paged_attention import LOG2E, check_paged_attention, dot_precision
+from kernels.paged_attention import LOG2E, check_paged_attention, dot_precision, kv_scale_args, load_kv_tile
 
 
 @triton.jit
@@ -21,6 +21,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     cu_seqlens_ptr,
     context_lens_ptr,
@@ -33,6 +35,8 @@ def _prefill_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_sb,
+    stride_ss,
     stride_bt,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -42,6 +46,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -78,9 +83,10 @@ def _prefill_kernel(
         n_mask = kn < kv_end
         block = tl.load(table_row + kn // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = block * stride_cb + (kn % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        s_off = block * stride_sb + (kn % BLOCK_SIZE) * stride_ss + kv_head
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_kv_tile(k_cache_ptr, k_scale_ptr, off, s_off, kv_mask, n_mask, offs_d, q.dtype, QUANT)
+        v = load_kv_tile(v_cache_ptr, v_scale_ptr, off, s_off, kv_mask, n_mask, offs_d, q.dtype, QUANT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         # causal; key 0 is visible to every row, so no row's running max stays -inf
         s = tl.where(n_mask[None, :] & (kn[None, :] <= pos[:, None]), s, float("-inf"))
@@ -104,16 +110,21 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached prefix and themselves, through block tables.
 
     query: (num_tokens, num_heads, head_dim), sequence b's tokens at cu_seqlens_q[b]:cu_seqlens_q[b+1]
     (int32); context_lens[b] (int32) counts its cached prefix plus its new tokens, whose K/V must
     already be stored. `max_query_len` sizes the grid (computed from cu_seqlens_q if omitted,
-    which syncs with the device). Returns (num_tokens, num_heads, head_dim) in the query's dtype.
+    which syncs with the device). A quantized cache (int8/fp8 codes) comes with its scales.
+    Returns (num_tokens, num_heads, head_dim) in the query's dtype.
     """
     check_device(query, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
     block_size, num_kv_heads = check_paged_attention(query, k_cache, v_cache, block_tables, context_lens)
+    kv = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
+    check_device(query, kv.k_scale, kv.v_scale)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
@@ -135,8 +146,10 @@ def paged_prefill_attention(
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         query,
-        k_cache,
-        v_cache,
+        kv.k,
+        kv.v,
+        kv.k_scale,
+        kv.v_scale,
         out,
         cu_seqlens_q,
         context_lens,
@@ -149,6 +162,8 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        kv.stride_sb,
+        kv.stride_ss,
         block_tables.stride(0),
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -158,6 +173,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         PRECISION=dot_precision(query.dtype),
+        QUANT=kv.quant,
         num_warps=4 if interpreting() else 8,  # a 128-row tile and its fp32 accumulator
     )
     return out

@@ -4,6 +4,8 @@ They are the CPU execution path and the oracle every Triton kernel is tested aga
 KV caches are laid out per layer as (num_blocks, block_size, num_kv_heads, head_dim); a slot
 is `block_id * block_size + offset`; block tables are int32 (num_seqs, max_blocks_per_seq)
 padded with any valid block id, context lengths say how many slots of each row are real.
+A quantized cache holds int8 or float8 codes with float16 scales (num_blocks, block_size,
+num_kv_heads) beside it (`k_scale`, `v_scale`; formats in kernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
+
 
 def store_kv(
     key: torch.Tensor,
@@ -20,26 +24,46 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new tokens' K/V into the paged cache; slots < 0 are padding and skipped.
 
-    key, value: (num_tokens, num_kv_heads, head_dim); slot_mapping: (num_tokens,) int.
+    key, value: (num_tokens, num_kv_heads, head_dim); slot_mapping: (num_tokens,) int. With
+    scales, the cache holds codes: each token's heads are quantized and their scales stored.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.to(torch.int64)
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if scales is None:
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
+            continue
+        codes, s = kv_quant.quantize(x, cache.dtype)
+        store = kv_quant.storage_view(cache).view(-1, num_kv_heads, head_dim)
+        store.index_copy_(0, slots, kv_quant.storage_view(codes))
+        scales.view(-1, num_kv_heads).index_copy_(0, slots, s)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: (length, num_kv_heads, head_dim)."""
+def gather_kv(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: (length, num_kv_heads, head_dim); a
+    quantized cache's (with its scales) are dequantized to `dtype`."""
     num_blocks = -(-length // cache.shape[1])
     # index_select copies whole blocks in one pass; advanced indexing is several times slower on CPU
-    blocks = cache.index_select(0, block_table[:num_blocks].to(torch.int64))
-    return blocks.view(-1, cache.shape[2], cache.shape[3])[:length]
+    index = block_table[:num_blocks].to(torch.int64)
+    blocks = cache.index_select(0, index).view(-1, cache.shape[2], cache.shape[3])[:length]
+    if scales is None:
+        return blocks
+    assert dtype is not None
+    return kv_quant.dequantize(blocks, scales.index_select(0, index).view(-1, cache.shape[2])[:length], dtype)
 
 
 _DECODE_GROUP = 8  # sequences attended together: fewer calls, little padding once sorted by length
@@ -115,13 +139,17 @@ def plan_decode(
     k_cache: torch.Tensor,
     num_heads: int,
     batch_invariant: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> DecodePlan:
-    """Group the decode sequences and precompute their block indices, masks and gather buffers."""
+    """Group the decode sequences and precompute their block indices, masks and gather buffers.
+
+    `dtype`: the queries' (default: the cache's; a quantized cache's queries are not codes)."""
     num_seqs = context_lens.shape[0]
     lens = context_lens.tolist()
     spans = [_kv_span(n, batch_invariant) for n in lens]
+    dtype = dtype or k_cache.dtype
     if num_seqs <= _DECODE_GROUP and (not batch_invariant or len(set(spans)) == 1):
-        group = _plan_group(None, block_tables, context_lens, k_cache, num_heads, batch_invariant)
+        group = _plan_group(None, block_tables, context_lens, k_cache, num_heads, batch_invariant, dtype)
         return DecodePlan([group], batch_invariant)
     # Gathering K/V dominates on CPU: sort by length so each group pads only to its own longest
     # (batch-invariant: every member of a group has the same span).
@@ -136,7 +164,7 @@ def plan_decode(
     for run in runs:
         idx = torch.tensor(run, dtype=torch.int64, device=context_lens.device)
         groups.append(
-            _plan_group(idx, block_tables[idx], context_lens[idx], k_cache, num_heads, batch_invariant)
+            _plan_group(idx, block_tables[idx], context_lens[idx], k_cache, num_heads, batch_invariant, dtype)
         )
     return DecodePlan(groups, batch_invariant)
 
@@ -148,6 +176,7 @@ def _plan_group(
     k_cache: torch.Tensor,
     num_heads: int,
     batch_invariant: bool,
+    dtype: torch.dtype,
 ) -> DecodeGroup:
     n = context_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -163,7 +192,7 @@ def _plan_group(
     else:
         allowed = (keys[None, :] <= last[:, None])[:, None, None, :]
     # additive float mask, made once here instead of converted from bool by SDPA in every layer
-    mask = torch.zeros(allowed.shape, dtype=k_cache.dtype, device=k_cache.device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=k_cache.device)
     mask.masked_fill_(~allowed, float("-inf"))
     shape = (n * num_blocks, block_size, num_kv_heads, head_dim)
     k_buf = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
@@ -179,21 +208,25 @@ def paged_decode_attention(
     scale: float,
     batch_invariant: bool = False,
     plan: DecodePlan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole cached context (GQA-aware).
 
     query: (num_seqs, num_heads, head_dim); context_lens: (num_seqs,) including the new token,
     whose K/V must already be stored. Returns (num_seqs, num_heads, head_dim). `plan` (from
     `plan_decode` with the same tables and lengths) saves redoing the layout in every layer.
+    A quantized cache comes with its scales and is dequantized to the query's dtype.
     """
     if plan is None:
-        plan = plan_decode(block_tables, context_lens, k_cache, query.shape[1], batch_invariant)
+        plan = plan_decode(block_tables, context_lens, k_cache, query.shape[1], batch_invariant, query.dtype)
+    scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
     if len(plan.groups) == 1 and plan.groups[0].index is None:
-        return _decode_group(query, k_cache, v_cache, plan.groups[0], scale, plan.batch_invariant)
+        return _decode_group(query, k_cache, v_cache, plan.groups[0], scale, plan.batch_invariant, scales)
     out = torch.empty_like(query)
     for g in plan.groups:
         assert g.index is not None
-        out[g.index] = _decode_group(query[g.index], k_cache, v_cache, g, scale, plan.batch_invariant)
+        out[g.index] = _decode_group(query[g.index], k_cache, v_cache, g, scale, plan.batch_invariant, scales)
     return out
 
 
@@ -204,14 +237,19 @@ def _decode_group(
     g: DecodeGroup,
     scale: float,
     batch_invariant: bool,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     # (num_seqs, kv_heads, span, head_dim), padded past each sequence's length
     torch.index_select(k_cache, 0, g.flat_blocks, out=g.k_buf)
     torch.index_select(v_cache, 0, g.flat_blocks, out=g.v_buf)
-    k = g.k_buf.view(num_seqs, -1, num_kv_heads, head_dim)[:, : g.span].transpose(1, 2)
-    v = g.v_buf.view(num_seqs, -1, num_kv_heads, head_dim)[:, : g.span].transpose(1, 2)
+    k_all, v_all = g.k_buf, g.v_buf
+    if scales is not None:  # codes -> values, block by block as gathered
+        k_all = kv_quant.dequantize(k_all, scales[0].index_select(0, g.flat_blocks), query.dtype)
+        v_all = kv_quant.dequantize(v_all, scales[1].index_select(0, g.flat_blocks), query.dtype)
+    k = k_all.view(num_seqs, -1, num_kv_heads, head_dim)[:, : g.span].transpose(1, 2)
+    v = v_all.view(num_seqs, -1, num_kv_heads, head_dim)[:, : g.span].transpose(1, 2)
     if batch_invariant:
         group = num_heads // num_kv_heads
         q = query.view(num_seqs, num_kv_heads, group, head_dim)
@@ -240,12 +278,15 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     batch_invariant: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A varlen batch of new tokens attending causally to themselves and their cached prefix.
 
     query: (num_tokens, num_heads, head_dim) with sequence b's tokens at
     cu_seqlens_q[b]:cu_seqlens_q[b+1]; context_lens[b] counts its cached prefix plus its new
     tokens (whose K/V must already be stored). Returns (num_tokens, num_heads, head_dim).
+    A quantized cache comes with its scales and is dequantized to the query's dtype.
     """
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -259,8 +300,8 @@ def paged_prefill_attention(
             continue
         span = _kv_span(ctx, batch_invariant)
         table = _padded_table(block_tables[b], -(-span // k_cache.shape[1]))
-        k = gather_kv(k_cache, table, span).transpose(0, 1)  # (kv_heads, span, head_dim)
-        v = gather_kv(v_cache, table, span).transpose(0, 1)
+        k = gather_kv(k_cache, table, span, k_scale, query.dtype).transpose(0, 1)  # (kv_heads, span, dim)
+        v = gather_kv(v_cache, table, span, v_scale, query.dtype).transpose(0, 1)
         if batch_invariant:
             out[q_start:q_end] = _invariant_prefill(query[q_start:q_end], k, v, ctx - q_len, scale)
             continue

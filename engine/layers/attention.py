@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine.layers.backend import TORCH_BACKEND, KernelBackend
+from engine.layers.kv_cache import LayerKVCache
 from kernels import reference
 
 
@@ -58,80 +59,77 @@ class PagedAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: (num_tokens, heads, dim); k, v: (num_tokens, kv_heads, dim) -> (num_tokens, heads, dim)."""
-        k_cache, v_cache = kv_cache
         n = meta.num_actual_tokens
         if n < q.shape[0]:
-            out = self._attend(q[:n], k[:n], v[:n], k_cache, v_cache, meta)
+            out = self._attend(q[:n], k[:n], v[:n], kv_cache, meta)
             return torch.cat((out, out.new_zeros((q.shape[0] - n, *out.shape[1:]))), dim=0)
-        return self._attend(q, k, v, k_cache, v_cache, meta)
+        return self._attend(q, k, v, kv_cache, meta)
 
     def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.backend.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         nd = meta.num_decode_tokens
         parts = []
         if nd > 0:
-            parts.append(self._decode(q[:nd], k_cache, v_cache, meta))
+            parts.append(self._decode(q[:nd], cache, meta))
         if nd < q.shape[0]:
-            parts.append(self._prefill(q[nd:], k_cache, v_cache, meta))
+            parts.append(self._prefill(q[nd:], cache, meta))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         if self.backend.is_triton:
             return self._triton_decode(
                 q,
-                k_cache,
-                v_cache,
+                cache.k,
+                cache.v,
                 meta.decode_block_tables,
                 meta.decode_context_lens,
                 self.scale,
                 num_splits=meta.decode_num_splits,
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
             )
         return reference.paged_decode_attention(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.decode_block_tables,
             meta.decode_context_lens,
             self.scale,
             meta.batch_invariant,
             meta.decode_plan,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )
 
-    def _prefill(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         if self.backend.is_triton:
             return self._triton_prefill(
                 q,
-                k_cache,
-                v_cache,
+                cache.k,
+                cache.v,
                 meta.prefill_cu_seqlens,
                 meta.prefill_context_lens,
                 meta.prefill_block_tables,
                 self.scale,
                 max_query_len=meta.prefill_max_query_len or None,
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
             )
         return reference.paged_prefill_attention(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.prefill_cu_seqlens,
             meta.prefill_context_lens,
             meta.prefill_block_tables,
             self.scale,
             meta.batch_invariant,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )

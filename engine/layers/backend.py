@@ -19,7 +19,8 @@ class KernelBackend:
     """The kernel set one model instance calls; chosen once, when the model is built."""
 
     name: str  # "torch" or "triton"
-    store_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    # (key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale): scales for int8/fp8 pools
+    store_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], None]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     fused_add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     rotary_embedding: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]

@@ -10,12 +10,11 @@ from torch import nn
 
 from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.layers.backend import TORCH_BACKEND, KernelBackend
+from engine.layers.kv_cache import LayerKVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.quant import Int8Weight
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 # HF checkpoint name -> (our fused parameter, shard index)
 _STACKED = {
@@ -56,7 +55,7 @@ class Attention(nn.Module):
         self.linear = backend.linear
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
@@ -104,7 +103,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         h: torch.Tensor,
         residual: torch.Tensor | None,
-        kv_cache: KVCache,
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # first layer: the embeddings are the residual stream
@@ -139,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[KVCache],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """(num_tokens,) ids and positions -> (num_tokens, hidden) final hidden states."""

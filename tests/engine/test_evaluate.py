@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM
-from engine.evaluate import first_divergence, next_token_logprobs, reference_text
+from engine.evaluate import first_divergence, next_token_logprobs, reference_text, top1_agreement
 
 
 def test_a_windows_logprobs_are_those_of_hf_transformers(tiny_model_factory: Callable[..., Path]) -> None:
@@ -34,6 +34,9 @@ def test_a_windows_logprobs_are_those_of_hf_transformers(tiny_model_factory: Cal
     before = llm.generate([tokens[:20]], params, use_tqdm=False)[0].outputs[0].token_ids
     next_token_logprobs(llm, tokens)
     assert llm.generate([tokens[:20]], params, use_tqdm=False)[0].outputs[0].token_ids == before
+    # an engine ranks its own greedy tokens first; another continuation mostly not
+    assert top1_agreement(llm, [tokens[:20]], [before]) == 1.0
+    assert top1_agreement(llm, [tokens[:20]], [[t + 1 for t in before]]) < 0.5
 
 
 def test_the_reference_text_is_fixed_and_the_divergence_is_the_first_difference(
@@ -47,6 +50,7 @@ def test_the_reference_text_is_fixed_and_the_divergence_is_the_first_difference(
 
 def test_the_eval_command_prints_both_precisions_side_by_side(tiny_chat_model: Path) -> None:
     cmd = [sys.executable, "-m", "engine", "eval", "--model", str(tiny_chat_model), "--quantization", "int8",
+           "--kv-cache-dtype", "int8",
            "--text-tokens", "400", "--window", "128", "--prompts", "3", "--new-tokens", "6"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -55,6 +59,9 @@ def test_the_eval_command_prints_both_precisions_side_by_side(tiny_chat_model: P
     full, int8 = float(ppl.group(1)), float(ppl.group(2))
     assert full > 1 and int8 > 1 and abs(int8 / full - 1) < 0.05
     assert re.search(r"task accuracy\s+[\d.]+%\s+[\d.]+%", done.stdout)
+    assert re.search(r"full precision\s+int8 \+ kv int8", done.stdout)
     assert re.search(r"greedy agreement: \d/3 answers identical over 6 tokens", done.stdout)
+    agreement = r"teacher-forced top-1 agreement: [\d.]+% of full precision's 18 greedy tokens"
+    assert re.search(agreement, done.stdout)
     alone = subprocess.run([*cmd, "--baseline"], capture_output=True, text=True, timeout=300, check=False)
     assert alone.returncode == 0 and alone.stdout.startswith("full precision: perplexity ")

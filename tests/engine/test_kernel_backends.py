@@ -107,7 +107,7 @@ def test_the_profiling_step_runs_through_the_model(
     with torch.inference_mode():
         hidden = runner.model(ids, positions, kv, meta)
     assert hidden.shape == (200, runner.model_config.hidden_size) and bool(hidden.isfinite().all())
-    assert bool(kv[0][0].eq(0).all())  # every slot was padding: nothing stored
+    assert bool(kv[0].k.eq(0).all())  # every slot was padding: nothing stored
 
 
 def test_backend_auto_picks_triton_on_cuda_and_torch_on_cpu() -> None:

@@ -101,7 +101,12 @@ def test_a_quantized_engine_keeps_batch_invariance_and_close_logprobs(
     reference = full.generate([prompt], params, use_tqdm=False)[0]
     alone = LLM(path, enable_prefix_caching=False, quantization=quantization)
     runner = alone.engine.runner
-    assert runner.precision() == {"dtype": "float32", "quantization": quantization, "batch_invariant": True}
+    assert runner.precision() == {
+        "dtype": "float32",
+        "quantization": quantization,
+        "kv_cache_dtype": "float32",
+        "batch_invariant": True,
+    }
     kind = Int8Weight if quantization == "int8" else Int4Weight
     assert isinstance(runner.model.layers[0].mlp.down_proj, kind)
     assert runner.model.lm_head is None and runner.model.quantized_head is not None
@@ -121,13 +126,19 @@ def test_a_quantized_engine_keeps_batch_invariance_and_close_logprobs(
 
 
 def test_the_server_says_what_precision_it_serves(tiny_model_factory: Callable[..., Path]) -> None:
-    proc = ServerProcess(tiny_model_factory("llama"), "--quantization", "int8", "--no-access-log")
+    model = tiny_model_factory("llama")
+    proc = ServerProcess(model, "--quantization", "int8", "--kv-cache-dtype", "fp8", "--no-access-log")
     try:
         card = httpx.get(f"{proc.base_url}/v1/models", timeout=10).json()["data"][0]
-        assert card["precision"] == {"dtype": "float32", "quantization": "int8", "batch_invariant": True}
+        assert card["precision"] == {
+            "dtype": "float32",
+            "quantization": "int8",
+            "kv_cache_dtype": "fp8_e4m3",
+            "batch_invariant": True,
+        }
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         answer = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=30)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
-        assert "quantization int8" in proc.output()  # the startup log
+        assert "quantization int8" in proc.output() and "kv_cache_dtype fp8_e4m3" in proc.output()
     finally:
         assert proc.stop() == 0
