@@ -60,9 +60,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "awq", "gptq", "fp8", "compressed-tensors"],
         help="quantize the weights at load time (CPU): int8 = one scale per output channel; "
-        "int4 = groups of 128/64/32 inputs, LM head in int8",
+        "int4 = groups of 32 inputs, LM head in int8. A pre-quantized checkpoint (awq, gptq, fp8, "
+        "compressed-tensors) is found from its config.json; naming its method only checks it",
     )
     parser.add_argument(
         "--kv-cache-dtype",

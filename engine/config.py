@@ -10,6 +10,9 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")  # weight quantization at load time (engine/layers/quant.py)
+# pre-quantized checkpoints, read from their own layouts (engine/prequantized.py); found from
+# config.json when `quantization` is unset
+CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "fp8", "compressed-tensors")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # KV pool storage (vLLM's names): the model's dtype, or codes with scales (engine/layers/kv_cache.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -46,7 +49,7 @@ class EngineConfig:
     batch_invariant: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    quantization: str | None = None  # None: the checkpoint's precision; "int8": per-channel, at load
+    quantization: str | None = None  # None: the checkpoint's own; int8/int4 at load; awq/gptq/fp8 as read
     kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3" ("fp8"): per token-head codes, ~2x the blocks
     # Per-request caps, checked when a request is admitted (HTTP 400 naming the parameter).
     # They bound the work and memory one request can claim; the defaults allow what OpenAI does
@@ -66,10 +69,9 @@ class EngineConfig:
     max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}"
-            )
+        known = QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
+        if self.quantization is not None and self.quantization not in known:
+            raise ValueError(f"quantization must be one of {known} or unset, got {self.quantization!r}")
         kv = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if kv not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

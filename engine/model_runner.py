@@ -9,16 +9,15 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import QUANTIZATIONS, EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.layers import kv_cache
 from engine.layers.attention import AttentionMetadata
 from engine.layers.backend import load_backend, resolve_backend_name
-from engine.layers.quant import quantize_model
+from engine.layers.quant import load_weights
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.scheduler import ScheduledSeq
-from engine.weights import iter_weights
 from kernels.reference import ROW_MULTIPLE, plan_decode
 from kernels.split_kv import choose_num_splits
 
@@ -99,7 +98,7 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int
     ) -> None:
         self.device = resolve_device(config)
-        if config.quantization is not None and self.device.type != "cpu":
+        if config.quantization in QUANTIZATIONS and self.device.type != "cpu":
             raise ValueError(
                 f"quantization={config.quantization!r} runs on the CPU path only (device "
                 f"{self.device}): serve the checkpoint's precision on the GPU"
@@ -128,12 +127,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.to(dtype=self.dtype)
-        model.load_weights(iter_weights(model_dir, self.dtype))
-        if config.quantization is not None:
-            nbytes = quantize_model(model, config.quantization)
-            logger.info(
-                "weights: %s, %.1f MiB of projections and LM head", config.quantization, nbytes / 2**20
-            )
+        self.quantization = load_weights(model, model_dir, config, self.device)
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
@@ -180,7 +174,7 @@ class ModelRunner:
         """What this runner serves: weight dtype, weight quantization, KV cache, batch invariance."""
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
-            "quantization": self.config.quantization,
+            "quantization": self.quantization,
             "kv_cache_dtype": self.kv_cache_dtype(),
             "batch_invariant": self.batch_invariant,
         }

@@ -19,15 +19,20 @@ its own int8 copy).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.config import QUANTIZATIONS
+from engine.config import QUANTIZATIONS, EngineConfig
+from engine.prequantized import Grid, iter_prequantized, read_checkpoint_quant
+from engine.weights import iter_weights
 
+logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 _QMAX = 127
 # int4 groups: 32 inputs, the block of GGUF's 4-bit formats, so that the default model (shipped as
@@ -83,6 +88,38 @@ class Int4Weight:
     scales_and_zeros: Tensor  # (in / group_size, out, 2) bfloat16
     group_size: int
     shape: torch.Size  # the float weight's (out, in)
+    # GPTQ act-order: the inputs in group order (the packed columns are x[..., input_perm]'s)
+    input_perm: Tensor | None = None
+
+    @classmethod
+    def from_grid(
+        cls, q: Tensor, zeros: Tensor, scales: Tensor, g_idx: Tensor, group_size: int
+    ) -> Int4Weight:
+        """A checkpoint's own 4-bit values (AWQ, GPTQ): w = (q - zero) * scale per group, kept as they
+        are; only the scales and zeros round to bfloat16 (zero' = (8 - zero) * scale).
+
+        q: (out, in) in 0..15; zeros, scales: (out, groups); g_idx: (in,) the group of each input,
+        `group_size` members each (act-order checkpoints permute them: the inputs are reordered)."""
+        out_features, in_features = q.shape
+        order = torch.arange(in_features) // group_size
+        perm = None
+        if not torch.equal(g_idx, order):
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], order):
+                raise ValueError(f"every input group must hold {group_size} inputs")
+            q = q[:, perm]
+        # the kernel takes groups of 32 to 256: a larger group is several of them sharing one scale
+        kernel_group = next((g for g in (256, 128, 64, 32) if group_size % g == 0), None)
+        if kernel_group is None or out_features % 16 or in_features % kernel_group:
+            raise ValueError(
+                f"int4 kernels need groups of 32..256 and outputs in 16s, got {group_size}, {tuple(q.shape)}"
+            )
+        repeat = group_size // kernel_group
+        scale = scales.float().repeat_interleave(repeat, dim=1)
+        zero = ((8 - zeros.float()) * scales.float()).repeat_interleave(repeat, dim=1)
+        pairs = torch.stack((scale, zero), dim=-1).to(torch.bfloat16).transpose(0, 1).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        return cls(packed, pairs, kernel_group, torch.Size((out_features, in_features)), perm)
 
     @classmethod
     def quantize(cls, weight: Tensor, group_size: int | None = None) -> Int4Weight:
@@ -110,11 +147,13 @@ class Int4Weight:
     def dequantize(self) -> Tensor:
         """The float32 weight these values stand for (for tests and references)."""
         eye = torch.eye(self.shape[1], dtype=torch.bfloat16)
-        return self.matmul(eye).float().t().contiguous()
+        dense = self.matmul(eye).float().t()  # (out, in): column i is input i
+        return dense.contiguous()
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ w.T (+ bias) in x's dtype, from bfloat16 activations."""
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        rows = rows.contiguous() if self.input_perm is None else rows.index_select(1, self.input_perm)
         out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, self.group_size, self.scales_and_zeros
         )
@@ -175,3 +214,82 @@ def quantize_model(model: nn.Module, method: str) -> int:
         llama.lm_head = None
     llama.quantized_head = head
     return total + head.nbytes
+
+
+def serve_prequantized(model: nn.Module, grids: dict[str, Grid], head_too: bool = False) -> tuple[str, int]:
+    """A pre-quantized checkpoint's projections in the CPU kernels' forms, in place: 4-bit grids
+    (AWQ, GPTQ) as int4 with their own values; 8-bit grids and FP8 weights (already loaded as
+    floats) as per-channel int8. The LM head stays as the checkpoint has it (float), unless
+    `head_too`. Returns (the weights' form, bytes of the projections)."""
+    llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
+    fused = fuse_grids(grids, llama.param_name_of)
+    kinds: set[str] = set()
+    total = 0
+    for prefix, module in model.named_modules():
+        names = _PROJECTIONS.get(type(module).__name__, ())
+        for name in names:
+            grid = fused.get(f"{prefix}.{name}")
+            quantized: QuantizedWeight
+            if grid is not None and grid.bits == 4:
+                quantized = Int4Weight.from_grid(grid.q, grid.zeros, grid.scales, grid.g_idx, grid.group_size)
+            else:  # GPTQ 8-bit and FP8 (loaded dequantized): one scale per output channel
+                quantized = Int8Weight.quantize(getattr(module, name))
+            kinds.add("int4" if isinstance(quantized, Int4Weight) else "int8")
+            delattr(module, name)
+            setattr(module, name, quantized)
+            total += quantized.nbytes
+        if names:
+            setattr(module, "linear", quantization_aware(getattr(module, "linear")))  # noqa: B009, B010
+    if head_too:
+        head = Int8Weight.quantize(llama.embed_tokens if llama.lm_head is None else llama.lm_head)
+        llama.lm_head, llama.quantized_head = None, head
+        total += head.nbytes
+    return "+".join(sorted(kinds)), total
+
+
+def fuse_grids(
+    grids: dict[str, Grid], map_name: Callable[[str], tuple[str, int | None] | None]
+) -> dict[str, Grid]:
+    """HF-named grids (q_proj, k_proj, ...) -> the model's fused projections' (qkv_proj, ...)."""
+    shards: dict[str, dict[int, Grid]] = {}
+    for hf_name, grid in grids.items():
+        mapped = map_name(hf_name)
+        if mapped is None:
+            continue
+        name, shard = mapped
+        shards.setdefault(name, {})[shard or 0] = grid
+    return {name: Grid.concat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}
+
+
+def load_weights(model: nn.Module, model_dir: Path, config: EngineConfig, device: torch.device) -> str | None:
+    """Load the checkpoint into `model` and put its projections in the form they are served in;
+    returns the quantization served (a checkpoint's method, int8/int4 at load, or None).
+
+    A pre-quantized checkpoint (AWQ, GPTQ, FP8) is found from its config.json: on the CPU its
+    projections run in the int4/int8 kernels (4-bit grids as they are); on the GPU they are
+    dequantized to the model's dtype at load (no quantized GPU kernels yet)."""
+    llama: Any = model
+    dtype = next(model.parameters()).dtype
+    spec = read_checkpoint_quant(model_dir)
+    asked = config.quantization
+    if spec is None:
+        if asked is not None and asked not in QUANTIZATIONS:
+            raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
+        llama.load_weights(iter_weights(model_dir, dtype))
+        if asked is not None:
+            nbytes = quantize_model(model, asked)
+            logger.info("weights: %s, %.1f MiB of projections and LM head", asked, nbytes / 2**20)
+        return asked
+    if asked is not None and asked not in (spec.method, spec.source):
+        raise ValueError(
+            f"the checkpoint is already quantized ({spec.source}); quantization={asked!r} cannot apply: "
+            "leave it unset"
+        )
+    grids: dict[str, Grid] = {}
+    llama.load_weights(iter_prequantized(model_dir, spec, dtype, grids))
+    if device.type != "cpu":
+        logger.info("weights: %s checkpoint, dequantized to %s at load", spec.source, dtype)
+        return spec.source
+    form, nbytes = serve_prequantized(model, grids)
+    logger.info("weights: %s checkpoint as %s, %.1f MiB of projections", spec.source, form, nbytes / 2**20)
+    return spec.source

@@ -168,6 +168,10 @@ class LlamaForCausalLM(nn.Module):
             torch.mm(hidden, weight[start:end].t(), out=out[:, start:end])
         return out.float()
 
+    def param_name_of(self, hf_name: str) -> tuple[str, int | None] | None:
+        """A checkpoint tensor's (parameter, shard in a fused parameter), or None when not loaded."""
+        return _map_weight_name(hf_name, tied=self.lm_head is None)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (partly fused) parameters; every parameter must be set."""
         params = dict(self.named_parameters())
