@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import QUANTIZATIONS, EngineConfig
+from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.layers import kv_cache
 from engine.layers.attention import AttentionMetadata
 from engine.layers.backend import load_backend, resolve_backend_name
-from engine.layers.quant import load_weights
+from engine.layers.weight_loading import load_weights
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
 from engine.scheduler import ScheduledSeq
@@ -98,11 +98,6 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int
     ) -> None:
         self.device = resolve_device(config)
-        if config.quantization in QUANTIZATIONS and self.device.type != "cpu":
-            raise ValueError(
-                f"quantization={config.quantization!r} runs on the CPU path only (device "
-                f"{self.device}): serve the checkpoint's precision on the GPU"
-            )
         if self.device.type == "cuda":  # Triton and graph capture use the current device
             torch.cuda.set_device(self.device)
             if config.kv_cache_dtype == "fp8_e4m3" and torch.cuda.get_device_capability(self.device) < (8, 9):
@@ -127,7 +122,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.to(dtype=self.dtype)
-        self.quantization = load_weights(model, model_dir, config, self.device)
+        self.quantization = load_weights(model, model_dir, config, self.backend.is_triton)
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)

@@ -19,20 +19,16 @@ its own int8 copy).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.config import QUANTIZATIONS, EngineConfig
-from engine.prequantized import Grid, iter_prequantized, read_checkpoint_quant
-from engine.weights import iter_weights
+from engine.config import QUANTIZATIONS
+from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
 
-logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 _QMAX = 127
 # int4 groups: 32 inputs, the block of GGUF's 4-bit formats, so that the default model (shipped as
@@ -169,7 +165,7 @@ def _bf16_at_least(values: Tensor) -> Tensor:
     return torch.where(low, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+QuantizedWeight = Int8Weight | Int4Weight | TritonInt8Weight | TritonInt4Weight
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
@@ -177,9 +173,9 @@ def quantization_aware(linear: Linear) -> Callable[[Tensor, Tensor | QuantizedWe
     """`linear`, except that a quantized weight does its own product."""
 
     def project(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
-        if isinstance(weight, (Int8Weight, Int4Weight)):
-            return weight.matmul(x, bias)
-        return linear(x, weight, bias)
+        if isinstance(weight, Tensor):
+            return linear(x, weight, bias)
+        return weight.matmul(x, bias)
 
     return project
 
@@ -188,108 +184,35 @@ def quantization_aware(linear: Linear) -> Callable[[Tensor, Tensor | QuantizedWe
 _PROJECTIONS = {"Attention": ("qkv_proj", "o_proj"), "MLP": ("gate_up_proj", "down_proj")}
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Replace the model's projection weights and LM head by `method`'s form, in place; returns the
-    bytes the projections and the head now take."""
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {method!r}")
+def replace_projections(model: nn.Module, form: Callable[[str, Tensor], QuantizedWeight]) -> int:
+    """Every projection weight `name` of `prefix` becomes form(f"{prefix}.{name}", weight), in place;
+    returns the bytes they now take."""
     total = 0
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         names = _PROJECTIONS.get(type(module).__name__, ())
         for name in names:
-            weight = getattr(module, name)
-            quantized: QuantizedWeight = (
-                Int4Weight.quantize(weight) if method == "int4" else Int8Weight.quantize(weight)
-            )
+            quantized = form(f"{prefix}.{name}", getattr(module, name))
             delattr(module, name)  # a parameter: the plain attribute replaces it
             setattr(module, name, quantized)
             total += quantized.nbytes
         if names:
             setattr(module, "linear", quantization_aware(getattr(module, "linear")))  # noqa: B009, B010
+    return total
+
+
+def quantize_model(model: nn.Module, method: str, triton: bool = False) -> int:
+    """Replace the model's projection weights and LM head by `method`'s form, in place (the Triton
+    kernels' layouts when `triton`); returns the bytes the projections and the head now take."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {method!r}")
+    int8: Callable[[Tensor], QuantizedWeight] = TritonInt8Weight.quantize if triton else Int8Weight.quantize
+    int4: Callable[[Tensor], QuantizedWeight] = TritonInt4Weight.quantize if triton else Int4Weight.quantize
+    total = replace_projections(model, lambda _, w: int4(w) if method == "int4" else int8(w))
     llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
     # the LM head in int8 for int4 too: the logits of a whole vocabulary feel 4-bit steps most
-    head = Int8Weight.quantize(llama.embed_tokens if llama.lm_head is None else llama.lm_head)
+    head = int8(llama.embed_tokens if llama.lm_head is None else llama.lm_head)
     if llama.lm_head is not None:  # untied: the head's float weight is no longer read
         del llama.lm_head
         llama.lm_head = None
     llama.quantized_head = head
     return total + head.nbytes
-
-
-def serve_prequantized(model: nn.Module, grids: dict[str, Grid], head_too: bool = False) -> tuple[str, int]:
-    """A pre-quantized checkpoint's projections in the CPU kernels' forms, in place: 4-bit grids
-    (AWQ, GPTQ) as int4 with their own values; 8-bit grids and FP8 weights (already loaded as
-    floats) as per-channel int8. The LM head stays as the checkpoint has it (float), unless
-    `head_too`. Returns (the weights' form, bytes of the projections)."""
-    llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
-    fused = fuse_grids(grids, llama.param_name_of)
-    kinds: set[str] = set()
-    total = 0
-    for prefix, module in model.named_modules():
-        names = _PROJECTIONS.get(type(module).__name__, ())
-        for name in names:
-            grid = fused.get(f"{prefix}.{name}")
-            quantized: QuantizedWeight
-            if grid is not None and grid.bits == 4:
-                quantized = Int4Weight.from_grid(grid.q, grid.zeros, grid.scales, grid.g_idx, grid.group_size)
-            else:  # GPTQ 8-bit and FP8 (loaded dequantized): one scale per output channel
-                quantized = Int8Weight.quantize(getattr(module, name))
-            kinds.add("int4" if isinstance(quantized, Int4Weight) else "int8")
-            delattr(module, name)
-            setattr(module, name, quantized)
-            total += quantized.nbytes
-        if names:
-            setattr(module, "linear", quantization_aware(getattr(module, "linear")))  # noqa: B009, B010
-    if head_too:
-        head = Int8Weight.quantize(llama.embed_tokens if llama.lm_head is None else llama.lm_head)
-        llama.lm_head, llama.quantized_head = None, head
-        total += head.nbytes
-    return "+".join(sorted(kinds)), total
-
-
-def fuse_grids(
-    grids: dict[str, Grid], map_name: Callable[[str], tuple[str, int | None] | None]
-) -> dict[str, Grid]:
-    """HF-named grids (q_proj, k_proj, ...) -> the model's fused projections' (qkv_proj, ...)."""
-    shards: dict[str, dict[int, Grid]] = {}
-    for hf_name, grid in grids.items():
-        mapped = map_name(hf_name)
-        if mapped is None:
-            continue
-        name, shard = mapped
-        shards.setdefault(name, {})[shard or 0] = grid
-    return {name: Grid.concat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}
-
-
-def load_weights(model: nn.Module, model_dir: Path, config: EngineConfig, device: torch.device) -> str | None:
-    """Load the checkpoint into `model` and put its projections in the form they are served in;
-    returns the quantization served (a checkpoint's method, int8/int4 at load, or None).
-
-    A pre-quantized checkpoint (AWQ, GPTQ, FP8) is found from its config.json: on the CPU its
-    projections run in the int4/int8 kernels (4-bit grids as they are); on the GPU they are
-    dequantized to the model's dtype at load (no quantized GPU kernels yet)."""
-    llama: Any = model
-    dtype = next(model.parameters()).dtype
-    spec = read_checkpoint_quant(model_dir)
-    asked = config.quantization
-    if spec is None:
-        if asked is not None and asked not in QUANTIZATIONS:
-            raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
-        llama.load_weights(iter_weights(model_dir, dtype))
-        if asked is not None:
-            nbytes = quantize_model(model, asked)
-            logger.info("weights: %s, %.1f MiB of projections and LM head", asked, nbytes / 2**20)
-        return asked
-    if asked is not None and asked not in (spec.method, spec.source):
-        raise ValueError(
-            f"the checkpoint is already quantized ({spec.source}); quantization={asked!r} cannot apply: "
-            "leave it unset"
-        )
-    grids: dict[str, Grid] = {}
-    llama.load_weights(iter_prequantized(model_dir, spec, dtype, grids))
-    if device.type != "cpu":
-        logger.info("weights: %s checkpoint, dequantized to %s at load", spec.source, dtype)
-        return spec.source
-    form, nbytes = serve_prequantized(model, grids)
-    logger.info("weights: %s checkpoint as %s, %.1f MiB of projections", spec.source, form, nbytes / 2**20)
-    return spec.source

@@ -294,3 +294,32 @@ def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(CheckpointFormatError, match="up_proj lacks qzeros"):
         LLM(str(folder))
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU interpreter path; on CUDA the gpu tests cover it"
+)
+@pytest.mark.parametrize(
+    ("method", "bits", "act_order"), [("awq", 4, False), ("gptq", 4, True), ("gptq", 8, False)]
+)
+def test_the_triton_backend_serves_the_grids_exactly(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path, method: str, bits: int, act_order: bool
+) -> None:
+    from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
+
+    source = tiny_model_factory("llama")
+    folder, exact = _quantized_checkpoint(tmp_path, source, method, bits, 32, act_order)
+    llm = LLM(str(folder), attention_backend="triton", enable_prefix_caching=False, max_model_len=128)
+    qkv, down = _served(llm)["qkv"], _served(llm)["down"]
+    assert isinstance(qkv, TritonInt4Weight if bits == 4 else TritonInt8Weight)
+    want = torch.cat([exact[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    if bits == 4:  # float32 scales and offsets: the grid's own values, bit for bit
+        assert torch.equal(qkv.dequantize(), want)
+        assert torch.equal(down.dequantize(), exact["model.layers.0.mlp.down_proj.weight"])
+    else:
+        assert float((qkv.dequantize() - want).abs().max()) <= float(want.abs().amax()) / 254 + 1e-6
+    # the kernels compute what the served weights, dequantized, do
+    from tests.engine.test_quant import float_twin_logprobs
+
+    ours, twin = float_twin_logprobs(llm, str(source), [(i * 13) % 500 + 3 for i in range(20)])
+    torch.testing.assert_close(ours, twin, atol=2e-4, rtol=0)

@@ -1,0 +1,93 @@
+"""Loading a checkpoint into the model, with each projection in the form it is served in.
+
+A float checkpoint loads as it is, then `quantization` int8/int4 quantizes it. A pre-quantized one
+(AWQ, GPTQ, FP8; engine/prequantized.py, found from config.json) is unpacked and served by the
+quantized kernels: on the CPU the torch packed-int kernels (4-bit grids as int4 with their own
+values; 8-bit grids and FP8 as per-channel int8), with the Triton backend (the GPU) the Triton
+int4/int8 matmuls of kernels/quant_matmul.py in the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import QUANTIZATIONS, EngineConfig
+from engine.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, quantize_model, replace_projections
+from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
+from engine.prequantized import Grid, iter_prequantized, read_checkpoint_quant
+from engine.weights import iter_weights
+
+logger = logging.getLogger(__name__)
+
+
+def load_weights(model: nn.Module, model_dir: Path, config: EngineConfig, triton: bool) -> str | None:
+    """Load the checkpoint into `model` and put its projections in their served form; returns the
+    quantization served (the checkpoint's method, int8/int4 at load, or None)."""
+    llama: Any = model
+    dtype = next(model.parameters()).dtype
+    spec = read_checkpoint_quant(model_dir)
+    asked = config.quantization
+    if spec is None:
+        if asked is not None and asked not in QUANTIZATIONS:
+            raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
+        llama.load_weights(iter_weights(model_dir, dtype))
+        if asked is not None:
+            nbytes = quantize_model(model, asked, triton)
+            logger.info("weights: %s, %.1f MiB of projections and LM head", asked, nbytes / 2**20)
+        return asked
+    if asked is not None and asked not in (spec.method, spec.source):
+        raise ValueError(
+            f"the checkpoint is already quantized ({spec.source}); quantization={asked!r} cannot apply: "
+            "leave it unset"
+        )
+    grids: dict[str, Grid] = {}
+    llama.load_weights(iter_prequantized(model_dir, spec, dtype, grids))
+    form, nbytes = serve_prequantized(model, grids, triton)
+    logger.info("weights: %s checkpoint as %s, %.1f MiB of projections", spec.source, form, nbytes / 2**20)
+    return spec.source
+
+
+def serve_prequantized(model: nn.Module, grids: dict[str, Grid], triton: bool = False) -> tuple[str, int]:
+    """A pre-quantized checkpoint's projections in the kernels' forms, in place: 4-bit grids as
+    int4 with their own values; 8-bit grids and FP8 weights (loaded as floats) as per-channel int8.
+    The LM head stays as the checkpoint has it. Returns (the forms used, bytes of the projections)."""
+    llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
+    fused = fuse_grids(grids, llama.param_name_of)
+    kinds: set[str] = set()
+
+    def form(name: str, weight: torch.Tensor) -> QuantizedWeight:
+        grid = fused.get(name)
+        quantized: QuantizedWeight
+        if grid is not None and grid.bits == 4 and triton:
+            quantized = TritonInt4Weight.from_grid(
+                grid.q, grid.zeros, grid.scales, grid.g_idx, grid.group_size, weight.device
+            )
+        elif grid is not None and grid.bits == 4:
+            quantized = Int4Weight.from_grid(grid.q, grid.zeros, grid.scales, grid.g_idx, grid.group_size)
+        else:  # GPTQ 8-bit and FP8, loaded dequantized: one scale per output channel
+            quantized = TritonInt8Weight.quantize(weight) if triton else Int8Weight.quantize(weight)
+        kinds.add("int4" if isinstance(quantized, Int4Weight | TritonInt4Weight) else "int8")
+        return quantized
+
+    total = replace_projections(model, form)
+    return "+".join(sorted(kinds)), total
+
+
+def fuse_grids(
+    grids: dict[str, Grid], map_name: Callable[[str], tuple[str, int | None] | None]
+) -> dict[str, Grid]:
+    """HF-named grids (q_proj, k_proj, ...) -> the model's fused projections' (qkv_proj, ...)."""
+    shards: dict[str, dict[int, Grid]] = {}
+    for hf_name, grid in grids.items():
+        mapped = map_name(hf_name)
+        if mapped is None:
+            continue
+        name, shard = mapped
+        shards.setdefault(name, {})[shard or 0] = grid
+    return {name: Grid.concat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}

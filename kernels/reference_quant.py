@@ -1,0 +1,46 @@
+"""Torch twins of kernels/quant_matmul.py, and the int4 layout's packing (the definition of it)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in 0..15 -> (K / 8, N) int32: k = 8 * row + j at bits 4j..4j+3 of the word."""
+    n, k = q.shape
+    if k % 8:
+        raise ValueError(f"int4 packing needs K in multiples of 8, got {k}")
+    v = q.t().to(torch.int64).reshape(k // 8, 8, n)
+    words = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        words |= v[:, j] << (4 * j)
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # the same 32 bits, as int32
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: (K / 8, N) int32 -> (N, K) int32."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    values = (qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # (K / 8, 8, N)
+    return values.reshape(-1, qweight.shape[1]).t()
+
+
+def int4_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The float32 (N, K) weight of an int4 layout."""
+    q = unpack_int4(qweight).float()  # (N, K)
+    groups = torch.arange(q.shape[1], device=q.device) // group_size
+    return q * scales.t()[:, groups] + offsets.t()[:, groups]
+
+
+def int4_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x (..., K) @ W.T in x's dtype; W dequantized to x's dtype first (as the kernel's tiles are)."""
+    w = int4_weight(qweight, scales, offsets, group_size).to(x.dtype)
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (..., K) @ (qweight * scales[:, None]).T in x's dtype, accumulated in float32."""
+    return ((x.float() @ qweight.float().t()) * scales.float()).to(x.dtype)
