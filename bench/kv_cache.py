@@ -7,7 +7,7 @@ submitted at once): the pool's blocks, how they compare with bfloat16's in the s
 GPU's dtype; on CPU the model runs float32), the preemptions, output tokens per second, and the
 batch-1 decode ms/token at a `--long-context` token context (the dequantization's cost).
 
-Usage: python bench/kv_cache.py [--memory-mib 24] [--requests 32] [--prompt-len 384]
+Usage: python bench/kv_cache.py [--memory-mib 64] [--requests 16] [--prompt-len 256]
            [--new-tokens 64] [--long-context 1024] [--threads 2] [--quantization int4]
 """
 
@@ -60,9 +60,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--memory-mib", type=int, default=24)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=384)
+    parser.add_argument("--memory-mib", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--long-context", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
