@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import CHECKPOINT_QUANTIZATIONS, QUANTIZATIONS, EngineConfig
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +60,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4", "awq", "gptq", "fp8", "compressed-tensors"],
-        help="quantize the weights at load time (CPU): int8 = one scale per output channel; "
-        "int4 = groups of 32 inputs, LM head in int8. A pre-quantized checkpoint (awq, gptq, fp8, "
+        choices=[*QUANTIZATIONS, *CHECKPOINT_QUANTIZATIONS],
+        help="quantize at load time: int8 = weights with one scale per output channel; int4 = "
+        "groups of 32 inputs, LM head in int8; w8a8 = int8 weights and int8 activations (a scale "
+        "per row), fastest for batches on the CPU. A pre-quantized checkpoint (awq, gptq, fp8, "
         "compressed-tensors) is found from its config.json; naming its method only checks it",
     )
     parser.add_argument(

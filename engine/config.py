@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("int8", "int4")  # weight quantization at load time (engine/layers/quant.py)
+# quantization at load time (engine/layers/quant.py): int8 / int4 weights; w8a8: int8 weights
+# and int8 activations (one scale per row)
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 # pre-quantized checkpoints, read from their own layouts (engine/prequantized.py); found from
 # config.json when `quantization` is unset
 CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "fp8", "compressed-tensors")

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.layers.quant import Int4Weight, Int8Weight, quantization_aware
+from engine.layers.quant import Int4Weight, Int8Weight, W8A8Weight, quantization_aware
 from engine.outputs import RequestOutput
 from tests.engine.server_proc import ServerProcess
 
@@ -50,6 +50,23 @@ def test_the_int8_product_matches_the_dequantized_weight_on_bfloat16_activations
     assert torch.equal(project(x, q, bias), got) and torch.equal(project(x, w, None), x @ w.T)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_the_w8a8_product_is_the_integer_product_of_both_rounded_operands(rows: int) -> None:
+    w, bias = _weight(80, 96, 5), torch.randn(80)
+    q = W8A8Weight.quantize(w)
+    assert q.qweight.shape == (96, 80) and q.shape == (80, 96) and q.nbytes == 96 * 80 + 4 * 80
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    x[0, 7] = 30.0  # an outlier sets its row's scale, not the other rows'
+    row_scale = x.abs().amax(dim=1, keepdim=True) / 127
+    codes = torch.round(x / row_scale)
+    want = (codes @ q.qweight.float()) * row_scale * q.scales + bias  # exact integer products
+    torch.testing.assert_close(q.matmul(x, bias), want, rtol=1e-5, atol=1e-5)
+    # and near the float product for weights and activations without outliers
+    gen = torch.Generator().manual_seed(9)
+    plain, y = torch.randn(80, 96, generator=gen) * 0.1, torch.randn(rows, 96, generator=gen)
+    torch.testing.assert_close(W8A8Weight.quantize(plain).matmul(y), y @ plain.T, rtol=0, atol=0.05)
+
+
 def test_int4_values_are_within_half_a_step_of_their_group() -> None:
     w = _weight(64, 96, 3)
     q = Int4Weight.quantize(w)
@@ -65,7 +82,7 @@ def test_int4_values_are_within_half_a_step_of_their_group() -> None:
         Int4Weight.quantize(torch.randn(8, 40))
 
 
-@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight, W8A8Weight])
 def test_a_rows_quantized_product_does_not_depend_on_the_other_rows(kind: type) -> None:
     q = kind.quantize(_weight(160, 96, 4))
     row = torch.randn(1, 96)
@@ -103,7 +120,7 @@ def _logprobs(out: RequestOutput) -> list[list[tuple[int, float]]]:
     return [sorted((t, lp.logprob) for t, lp in entry.items()) for entry in out.outputs[0].logprobs]
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
 def test_a_quantized_engine_keeps_batch_invariance_and_close_logprobs(
     tiny_model_factory: Callable[..., Path], quantization: str
 ) -> None:
@@ -120,7 +137,7 @@ def test_a_quantized_engine_keeps_batch_invariance_and_close_logprobs(
         "kv_cache_dtype": "float32",
         "batch_invariant": True,
     }
-    kind = Int8Weight if quantization == "int8" else Int4Weight
+    kind = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": W8A8Weight}[quantization]
     assert isinstance(runner.model.layers[0].mlp.down_proj, kind)
     assert runner.model.lm_head is None and runner.model.quantized_head is not None
     first = alone.generate([prompt], params, use_tqdm=False)[0]
