@@ -51,7 +51,7 @@ class EngineConfig:
     batch_invariant: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    quantization: str | None = None  # None: the checkpoint's own; int8/int4 at load; awq/gptq/fp8 as read
+    quantization: str | None = None  # None: the checkpoint's own; int8/int4/w8a8 at load; awq/gptq/fp8
     kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3" ("fp8"): per token-head codes, ~2x the blocks
     # Per-request caps, checked when a request is admitted (HTTP 400 naming the parameter).
     # They bound the work and memory one request can claim; the defaults allow what OpenAI does

@@ -6,6 +6,8 @@ import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -122,7 +124,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.to(dtype=self.dtype)
-        self.quantization = load_weights(model, model_dir, config, self.backend.is_triton)
+        calibrate = lambda tokens: self._prefill_alone(model, tokens)  # noqa: E731 - w8a8's smoothing
+        self.quantization = load_weights(model, model_dir, config, self.backend.is_triton, calibrate)
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
@@ -145,6 +148,18 @@ class ModelRunner:
                 num_kv_heads=model_config.num_kv_heads,
                 max_model_len=max_model_len,
             )
+
+    @torch.inference_mode()
+    def _prefill_alone(self, model: torch.nn.Module, tokens: list[int]) -> None:
+        """One prefill of `tokens` (at most max_model_len of them) over a pool of its own
+        (load-time calibration, before the KV pool is planned)."""
+        tokens = tokens[: self.max_model_len]
+        num_blocks = -(-len(tokens) // self.block_size)
+        seq: Any = SimpleNamespace(token_ids=tokens, num_computed_tokens=0, num_tokens=len(tokens))
+        seq.block_table = list(range(num_blocks))
+        input_ids, positions, meta, _ = self.prepare([ScheduledSeq(seq, len(tokens))])
+        pool = [self.allocate_kv(num_blocks) for _ in range(self.model_config.num_layers)]
+        model(input_ids, positions, pool, meta)
 
     def allocate_kv(self, num_blocks: int) -> kv_cache.LayerKVCache:
         """One layer's zeroed pool of num_blocks blocks, stored as kv_cache_dtype says."""

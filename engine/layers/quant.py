@@ -250,7 +250,14 @@ def quantize_model(model: nn.Module, method: str, triton: bool = False) -> int:
     int8: Callable[[Tensor], QuantizedWeight] = TritonInt8Weight.quantize if triton else Int8Weight.quantize
     int4: Callable[[Tensor], QuantizedWeight] = TritonInt4Weight.quantize if triton else Int4Weight.quantize
     forms = {"int8": int8, "int4": int4, "w8a8": int8 if triton else W8A8Weight.quantize}
-    total = replace_projections(model, lambda _, w: forms[method](w))
+
+    def form(name: str, weight: Tensor) -> QuantizedWeight:
+        # w8a8: int8 activations for the norm-fed projections (QKV, gate/up; smoothed first by
+        # engine/layers/smoothing.py); o_proj and down_proj stay weight-only int8
+        weight_only = method == "w8a8" and name.endswith(("o_proj", "down_proj"))
+        return int8(weight) if weight_only else forms[method](weight)
+
+    total = replace_projections(model, form)
     llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
     # the LM head in int8 for int4 too: the logits of a whole vocabulary feel 4-bit steps most
     head = int8(llama.embed_tokens if llama.lm_head is None else llama.lm_head)

@@ -20,15 +20,23 @@ from torch import nn
 from engine.config import QUANTIZATIONS, EngineConfig
 from engine.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, quantize_model, replace_projections
 from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
+from engine.layers.smoothing import input_maxima, smooth
 from engine.prequantized import Grid, iter_prequantized, read_checkpoint_quant
 from engine.weights import iter_weights
 
 logger = logging.getLogger(__name__)
 
 
-def load_weights(model: nn.Module, model_dir: Path, config: EngineConfig, triton: bool) -> str | None:
+def load_weights(
+    model: nn.Module,
+    model_dir: Path,
+    config: EngineConfig,
+    triton: bool,
+    prefill: Callable[[list[int]], None] | None = None,
+) -> str | None:
     """Load the checkpoint into `model` and put its projections in their served form; returns the
-    quantization served (the checkpoint's method, int8/int4 at load, or None)."""
+    quantization served (the checkpoint's method, int8/int4/w8a8 at load, or None). `prefill` runs
+    the float model over tokens: w8a8 calibrates its smoothing with it (engine/layers/smoothing.py)."""
     llama: Any = model
     dtype = next(model.parameters()).dtype
     spec = read_checkpoint_quant(model_dir)
@@ -37,6 +45,9 @@ def load_weights(model: nn.Module, model_dir: Path, config: EngineConfig, triton
         if asked is not None and asked not in QUANTIZATIONS:
             raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
         llama.load_weights(iter_weights(model_dir, dtype))
+        if asked == "w8a8" and not triton and prefill is not None:
+            smoothed = smooth(model, input_maxima(model, prefill))
+            logger.info("w8a8: %d norm-fed projections smoothed", smoothed)
         if asked is not None:
             nbytes = quantize_model(model, asked, triton)
             logger.info("weights: %s, %.1f MiB of projections and LM head", asked, nbytes / 2**20)

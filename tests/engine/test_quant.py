@@ -138,7 +138,8 @@ def test_a_quantized_engine_keeps_batch_invariance_and_close_logprobs(
         "batch_invariant": True,
     }
     kind = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": W8A8Weight}[quantization]
-    assert isinstance(runner.model.layers[0].mlp.down_proj, kind)
+    assert isinstance(runner.model.layers[0].mlp.gate_up_proj, kind)
+    assert isinstance(runner.model.layers[0].mlp.down_proj, Int8Weight if quantization == "w8a8" else kind)
     assert runner.model.lm_head is None and runner.model.quantized_head is not None
     first = alone.generate([prompt], params, use_tqdm=False)[0]
     # the same request chunked inside a batch, and from a cached prefix: bit-identical logprobs
@@ -218,3 +219,26 @@ def test_the_triton_backend_quantizes_at_load_for_its_own_kernels(
     drift = float((prefill_logprobs(full, tokens) - ours).abs().mean())
     # and near full precision (a random model of width 64 feels 4-bit steps far more than a trained one)
     assert drift < (0.05 if quantization == "int8" else 0.5)
+
+
+def test_smoothing_moves_outliers_into_the_weights_without_changing_the_model(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    from engine.evaluate import prefill_logprobs
+    from engine.layers.smoothing import input_maxima, smooth
+
+    llm = LLM(str(tiny_model_factory("llama")), enable_prefix_caching=False, max_model_len=128)
+    runner = llm.engine.runner
+    model = runner.model
+    tokens = [(i * 19) % 500 + 3 for i in range(40)]
+    before = prefill_logprobs(llm, tokens)
+    linears = [layer.mlp.linear for layer in model.layers]
+    maxima = input_maxima(model, lambda t: runner._prefill_alone(model, t))
+    assert [layer.mlp.linear for layer in model.layers] == linears  # the recorders are gone
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert maxima[id(qkv)].shape == (qkv.shape[1],) and bool((maxima[id(qkv)] > 0).all())
+    spread = float(maxima[id(qkv)].max() / maxima[id(qkv)].median())
+    assert smooth(model, maxima) == 2 * len(model.layers)
+    after_act = input_maxima(model, lambda t: runner._prefill_alone(model, t))[id(qkv)]
+    assert float(after_act.max() / after_act.median()) < spread  # the inputs' outliers are flatter
+    torch.testing.assert_close(prefill_logprobs(llm, tokens), before, atol=1e-4, rtol=0)  # same model
