@@ -249,7 +249,7 @@ def quantize_model(model: nn.Module, method: str, triton: bool = False) -> int:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {method!r}")
     int8: Callable[[Tensor], QuantizedWeight] = TritonInt8Weight.quantize if triton else Int8Weight.quantize
     int4: Callable[[Tensor], QuantizedWeight] = TritonInt4Weight.quantize if triton else Int4Weight.quantize
-    forms = {"int8": int8, "int4": int4, "w8a8": int8 if triton else W8A8Weight.quantize}
+    forms = {"int8": int8, "int4": int4, "w8a8": W8A8Weight.quantize}
 
     def form(name: str, weight: Tensor) -> QuantizedWeight:
         # w8a8: int8 activations for the norm-fed projections (QKV, gate/up; smoothed first by

@@ -39,13 +39,15 @@ def load_weights(
     the float model over tokens: w8a8 calibrates its smoothing with it (engine/layers/smoothing.py)."""
     llama: Any = model
     dtype = next(model.parameters()).dtype
-    spec = read_checkpoint_quant(model_dir)
     asked = config.quantization
+    if asked == "w8a8" and triton:
+        raise ValueError("quantization='w8a8' runs on the CPU path (torch's integer matmul): use 'int8' here")
+    spec = read_checkpoint_quant(model_dir)
     if spec is None:
         if asked is not None and asked not in QUANTIZATIONS:
             raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
         llama.load_weights(iter_weights(model_dir, dtype))
-        if asked == "w8a8" and not triton and prefill is not None:
+        if asked == "w8a8" and prefill is not None:
             smoothed = smooth(model, input_maxima(model, prefill))
             logger.info("w8a8: %d norm-fed projections smoothed", smoothed)
         if asked is not None:

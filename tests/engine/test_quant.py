@@ -93,9 +93,14 @@ def test_a_rows_quantized_product_does_not_depend_on_the_other_rows(kind: type) 
         assert torch.equal(q.matmul(batch)[at], alone)
 
 
-def test_an_unknown_quantization_is_refused() -> None:
+def test_an_unknown_quantization_and_w8a8_off_the_cpu_path_are_refused(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")
+    if not torch.cuda.is_available():  # the Triton backend runs here through the interpreter
+        with pytest.raises(ValueError, match="'w8a8' runs on the CPU path"):
+            LLM(str(tiny_model_factory("llama")), attention_backend="triton", quantization="w8a8")
 
 
 @pytest.mark.gpu
