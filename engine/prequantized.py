@@ -160,6 +160,10 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words -> their 32 / bits values, lowest bits first, laid out along `dim`."""
+    if packed.dim() != 2 or packed.dtype != torch.int32:
+        raise CheckpointFormatError(
+            f"packed weights must be 2-D int32, got {packed.dtype} {tuple(packed.shape)}"
+        )
     per_word = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., per_word)
@@ -180,7 +184,7 @@ def _awq_grid(t: dict[str, torch.Tensor], group_size: int) -> Grid:
     group = in_features if group_size == -1 else group_size
     zeros = unpack(t["qzeros"]).float()  # (groups, out)
     scales = t["scales"].float()
-    _check_groups(zeros, scales, in_features, group)
+    _check_groups(zeros, scales, q, group)
     g_idx = torch.arange(in_features) // group
     return Grid(q.t().contiguous(), zeros.t().contiguous(), scales.t().contiguous(), g_idx, 4, group)
 
@@ -191,7 +195,7 @@ def _gptq_grid(t: dict[str, torch.Tensor], spec: CheckpointQuant) -> Grid:
     zeros = (_unpack(t["qzeros"], spec.bits, dim=1)[:, :out_features] + spec.zero_offset).float()
     scales = t["scales"].float()
     group = in_features if spec.group_size == -1 else spec.group_size
-    _check_groups(zeros, scales, in_features, group)
+    _check_groups(zeros, scales, q, group)
     contiguous = torch.arange(in_features) // group
     g_idx = t["g_idx"].to(torch.int64) if "g_idx" in t else contiguous
     if g_idx.shape != (in_features,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= zeros.shape[0]:
@@ -199,12 +203,14 @@ def _gptq_grid(t: dict[str, torch.Tensor], spec: CheckpointQuant) -> Grid:
     return Grid(q.t().contiguous(), zeros.t().contiguous(), scales.t().contiguous(), g_idx, spec.bits, group)
 
 
-def _check_groups(zeros: torch.Tensor, scales: torch.Tensor, in_features: int, group: int) -> None:
+def _check_groups(zeros: torch.Tensor, scales: torch.Tensor, q: torch.Tensor, group: int) -> None:
+    """zeros and scales (groups, out) fit q (in, out) in groups of `group` inputs."""
+    in_features, out_features = q.shape
     groups = -(-in_features // group)
-    if scales.shape[0] != groups or zeros.shape[0] != groups or zeros.shape[1] != scales.shape[1]:
+    if scales.dim() != 2 or scales.shape != (groups, out_features) or zeros.shape != scales.shape:
         raise CheckpointFormatError(
             f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit {in_features} inputs "
-            f"in groups of {group}"
+            f"in groups of {group} and {out_features} outputs"
         )
 
 
@@ -217,6 +223,9 @@ def _fp8_weight(t: dict[str, torch.Tensor], spec: CheckpointQuant) -> torch.Tens
     s = scale.float()
     if spec.block is not None:  # (ceil(out / bo), ceil(in / bi)) -> one scale per block
         bo, bi = spec.block
+        blocks = (-(-w.shape[0] // bo), -(-w.shape[1] // bi))
+        if tuple(s.shape) != blocks:
+            raise CheckpointFormatError(f"block scales {tuple(s.shape)} do not fit a weight {tuple(w.shape)}")
         s = s.repeat_interleave(bo, dim=0)[: w.shape[0]].repeat_interleave(bi, dim=1)[:, : w.shape[1]]
     elif s.numel() > 1:
         s = s.reshape(-1, 1)  # one scale per output channel

@@ -242,6 +242,13 @@ def test_fp8_checkpoints_read_their_scales(
                   "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
                   "ignore": ["lm_head", "re:.*down_proj"]}  # fmt: skip
     folder = _write(tmp_path / layout, source, config, tensors)
+    if layout == "fp8-block":  # block scales of the wrong shape are refused by name
+        broken = dict(tensors)
+        name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+        broken[name] = broken[name][:1]
+        bad = _write(tmp_path / "fp8-bad", source, config, broken)
+        with pytest.raises(CheckpointFormatError, match="block scales"):
+            LLM(str(bad))
     spec = read_checkpoint_quant(folder)
     assert spec is not None and spec.method == "fp8"
     loaded = dict(iter_prequantized(folder, spec, torch.float32, {}))
@@ -293,6 +300,21 @@ def test_a_quantization_that_does_not_match_the_checkpoint_is_refused(
     del tensors["model.layers.1.mlp.up_proj.qzeros"]
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(CheckpointFormatError, match="up_proj lacks qzeros"):
+        LLM(str(folder))
+    # scales for other outputs than the packed weights hold
+    tensors = load_file(str(folder / "model.safetensors"))
+    layer0, layer1 = "model.layers.0.self_attn", "model.layers.1.mlp"
+    tensors[f"{layer1}.up_proj.qzeros"] = tensors[f"{layer1}.gate_proj.qzeros"].clone()  # back in place
+    k_scales = tensors[f"{layer0}.k_proj.scales"]
+    tensors[f"{layer0}.k_proj.scales"] = tensors[f"{layer0}.q_proj.scales"].clone()  # 64 outputs, not 32
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match="do not fit 64 inputs in groups of 32 and 32 outputs"):
+        LLM(str(folder))
+    # a packed tensor of the wrong kind
+    tensors[f"{layer0}.k_proj.scales"] = k_scales
+    tensors[f"{layer0}.k_proj.qweight"] = tensors[f"{layer0}.k_proj.qweight"].float()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match="packed weights must be 2-D int32"):
         LLM(str(folder))
 
 
