@@ -37,14 +37,17 @@ def store_kv(
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        if scales is None:
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
-            continue
-        codes, s = kv_quant.quantize(x, cache.dtype)
-        store = kv_quant.storage_view(cache).view(-1, num_kv_heads, head_dim)
-        store.index_copy_(0, slots, kv_quant.storage_view(codes))
-        scales.view(-1, num_kv_heads).index_copy_(0, slots, s)
+    if k_scale is None or v_scale is None:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+        return
+    # K and V quantized in one pass (each token-head on its own either way: the same codes)
+    codes, s = kv_quant.quantize(torch.stack((key, value)), k_cache.dtype)
+    for cache, scales, c, sc in ((k_cache, k_scale, codes[0], s[0]), (v_cache, v_scale, codes[1], s[1])):
+        kv_quant.storage_view(cache).view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slots, kv_quant.storage_view(c)
+        )
+        scales.view(-1, num_kv_heads).index_copy_(0, slots, sc)
 
 
 def gather_kv(
