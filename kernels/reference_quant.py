@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) weight -> int8 codes (out, in) and float32 scales (out,): symmetric per row,
+    scale = max |row| / 127 (the int8 layout of int8_matmul)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(N, K) values in 0..15 -> (K / 8, N) int32: k = 8 * row + j at bits 4j..4j+3 of the word."""
     n, k = q.shape

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.config import QUANTIZATIONS
 from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
+from kernels import reference_quant
 
 Tensor = torch.Tensor
 _QMAX = 127
@@ -87,9 +88,7 @@ class W8A8Weight:
     @classmethod
     def quantize(cls, weight: Tensor) -> W8A8Weight:
         """Symmetric per output channel: scale = max |w_row| / 127."""
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / _QMAX).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scale[:, None]).clamp(-_QMAX, _QMAX).to(torch.int8)
+        q, scale = reference_quant.quantize_int8_rows(weight)
         return cls(q.t().contiguous(), scale)
 
     @property

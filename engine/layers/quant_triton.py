@@ -106,9 +106,7 @@ class TritonInt8Weight:
     @classmethod
     def quantize(cls, weight: Tensor) -> TritonInt8Weight:
         """Symmetric per output channel: scale = max |w_row| / 127."""
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        q, scale = reference_quant.quantize_int8_rows(weight)
         return cls(q.contiguous(), scale)
 
     @property
