@@ -1,4 +1,6 @@
-"""Weight-only quantization at load time (`quantization="int8"` or `"int4"`): the CPU path.
+"""Quantization at load time (`quantization="int8"`, `"int4"`, `"w8a8"`): the CPU forms, and the
+one place a model's projections are replaced (`replace_projections`; the Triton backend's forms
+are in quant_triton.py, which form a checkpoint gets in weight_loading.py).
 
 Decode reads every weight once per step, so fewer bytes are most of the speed. Each projection
 (QKV, output, gate/up, down) becomes
@@ -12,6 +14,9 @@ activations (their float32-activation variants are ~10x slower here; bfloat16 mo
 0.01%) and compute each row on its own, so a quantized engine stays batch-invariant. The default
 model's figures (batch-1 step ~28 ms int8, ~25 ms int4, against 51–80 ms in float32; perplexity
 +0.15% and +0.21%) are in docs/quantization.md.
+
+- w8a8 (`W8A8Weight`, QKV and gate/up only): int8 weights times int8 activations with one scale per
+  row, through torch's integer matmul; several times faster for batches (see the class).
 
 The embedding table stays in the model's dtype for the lookups (tied to the LM head, the head gets
 its own int8 copy).
