@@ -13,6 +13,18 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
+def group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input permutation that makes a checkpoint's groups contiguous (GPTQ act-order), or None
+    when input i already belongs to group i // group_size; refuses groups not of group_size."""
+    order = torch.arange(g_idx.shape[0], device=g_idx.device) // group_size
+    if torch.equal(g_idx, order):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], order):
+        raise ValueError(f"every input group must hold {group_size} inputs")
+    return perm
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(N, K) values in 0..15 -> (K / 8, N) int32: k = 8 * row + j at bits 4j..4j+3 of the word."""
     n, k = q.shape

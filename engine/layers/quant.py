@@ -143,12 +143,8 @@ class Int4Weight:
         q: (out, in) in 0..15; zeros, scales: (out, groups); g_idx: (in,) the group of each input,
         `group_size` members each (act-order checkpoints permute them: the inputs are reordered)."""
         out_features, in_features = q.shape
-        order = torch.arange(in_features) // group_size
-        perm = None
-        if not torch.equal(g_idx, order):
-            perm = torch.argsort(g_idx, stable=True)
-            if not torch.equal(g_idx[perm], order):
-                raise ValueError(f"every input group must hold {group_size} inputs")
+        perm = reference_quant.group_order(g_idx, group_size)
+        if perm is not None:
             q = q[:, perm]
         # the kernel takes groups of 32 to 256: a larger group is several of them sharing one scale
         kernel_group = next((g for g in (256, 128, 64, 32) if group_size % g == 0), None)

@@ -44,12 +44,8 @@ class TritonInt4Weight:
     ) -> TritonInt4Weight:
         """A checkpoint's grid: q (out, in) in 0..15, zeros and scales (out, groups), g_idx (in,)."""
         out_features, in_features = q.shape
-        order = torch.arange(in_features) // group_size
-        perm = None
-        if not torch.equal(g_idx, order):
-            perm = torch.argsort(g_idx, stable=True)
-            if not torch.equal(g_idx[perm], order):
-                raise ValueError(f"every input group must hold {group_size} inputs")
+        perm = reference_quant.group_order(g_idx, group_size)
+        if perm is not None:
             q = q[:, perm]
         s = scales.float()
         return cls(
