@@ -73,6 +73,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="KV pool storage: auto = the model's dtype; int8 / fp8_e4m3 (fp8) = codes with a scale per "
         "token and KV head (about 2x the blocks of bfloat16, 3.9x float32)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as JSON with vLLM\'s names: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup); unset: off',
+    )
     parser.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling draws from it)")
     caps = parser.add_argument_group("per-request caps (HTTP 400 naming the parameter when exceeded)")
     caps.add_argument("--max-prompts", type=int, default=32, help="prompts in one /v1/completions list")

@@ -266,7 +266,7 @@ class AsyncLLMEngine:
             engine = LLMEngine(self.config)
             info = model_info(
                 self.model_name, self.config.model, engine.max_model_len, engine.tokenizer, engine.model_dir,
-                engine.runner.precision(),
+                engine.runner.precision(), engine.speculative_settings(),
             )  # fmt: skip
         except Exception:
             logger.exception("loading the model failed")
@@ -276,8 +276,9 @@ class AsyncLLMEngine:
         self.engine, self.model_info, self._inputs = engine, info, engine.inputs
         self._heartbeat = time.monotonic()
         self._state = EngineState.READY
-        logger.info("engine ready: %s (%s)", self.model_name,
-                    ", ".join(f"{k} {v}" for k, v in info.precision.items()))  # fmt: skip
+        logger.info("engine ready: %s (%s; speculative decoding %s)", self.model_name,
+                    ", ".join(f"{k} {v}" for k, v in info.precision.items()),
+                    "off" if info.speculative is None else dict(info.speculative))  # fmt: skip
         try:
             self._loop_forever(engine)
         except Exception:

@@ -130,6 +130,16 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._pop_free())
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (held for drafts that were rejected)."""
+        keep = self.num_blocks_for(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.block_hash is None, "a draft's block is its own"
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.spec_decode.config import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # quantization at load time (engine/layers/quant.py): int8 / int4 weights; w8a8: int8 weights
 # and int8 activations (one scale per row)
@@ -53,6 +55,9 @@ class EngineConfig:
     enforce_eager: bool = False
     quantization: str | None = None  # None: the checkpoint's own; int8/int4/w8a8 at load; awq/gptq/fp8
     kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3" ("fp8"): per token-head codes, ~2x the blocks
+    # speculative decoding: vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) or
+    # its JSON text, checked into a SpeculativeConfig (engine/spec_decode/config.py); None: off
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Per-request caps, checked when a request is admitted (HTTP 400 naming the parameter).
     # They bound the work and memory one request can claim; the defaults allow what OpenAI does
     # for everything except `n` (OpenAI: 128) and `stop` (OpenAI: 4).
@@ -78,6 +83,8 @@ class EngineConfig:
         if kv not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         object.__setattr__(self, "kv_cache_dtype", kv)  # one name per format from here on
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -135,6 +142,8 @@ class EngineConfig:
 
 
 def _parse_env_value(name: str, raw: str, type_name: str) -> Any:
+    if "SpeculativeConfig" in type_name:
+        return raw  # JSON text, parsed with the rest of the config's checks
     if "bool" in type_name:
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if "int" in type_name:

@@ -6,6 +6,7 @@ OutputProcessor turns sampled tokens into deltas; the engine keeps the stop chec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,10 +23,12 @@ from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_decode import SpecDecodeStats, SpeculativeConfig, Speculator
+from engine.spec_decode.verify import SampledLogprob, verify
 from engine.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found
     num_preemptions: int
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 @dataclass
@@ -69,7 +73,12 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, model_dir, self.max_model_len)
         layout = self.runner.layout
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.speculator
+        )
         self.sampler = Sampler(config.seed, self.runner.device)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -128,7 +137,7 @@ class LLMEngine:
         running = [seq for seq in req.seqs if not seq.is_finished]
         for seq in running:
             self.scheduler.finish(seq, "abort")
-        ends = [self.output_processor.completion(seq, None, None) for seq in running]
+        ends = [self.output_processor.completion(seq, [], []) for seq in running]
         return self._request_output(req, ends)
 
     def has_unfinished_requests(self) -> bool:
@@ -158,7 +167,14 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=sched.num_preemptions,
+            spec_decode=self.speculator.stats() if self.speculator is not None else None,
         )
+
+    def speculative_settings(self) -> dict[str, Any] | None:
+        """Speculative decoding's settings as served (None: off), for /v1/models and the log."""
+        if self.speculator is None:
+            return None
+        return dataclasses.asdict(self.speculator.config)
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -173,23 +189,36 @@ class LLMEngine:
         return self._postprocess(sched, logits)
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = [s.seq for s in sched.scheduled if s.samples]
-        result = self.sampler(logits, sampled) if sampled else SamplerOutput([], [])
-        self.scheduler.update_after_step(sched.scheduled)
+        emitted = self._choose_tokens(sched, logits)
         now = time.monotonic()
-        deltas: dict[str, list[CompletionOutput]] = {}
-        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            seq.append_token(token)
-            if seq.guided is not None:
-                accepted = seq.guided.accept_token(token)
-                assert accepted, f"the sampler chose token {token}, which the grammar masked"
+        stops: list[tuple[Sequence, tuple[str, int | str | None]]] = []
+        for s, tokens, logprobs in emitted:
+            seq = s.seq
+            taken = 0
+            for token in tokens:
+                seq.append_token(token)
+                taken += 1
+                if seq.guided is not None:
+                    accepted = seq.guided.accept_token(token)
+                    assert accepted, f"the sampler chose token {token}, which the grammar masked"
+                stop = self._check_stop(seq, token)
+                if stop is not None:
+                    stops.append((seq, stop))
+                    break
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            stop = self._check_stop(seq, token)
-            if stop is not None:
-                self.scheduler.finish(seq, *stop)
-            delta = self.output_processor.completion(seq, token, logprob)
-            deltas.setdefault(seq.request_id, []).append(delta)
+            if s.spec_tokens:  # KV holds the last token and the accepted drafts: one per token taken
+                assert self.speculator is not None
+                self.speculator.record(seq, len(s.spec_tokens), len(tokens) - 1)
+                s.num_new_tokens = taken
+            del tokens[taken:], logprobs[taken:]  # what a stop cut off is not output
+        self.scheduler.update_after_step(sched.scheduled)
+        for seq, stop in stops:
+            self.scheduler.finish(seq, *stop)
+        deltas: dict[str, list[CompletionOutput]] = {}
+        for s, tokens, logprobs in emitted:
+            delta = self.output_processor.completion(s.seq, tokens, logprobs)
+            deltas.setdefault(s.seq.request_id, []).append(delta)
         outputs = []
         for request_id, comps in deltas.items():
             req = self._requests[request_id]
@@ -199,6 +228,36 @@ class LLMEngine:
                 del self._requests[request_id]
             outputs.append(out)
         return outputs
+
+    def _choose_tokens(
+        self, sched: SchedulerOutput, logits: torch.Tensor
+    ) -> list[tuple[ScheduledSeq, list[int], list[SampledLogprob | None]]]:
+        """Each sampling sequence's new tokens and their logprobs, in scheduled order: one sampled
+        token, or (speculating) the accepted drafts and the model's own token after them."""
+        plain_rows: list[int] = []
+        plain: list[ScheduledSeq] = []
+        chosen: dict[int, tuple[list[int], list[SampledLogprob | None]]] = {}
+        row = 0
+        for i, s in enumerate(sched.scheduled):
+            if s.spec_tokens:
+                rows = logits[row : row + s.num_sampled_rows]
+                chosen[i] = verify(rows, s.seq, s.spec_tokens, self.sampler.generator)
+            elif s.samples:
+                plain_rows.append(row)
+                plain.append(s)
+            row += s.num_sampled_rows
+        if plain:
+            rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            result = self.sampler(rows, [s.seq for s in plain])
+            sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        emitted = []
+        for i, s in enumerate(sched.scheduled):
+            if i in chosen:
+                emitted.append((s, *chosen[i]))
+            elif s.samples:
+                token, logprob = next(sampled)
+                emitted.append((s, [token], [logprob]))
+        return emitted
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
         """Stop token / EOS, stop string, a complete grammar, max_tokens, context length: the first

@@ -15,6 +15,7 @@ from prometheus_client import (
 
 from engine.llm_engine import EngineStats
 from engine.outputs import RequestOutput
+from engine.spec_decode import SpecDecodeStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
@@ -97,6 +98,7 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._spec = _SpecDecodeMetrics(labels, r)
         self._model = model_name
         self._tracked: dict[str, _Tracked] = {}
         self._last_stats: EngineStats | None = None
@@ -115,6 +117,8 @@ class EngineMetrics:
         )
         self._prefix_hits.labels(m).inc(stats.prefix_cache_hits - (prev.prefix_cache_hits if prev else 0))
         self._preemptions.labels(m).inc(stats.num_preemptions - (prev.num_preemptions if prev else 0))
+        if stats.spec_decode is not None:
+            self._spec.record(m, stats.spec_decode, prev.spec_decode if prev else None)
         self._last_stats = stats
 
     def record_outputs(self, outputs: list[RequestOutput], now: float) -> None:
@@ -164,3 +168,35 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus text format."""
         return generate_latest(self.registry)
+
+
+class _SpecDecodeMetrics:
+    """Speculative decoding's counters (vLLM's spec_decode names), advanced from engine snapshots."""
+
+    def __init__(self, labels: list[str], registry: CollectorRegistry) -> None:
+        r = registry
+        self.drafts = Counter(
+            "engine:spec_decode_num_drafts", "Verify passes of a sequence with drafts.", labels, registry=r
+        )
+        self.draft_tokens = Counter(
+            "engine:spec_decode_num_draft_tokens", "Tokens proposed for verification.", labels, registry=r
+        )
+        self.accepted = Counter(
+            "engine:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", labels, registry=r
+        )
+        self.per_pos = Counter(
+            "engine:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the draft (0: the first).",
+            [*labels, "position"],
+            registry=r,
+        )
+
+    def record(self, model: str, now: SpecDecodeStats, before: SpecDecodeStats | None) -> None:
+        self.drafts.labels(model).inc(now.num_drafts - (before.num_drafts if before else 0))
+        self.draft_tokens.labels(model).inc(now.num_draft_tokens - (before.num_draft_tokens if before else 0))
+        self.accepted.labels(model).inc(
+            now.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
+        )
+        for pos, count in enumerate(now.accepted_per_pos):
+            earlier = before.accepted_per_pos[pos] if before else 0
+            self.per_pos.labels(model, str(pos)).inc(count - earlier)

@@ -29,6 +29,8 @@ class ModelInfo:
     generation_defaults: Mapping[str, float]  # read-only: generation_config.json's sampling fields
     # what is served: {"dtype", "quantization", "batch_invariant"} (GET /v1/models, the startup log)
     precision: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # speculative decoding's settings ({"method", "num_speculative_tokens", ...}); None: off
+    speculative: Mapping[str, Any] | None = None
 
     def capabilities(self) -> dict[str, bool | int]:
         """What requests to this model may ask for (GET /v1/models), for a router to filter on.
@@ -71,9 +73,16 @@ def model_info(
     tokenizer: Any,
     model_dir: Path,
     precision: Mapping[str, Any] | None = None,
+    speculative: Mapping[str, Any] | None = None,
 ) -> ModelInfo:
     """The info of a model loaded from `model_dir`."""
     defaults = MappingProxyType(load_generation_defaults(model_dir))
     return ModelInfo(
-        served_name, root, max_model_len, tokenizer, defaults, MappingProxyType(dict(precision or {}))
+        served_name,
+        root,
+        max_model_len,
+        tokenizer,
+        defaults,
+        MappingProxyType(dict(precision or {})),
+        None if speculative is None else MappingProxyType(dict(speculative)),
     )

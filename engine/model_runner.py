@@ -257,7 +257,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start:end] if not s.spec_tokens else seq.token_ids[start:])
+            input_ids.extend(s.spec_tokens)  # drafts after the last token: verified in this pass
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if s.is_decode:
@@ -268,8 +269,7 @@ class ModelRunner:
                 pre_tables.append(table)
                 pre_lens.append(end)
                 cu.append(cu[-1] + s.num_new_tokens)
-            if s.samples:
-                sample_idx.append(len(input_ids) - 1)
+            sample_idx.extend(range(len(input_ids) - s.num_sampled_rows, len(input_ids)))
         dev = self.device
         num_actual = len(input_ids)
         # Round the batch up to a multiple of 4 rows: on CPU, GEMMs with such row counts give each
@@ -318,7 +318,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; returns float32 logits (num_sampled, vocab) in scheduled order."""
+        """Run one step; returns float32 logits (sampled rows, vocab) in scheduled order: one row per
+        sampling sequence, 1 + its drafts for a speculating one."""
         if self.graphs is not None and self.graphs.can_run(scheduled):
             hidden = self.graphs.run(scheduled, self.block_size)
             if not all(s.samples for s in scheduled):  # a one-token prompt chunk samples nothing

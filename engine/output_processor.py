@@ -1,7 +1,8 @@
 """OutputProcessor: a step's sampled tokens become per-request deltas (new tokens, text, logprobs).
 
-The engine calls it once per sampled token, after the stop check, and once per request that made
-progress. Everything it builds is new this step: the token, the text the detokenizer has decided
+The engine calls it once per sequence that sampled (with its tokens of the step: several when
+speculative drafts were accepted), after the stop check, and once per request that made progress.
+Everything it builds is new this step: the tokens, the text the detokenizer has decided
 since the last step (a possible start of a stop string stays back), the token's logprob entry with
 its decoded text. No step copies a request's output so far.
 """
@@ -25,21 +26,22 @@ class OutputProcessor:
         self.tokenizer = tokenizer  # None for folders without one: no text, logprob tokens undecoded
 
     def completion(
-        self, seq: Sequence, token: int | None, logprob: SampledLogprob | None
+        self, seq: Sequence, tokens: list[int], logprobs: list[SampledLogprob | None]
     ) -> CompletionOutput:
-        """The delta of one completion: `token` (None when nothing was sampled, e.g. on abort)."""
+        """The delta of one completion: this step's `tokens` (none on abort; several when drafts
+        were accepted), each with its logprob when the request asked for them."""
         entries: list[dict[int, Logprob]] | None = None
         if seq.params.logprobs is not None:
             entries = []
-            if logprob is not None:
-                assert token is not None
+            for token, logprob in zip(tokens, logprobs, strict=True):
+                assert logprob is not None
                 entries.append(self._logprob_entry(token, logprob))
                 before = seq.cumulative_logprob
                 seq.cumulative_logprob = logprob[0] if before is None else before + logprob[0]
         return CompletionOutput(
             index=seq.index,
             text=seq.take_text(),
-            token_ids=[] if token is None else [token],
+            token_ids=list(tokens),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=entries,

@@ -56,16 +56,7 @@ class Sampler:
             if raw_logprobs is None or seq.params.logprobs is None:
                 out_logprobs.append(None)
                 continue
-            lp = raw_logprobs[row]
-            tok = token_list[row]
-            value = lp[tok]
-            rank = int((lp > value).sum()) + 1
-            top: list[tuple[int, float]] = []
-            if seq.params.logprobs > 0:
-                vals, ids = lp.topk(seq.params.logprobs)
-                # a grammar may allow fewer tokens than asked for: the others cannot be chosen
-                top = [(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True) if v != -inf]
-            out_logprobs.append((float(value), rank, top))
+            out_logprobs.append(sampled_logprob(raw_logprobs[row], token_list[row], seq.params.logprobs))
         return SamplerOutput(token_list, out_logprobs)
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -102,6 +93,18 @@ class Sampler:
             greedy_mask = torch.tensor(greedy, device=device)
             sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled
+
+
+def sampled_logprob(lp: torch.Tensor, token: int, num_top: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """(token's logprob, its rank, the top `num_top` (id, logprob)) from one row of log-softmax."""
+    value = lp[token]
+    rank = int((lp > value).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        vals, ids = lp.topk(num_top)
+        # a grammar may allow fewer tokens than asked for: the others cannot be chosen
+        top = [(i, v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True) if v != -inf]
+    return float(value), rank, top
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -58,6 +58,8 @@ class SamplingParams:
     # the constraint the engine applies: from structured_outputs, or set directly by the HTTP layer
     # (response_format, or its structured_outputs object), where the spec names the request field
     guided: GuidedSpec | None = None
+    # speculative decoding (when the engine has a speculative_config): False opts this request out
+    speculative: bool = True
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:

@@ -8,19 +8,31 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode import Speculator
 
 
 @dataclass
 class ScheduledSeq:
-    """A sequence and how many of its tokens this step computes."""
+    """A sequence and how many of its tokens this step computes.
+
+    With `spec_tokens` (speculative decoding) the step computes the sequence's last token and
+    those drafts after it: num_new_tokens = 1 + len(spec_tokens), one sampled row per token.
+    """
 
     seq: Sequence
     num_new_tokens: int
+    spec_tokens: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token (so a new token is sampled)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        computed = self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_tokens)
+        return computed == self.seq.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows of logits this step gives the sequence: 0, 1, or 1 + its drafts."""
+        return 1 + len(self.spec_tokens) if self.samples else 0
 
     @property
     def is_decode(self) -> bool:
@@ -54,8 +66,15 @@ class Scheduler:
     admits waiting sequences (preempted ones are at the front) within the token budget.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.block_manager = block_manager
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -83,6 +102,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
         running = self.running
+        speculate = self.speculator is not None and self.speculator.begin_step(len(running))
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -95,11 +115,24 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                bm.append_slots(seq, num_new)
-                out.scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
+                # drafts only where they fit: never preempt, nor crowd a later decode out, for them
+                cap = budget - (len(running) - i)
+                drafts = self._drafts(seq, cap) if speculate and num_new == 1 else []
+                bm.append_slots(seq, num_new + len(drafts))
+                out.scheduled.append(ScheduledSeq(seq, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
                 i += 1
         return budget
+
+    def _drafts(self, seq: Sequence, cap: int) -> list[int]:
+        """Tokens the speculator proposes after a decoding sequence's last one (that fit now)."""
+        assert self.speculator is not None
+        if seq.num_computed_tokens == 0 or cap <= 0:
+            return []
+        drafts = self.speculator.propose(seq, cap)
+        if drafts and not self.block_manager.can_append_slots(seq, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -131,9 +164,16 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_after_step(self, scheduled: list[ScheduledSeq]) -> None:
-        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        """Advance computed-token counts and publish newly full blocks to the prefix cache.
+
+        A speculating sequence's `num_new_tokens` says by now how many of its positions hold KV of
+        accepted tokens; the blocks past what it still needs go back (rejected drafts' slots are
+        simply written again later), and blocks are published only up to accepted tokens.
+        """
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            if s.spec_tokens:
+                self.block_manager.trim(s.seq)
             self.block_manager.cache_full_blocks(s.seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

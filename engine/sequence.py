@@ -77,6 +77,11 @@ class Sequence:
         self.cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when asked for
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        # speculative decoding: drafted and accepted tokens in the current window, and whether the
+        # sequence stopped speculating (its drafts were rarely accepted)
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_off = False
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -75,6 +75,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
+    speculative: bool | None = True  # ours: false opts the request out of speculative decoding
     # guided decoding: OpenAI's response_format, vLLM's structured_outputs (checked by guided_spec())
     response_format: Any = None
     structured_outputs: Any = None
@@ -343,6 +344,7 @@ def build_sampling_params(
             min_tokens=req.min_tokens or 0,
             skip_special_tokens=req.skip_special_tokens is not False,
             guided=guided,
+            speculative=req.speculative is not False,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

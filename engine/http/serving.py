@@ -94,6 +94,7 @@ class OpenAIServing:
                 "max_model_len": max_len,
                 "capabilities": info.capabilities() if info is not None else None,
                 "precision": dict(info.precision) if info is not None else None,
+                "speculative_decoding": dict(info.speculative) if info and info.speculative else None,
             }
             for name in self.served_names
         ]
