@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode import SpecDecodeStats, SpeculativeConfig, Speculator
+from engine.spec_decode.draft_model import DraftProposer
 from engine.spec_decode.verify import SampledLogprob, verify
 from engine.tokenizer import has_tokenizer, load_tokenizer
 
@@ -75,7 +76,7 @@ class LLMEngine:
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
         spec = config.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = None if spec is None else Speculator(spec, self.max_model_len, self._draft(spec))
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.speculator
         )
@@ -168,6 +169,16 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits,
             num_preemptions=sched.num_preemptions,
             spec_decode=self.speculator.stats() if self.speculator is not None else None,
+        )
+
+    def _draft(self, spec: SpeculativeConfig) -> DraftProposer | None:
+        """The draft model (method draft_model), its KV pool as many tokens as the target's."""
+        if spec.method != "draft_model":
+            return None
+        assert spec.model is not None
+        slots = self.runner.layout.num_token_slots
+        return DraftProposer.load(
+            spec.model, self.config, self.model_config, self.tokenizer, self.max_model_len, slots
         )
 
     def speculative_settings(self) -> dict[str, Any] | None:

@@ -96,13 +96,14 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # memory is tight after a preemption: admit nobody this step
             self._schedule_waiting(out, budget)
-        out.scheduled.sort(key=lambda s: not s.is_decode)
+        out.scheduled.sort(key=lambda s: not s.is_decode)  # speculating decodes are not: drafts follow
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
         running = self.running
-        speculate = self.speculator is not None and self.speculator.begin_step(len(running))
+        speculate = self.speculator is not None and self.speculator.begin_step(running)
+        wants: list[tuple[ScheduledSeq, int]] = []  # decodes with room for drafts
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -116,23 +117,34 @@ class Scheduler:
                     break
             else:
                 # drafts only where they fit: never preempt, nor crowd a later decode out, for them
-                cap = budget - (len(running) - i)
-                drafts = self._drafts(seq, cap) if speculate and num_new == 1 else []
-                bm.append_slots(seq, num_new + len(drafts))
-                out.scheduled.append(ScheduledSeq(seq, num_new + len(drafts), drafts))
-                budget -= num_new + len(drafts)
+                room = self._room(seq, budget - (len(running) - i)) if speculate and num_new == 1 else 0
+                bm.append_slots(seq, num_new + room)
+                scheduled = ScheduledSeq(seq, num_new)
+                out.scheduled.append(scheduled)
+                if room:
+                    wants.append((scheduled, room))
+                budget -= num_new + room
                 i += 1
+        if wants:
+            self._add_drafts(wants)
         return budget
 
-    def _drafts(self, seq: Sequence, cap: int) -> list[int]:
-        """Tokens the speculator proposes after a decoding sequence's last one (that fit now)."""
+    def _room(self, seq: Sequence, cap: int) -> int:
+        """Drafts a decoding sequence may carry this step (0 where its blocks would not fit)."""
         assert self.speculator is not None
         if seq.num_computed_tokens == 0 or cap <= 0:
-            return []
-        drafts = self.speculator.propose(seq, cap)
-        if drafts and not self.block_manager.can_append_slots(seq, 1 + len(drafts)):
-            return []
-        return drafts
+            return 0
+        room = self.speculator.room(seq, cap)
+        return room if room and self.block_manager.can_append_slots(seq, 1 + room) else 0
+
+    def _add_drafts(self, wants: list[tuple[ScheduledSeq, int]]) -> None:
+        """The speculator's drafts onto their scheduled decodes (fewer than their room is fine: the
+        blocks left over go back after the step)."""
+        assert self.speculator is not None
+        drafts = self.speculator.propose([(s.seq, room) for s, room in wants])
+        for (scheduled, room), tokens in zip(wants, drafts, strict=True):
+            scheduled.spec_tokens = tokens[:room]
+            scheduled.num_new_tokens = 1 + len(scheduled.spec_tokens)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -158,6 +170,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute, not swap: drop the KV (cached blocks stay reusable) and requeue at the front."""
         self.block_manager.free(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -172,8 +186,7 @@ class Scheduler:
         """
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            if s.spec_tokens:
-                self.block_manager.trim(s.seq)
+            self.block_manager.trim(s.seq)  # room made for drafts and not needed (a no-op otherwise)
             self.block_manager.cache_full_blocks(s.seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
@@ -183,4 +196,6 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.finish(reason, stop_reason)

@@ -53,11 +53,9 @@ class SpeculativeConfig:
             )
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
-        if self.method == "draft_model":
-            raise ValueError(
-                "speculative_config.method 'draft_model' is not supported yet: use 'ngram' (prompt lookup)"
-            )
-        if self.model is not None:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model must name the draft model for method 'draft_model'")
+        if self.method != "draft_model" and self.model is not None:
             raise ValueError("speculative_config.model is for method 'draft_model' only")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(

@@ -23,7 +23,7 @@ def test_dict_and_json_text_give_the_same_config_with_lookup_defaults() -> None:
     ("value", "message"),
     [
         ({"method": "medusa"}, "method must be one of"),
-        ({"method": "draft_model", "model": "/m"}, "'draft_model' is not supported yet"),
+        ({"method": "draft_model"}, "must name the draft model"),
         ({"model": "/m"}, "for method 'draft_model' only"),
         ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 16\]"),
         ({"num_speculative_tokens": "4"}, "num_speculative_tokens must be int"),
