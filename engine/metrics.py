@@ -134,7 +134,7 @@ class EngineMetrics:
                 new_tokens += count
                 last = tracked.last_token_time.get(comp.index)
                 if last is not None:
-                    # several tokens in one step (never today) would share the gap
+                    # several tokens in one step (accepted speculative drafts) share the gap
                     gap = (now - last) / count
                     for _ in range(count):
                         self._itl.labels(m).observe(gap)

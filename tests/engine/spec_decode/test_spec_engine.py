@@ -5,6 +5,7 @@ and never polluted; stops, logprobs, seeds and the per-request opt-out as withou
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 from engine import LLM, RequestOutput, SamplingParams
 from engine.models.config import ModelConfig
+from tests.engine.spec_decode.chi2 import chi2_limit, two_sample_stat
 
 # min_acceptance_rate 0: a random model accepts few drafts, and every one of them should be verified
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -34,9 +36,8 @@ def _tokens(outs: list[RequestOutput]) -> list[list[int]]:
 
 
 def _pair(path: Path, **options: Any) -> tuple[LLM, LLM]:
-    return LLM(str(path), max_model_len=512, **options), LLM(
-        str(path), max_model_len=512, speculative_config=NGRAM, **options
-    )
+    options = {"max_model_len": 512, **options}
+    return LLM(str(path), **options), LLM(str(path), speculative_config=NGRAM, **options)
 
 
 def _accepted(llm: LLM) -> int:
@@ -159,3 +160,25 @@ def test_low_acceptance_turns_speculation_off(model: Path) -> None:
     spec.generate(_prompts(1, seed=6), hot, use_tqdm=False)
     stats = spec.engine.speculator.stats()  # type: ignore[union-attr]
     assert 8 <= stats.num_draft_tokens < 8 + NGRAM["num_speculative_tokens"]  # one window, then off
+
+
+def test_sampled_tokens_at_the_first_speculated_position_follow_the_targets_distribution(model: Path) -> None:
+    # the prompt is the model's own greedy text: a token sampled after it has often occurred in it,
+    # followed by what the model likes next, so the first speculated position is verified with
+    # drafts accepted and rejected
+    plain, spec = _pair(model, max_model_len=1024)
+    long_run = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    prompt = [5, 6, 7] + _tokens(plain.generate([[5, 6, 7]], long_run, use_tqdm=False))[0]
+    runs = 400
+    counts: list[dict[int, int]] = []
+    for llm, first_seed in ((plain, 0), (spec, runs)):  # independent seeds for the two samples
+        params = [
+            SamplingParams(temperature=1.0, top_k=4, seed=first_seed + i, max_tokens=3, ignore_eos=True)
+            for i in range(runs)
+        ]
+        outs = llm.generate([prompt] * runs, params, use_tqdm=False)
+        counts.append(dict(Counter(o.outputs[0].token_ids[1] for o in outs)))
+    stats = spec.engine.speculator.stats()  # type: ignore[union-attr]
+    assert stats.num_drafts > runs // 4 and 0 < stats.accepted_per_pos[0] < stats.num_drafts
+    stat, df = two_sample_stat(counts[0], counts[1])
+    assert stat < chi2_limit(df), (stat, df, counts)

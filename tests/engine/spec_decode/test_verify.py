@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.verify import verify
+from tests.engine.spec_decode.chi2 import chi2_limit
 
 VOCAB = 6
 
 
 def _seq(params: SamplingParams, generator: torch.Generator | None = None) -> Sequence:
     return Sequence(0, "r", 0, [1, 2, 3], params, 64, frozenset({5}), None, generator)
-
-
-def chi2_limit(df: int, z: float = 3.29) -> float:
-    """The chi-square quantile at p ~ 0.9995 (Wilson-Hilferty): a true match fails 1 run in 2,000."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def _first_token_counts(logits: torch.Tensor, draft: int, runs: int, temperature: float) -> list[int]:
