@@ -8,8 +8,12 @@ Workloads, each run by both engines (same weights, same settings, speculation of
 One request at a time: output tokens/s and the ratio; and the grounded set at concurrency C (16),
 all submitted at once. The greedy outputs of both engines are compared token for token.
 
+With --temperature T > 0 the requests are sampled (seeded): drafts are rarely the token drawn, the
+case where speculation must switch itself off rather than slow decoding down.
+
 Usage: python bench/spec_decode.py [--k 4] [--lookup-max 4] [--requests 8] [--max-tokens 128]
            [--concurrency 16] [--threads 2] [--no-batch-invariant] [--quantization int4]
+           [--temperature 0]
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16, help="grounded requests at once")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampled (seeded) instead of greedy: low acceptance"
+    )
     parser.add_argument("--no-batch-invariant", action="store_true")
     parser.add_argument("--quantization", default=None)
     args = parser.parse_args()
@@ -111,7 +118,8 @@ def main() -> None:
     plain = LLM("default", **options)
     spec = LLM("default", **options, speculative_config=spec_config)
     print(f"default model, {args.threads} threads, options {options}, speculative_config {spec_config}")
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    seed = 3 if args.temperature > 0 else None  # sampled outputs differ: only their speed compares
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=seed)
     workloads = {
         "grounded": grounded_prompts(plain, args.requests),
         "random": random_prompts(plain, args.requests),

@@ -122,3 +122,24 @@ def test_incompatible_drafts_are_refused_by_name(
         LLM(str(target), max_model_len=512, speculative_config=_draft(short))
     spec = LLM(str(target), max_model_len=256, speculative_config=_draft(short))  # within its context
     assert len(_tokens(spec, _prompts(1))[0]) == GREEDY.max_tokens
+
+
+def test_a_draft_sharing_the_targets_tokenizer_is_accepted_and_aborts_give_every_block_back(
+    tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_chat_model, draft)  # same tokenizer files, same weights
+    spec = LLM(str(tiny_chat_model), max_model_len=256, speculative_config=_draft(draft))
+    engine = spec.engine
+    for i in range(3):
+        engine.add_request(f"r{i}", "a b c a b c a b", SamplingParams(temperature=0, max_tokens=60))
+    for _ in range(6):
+        engine.step()
+    stats = engine.speculator.stats()  # type: ignore[union-attr]
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    for i in range(3):
+        engine.abort_request(f"r{i}")
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    pool = engine.speculator.draft.block_manager  # type: ignore[union-attr]
+    assert pool.num_free_blocks == pool.num_blocks
