@@ -1,4 +1,4 @@
-"""`python -m engine prepare-model | serve | demo | generate`: the engine's command line."""
+"""`python -m engine prepare-model | serve | demo | generate | eval | plan`: the engine's command line."""
 
 from __future__ import annotations
 
@@ -349,6 +349,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     evaluate.add_argument("--window", type=int, default=512, help="tokens scored per prefill")
     evaluate.add_argument("--prompts", type=int, default=16, help="prompts for greedy agreement (<= 16)")
     evaluate.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    from engine.planner import add_arguments as add_plan_arguments
+
+    plan = sub.add_parser(
+        "plan",
+        help="what a model needs on a GPU or CPU: weights, KV per token, sequences that fit",
+        description="Plan capacity before starting: weights per device, KV bytes per token, KV blocks "
+        "and tokens, concurrent sequences per context length, a suggested max_num_seqs.",
+    )
+    add_plan_arguments(plan)
     args = parser.parse_args(argv)
     commands = {"demo": demo, "serve": serve, "generate": gen, "eval": evaluate}
     if args.command in commands:
@@ -360,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "plan":
+        from engine.planner import run
+
+        return run(args)
     if args.command == "prepare-model":
         from engine.default_model import prepare_default_model
 

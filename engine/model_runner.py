@@ -63,6 +63,26 @@ def gpu_kv_budget(total: int, free: int, utilization: float, activation_peak: in
     return int(total * utilization) - (total - free) - activation_peak
 
 
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
+    """KV heads one rank holds: split across ranks, replicated when there are fewer than ranks."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
+def kv_bytes_per_block(
+    model_config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """Bytes one KV block takes on one rank, every layer's K and V (and scales when quantized): the
+    seeds' 2 x layers x kv_heads x head_dim x tokens x bytes. The engine's sizing and
+    `python -m engine plan` both use it."""
+    heads = kv_heads_per_rank(model_config.num_kv_heads, tensor_parallel_size)
+    per_token = kv_cache.bytes_per_token(heads, model_config.head_dim, dtype, kv_cache_dtype)
+    return model_config.num_layers * block_size * per_token
+
+
 def plan_kv_cache(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -73,10 +93,7 @@ def plan_kv_cache(
     """Number of blocks that fit the memory budget: kv_cache_memory bytes when set, else 1 GiB on
     CPU, else on GPU `gpu_memory_utilization` of the device less weights and the activation peak.
     A quantized pool (kv_cache_dtype int8/fp8) costs its codes plus a scale per token and head."""
-    per_token = kv_cache.bytes_per_token(
-        model_config.num_kv_heads, model_config.head_dim, dtype, config.kv_cache_dtype
-    )
-    per_block = model_config.num_layers * config.block_size * per_token
+    per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":

@@ -22,7 +22,7 @@ from typing import Any, cast
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -67,7 +67,8 @@ class DraftProposer:
         draft_dir = resolve_model(path)
         draft_config = ModelConfig.from_dir(draft_dir)
         _check_compatible(draft_dir, draft_config, model_config, tokenizer, max_model_len)
-        per_token = 2 * draft_config.num_layers * draft_config.num_kv_heads * draft_config.head_dim * 4
+        dtype = resolve_dtype(config, resolve_device(config))
+        per_token = kv_bytes_per_block(draft_config, 1, dtype, "auto")
         options = dataclasses.replace(
             config,
             model=str(draft_dir),
