@@ -74,6 +74,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "token and KV head (about 2x the blocks of bfloat16, 3.9x float32)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model and its KV cache over N ranks, one process each (gloo on CPU, NCCL on CUDA)",
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding, as JSON with vLLM\'s names: \'{"method": "ngram", '

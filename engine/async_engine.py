@@ -300,6 +300,7 @@ class AsyncLLMEngine:
     def _loop_forever(self, engine: LLMEngine) -> None:
         while not self._stopping:
             self._heartbeat = time.monotonic()
+            engine.check_workers()  # a dead rank ends the engine even while it is idle
             self._apply_commands(engine, block=not engine.has_unfinished_requests())
             if engine.has_unfinished_requests():
                 self._step(engine)
@@ -313,7 +314,8 @@ class AsyncLLMEngine:
             outputs = engine.step()
         except Exception:
             self._failures += 1
-            if self._failures >= self.config.max_consecutive_step_failures:
+            # tensor parallel: after a failed collective the ranks are out of step, never retried
+            if self._failures >= self.config.max_consecutive_step_failures or engine.tensor_parallel:
                 raise  # _run marks the engine dead
             logger.exception("a step failed (%d in a row); failing its requests", self._failures)
             self._fail_step_requests(engine)

@@ -55,6 +55,9 @@ class EngineConfig:
     enforce_eager: bool = False
     quantization: str | None = None  # None: the checkpoint's own; int8/int4/w8a8 at load; awq/gptq/fp8
     kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3" ("fp8"): per token-head codes, ~2x the blocks
+    # tensor parallelism: the model and every layer's KV pool split over this many ranks, one
+    # process each (torch.distributed: gloo on CPU, NCCL on CUDA; engine/parallel/)
+    tensor_parallel_size: int = 1
     # speculative decoding: vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) or
     # its JSON text, checked into a SpeculativeConfig (engine/spec_decode/config.py); None: off
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -107,6 +110,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         for name in _POSITIVE:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,12 @@ from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.errors import InvalidRequestError
 from engine.input_processor import InputProcessor, PreparedPrompt, Prompt
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, resolve_device
 from engine.models.config import ModelConfig
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel.sharding import check_divisible
+from engine.parallel.workers import start_workers, stop_workers, threads_per_rank
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -71,7 +74,20 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer: Any = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
         self.max_model_len = _resolve_max_model_len(config, self.model_config)
-        self.runner = ModelRunner(config, self.model_config, model_dir, self.max_model_len)
+        self._workers: list[Any] = []
+        tp = None
+        if config.tensor_parallel_size > 1:  # this process is rank 0; the other ranks start here
+            check_divisible(self.model_config, config.tensor_parallel_size)
+            torch.set_num_threads(threads_per_rank(config))
+            device = resolve_device(config)
+            tp, self._workers = start_workers(config, model_dir, self.max_model_len, device)
+        try:
+            self.runner = ModelRunner(config, self.model_config, model_dir, self.max_model_len, tp)
+        except BaseException:
+            stop_workers(self._workers)
+            raise
+        if self._workers:
+            weakref.finalize(self, _stop, self.runner, self._workers)
         layout = self.runner.layout
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
         spec = config.speculative_config
@@ -180,6 +196,18 @@ class LLMEngine:
         return DraftProposer.load(
             spec.model, self.config, self.model_config, self.tokenizer, self.max_model_len, slots
         )
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether worker processes hold shares of the model (a failed step then leaves the ranks
+        out of step: it is fatal)."""
+        return bool(self._workers)
+
+    def check_workers(self) -> None:
+        """RuntimeError when a worker rank's process has exited (the engine cannot go on)."""
+        for rank, process in enumerate(self._workers, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {process.exitcode})")
 
     def speculative_settings(self) -> dict[str, Any] | None:
         """Speculative decoding's settings as served (None: off), for /v1/models and the log."""
@@ -302,6 +330,18 @@ class LLMEngine:
         return self.output_processor.request(
             req.request_id, req.prompt, req.prompt_token_ids, req.seqs, completions
         )
+
+
+def _stop(runner: ModelRunner, workers: list[Any]) -> None:
+    """Tell the worker ranks to exit, then wait for them (at close or garbage collection)."""
+    try:
+        runner.release_workers()
+    except RuntimeError:  # a worker already gone (killed, timed out): nothing to tell it
+        logger.warning("a tensor-parallel worker was gone at shutdown")
+    finally:
+        stop_workers(workers)
+        if runner.tp is not None:
+            runner.tp.close()
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -19,7 +19,12 @@ from engine.layers.backend import load_backend, resolve_backend_name
 from engine.layers.weight_loading import load_weights
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
+from engine.parallel.group import TensorParallelGroup
+from engine.parallel.sharding import local_config, shard_weights
+from engine.parallel.workers import rebuild, step_inputs
+from engine.prequantized import read_checkpoint_quant
 from engine.scheduler import ScheduledSeq
+from engine.weights import iter_weights
 from kernels.reference import ROW_MULTIPLE, plan_decode
 from kernels.split_kv import choose_num_splits
 
@@ -63,11 +68,6 @@ def gpu_kv_budget(total: int, free: int, utilization: float, activation_peak: in
     return int(total * utilization) - (total - free) - activation_peak
 
 
-def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
-    """KV heads one rank holds: split across ranks, replicated when there are fewer than ranks."""
-    return max(1, num_kv_heads // tensor_parallel_size)
-
-
 def kv_bytes_per_block(
     model_config: ModelConfig,
     block_size: int,
@@ -78,7 +78,7 @@ def kv_bytes_per_block(
     """Bytes one KV block takes on one rank, every layer's K and V (and scales when quantized): the
     seeds' 2 x layers x kv_heads x head_dim x tokens x bytes. The engine's sizing and
     `python -m engine plan` both use it."""
-    heads = kv_heads_per_rank(model_config.num_kv_heads, tensor_parallel_size)
+    heads = kv_cache.kv_heads_per_rank(model_config.num_kv_heads, tensor_parallel_size)
     per_token = kv_cache.bytes_per_token(heads, model_config.head_dim, dtype, kv_cache_dtype)
     return model_config.num_layers * block_size * per_token
 
@@ -114,8 +114,21 @@ class ModelRunner:
     """Loads weights, allocates one KV pool per layer and runs the flattened batch of a step."""
 
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_dir: Path,
+        max_model_len: int,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
+        """`tp`: this process's rank of a tensor-parallel engine; it then holds its share of the
+        model (engine/parallel/sharding.py) and of every layer's KV pool."""
+        self.tp = tp
+        full_vocab = model_config.vocab_size
+        if tp is not None:
+            if config.quantization is not None or read_checkpoint_quant(model_dir) is not None:
+                raise ValueError("tensor_parallel_size > 1 serves unquantized checkpoints for now")
+            model_config = local_config(model_config, tp.size)
         self.device = resolve_device(config)
         if self.device.type == "cuda":  # Triton and graph capture use the current device
             torch.cuda.set_device(self.device)
@@ -137,12 +150,17 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)  # parameters born in their dtype: no fp32 copy on the GPU
         try:
             with torch.device(self.device):
-                model = build_model(model_config, max_positions=max_model_len, backend=self.backend)
+                model = build_model(model_config, max_model_len, self.backend, tp, full_vocab)
         finally:
             torch.set_default_dtype(default_dtype)
         model.to(dtype=self.dtype)
-        calibrate = lambda tokens: self._prefill_alone(model, tokens)  # noqa: E731 - w8a8's smoothing
-        self.quantization = load_weights(model, model_dir, config, self.backend.is_triton, calibrate)
+        if tp is not None:  # the whole checkpoint read, this rank's share kept
+            full = ModelConfig.from_dir(model_dir)
+            model.load_weights(shard_weights(iter_weights(model_dir, self.dtype), full, tp.rank, tp.size))
+            self.quantization = None
+        else:
+            calibrate = lambda tokens: self._prefill_alone(model, tokens)  # noqa: E731 - w8a8's smoothing
+            self.quantization = load_weights(model, model_dir, config, self.backend.is_triton, calibrate)
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
@@ -156,7 +174,7 @@ class ModelRunner:
             self.backend.name,
         )
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and self.backend.is_triton and not config.enforce_eager:
+        if self.device.type == "cuda" and self.backend.is_triton and not config.enforce_eager and tp is None:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
@@ -343,6 +361,23 @@ class ModelRunner:
                 keep = [i for i, s in enumerate(scheduled) if s.samples]
                 hidden = hidden[torch.tensor(keep, dtype=torch.int64, device=hidden.device)]
             return self.model.compute_logits(hidden).float()
+        if self.tp is not None:  # every rank runs the same batch over its shard
+            self.tp.broadcast(step_inputs(scheduled))
+        return self._forward(scheduled)
+
+    def follow_driver(self) -> None:
+        """A worker rank's loop: run each step the driver broadcasts, until it sends None."""
+        assert self.tp is not None and not self.tp.is_driver
+        with torch.inference_mode():
+            while (steps := self.tp.broadcast(None)) is not None:
+                self._forward(rebuild(steps))
+
+    def release_workers(self) -> None:
+        """The driver's last word to the worker ranks: they leave `follow_driver` and exit."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.broadcast(None)
+
+    def _forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         input_ids, positions, meta, sample_idx = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         num_sampled = sample_idx.shape[0]

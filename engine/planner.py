@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from engine.model_runner import gpu_kv_budget, kv_bytes_per_block, kv_heads_per_rank
+from engine.layers.kv_cache import kv_heads_per_rank
+from engine.model_runner import gpu_kv_budget, kv_bytes_per_block
 from engine.models.config import ModelConfig
 
 GIB = 1 << 30

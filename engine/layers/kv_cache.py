@@ -33,6 +33,11 @@ def code_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return kv_quant.KV_CODE_DTYPES[kv_cache_dtype]
 
 
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
+    """KV heads one rank holds: split across ranks, replicated when there are fewer than ranks."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
 def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> int:
     """Bytes one token takes in one layer's K and V pools (codes plus scales when quantized)."""
     stored = code_dtype(kv_cache_dtype, dtype)

@@ -15,6 +15,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.quant import Int8Weight
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
+from engine.parallel.group import TensorParallelGroup
 
 # HF checkpoint name -> (our fused parameter, shard index)
 _STACKED = {
@@ -36,8 +37,15 @@ _LOGITS_CHUNK = 1024  # vocabulary rows per LM-head GEMM on CPU
 class Attention(nn.Module):
     """Self-attention with fused QKV projection, RoPE and paged KV."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: KernelBackend) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: KernelBackend,
+        tp: TensorParallelGroup | None,
+    ) -> None:
         super().__init__()
+        self.tp = tp  # row-parallel o_proj: the ranks' partial outputs are summed
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -67,21 +75,24 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.linear(out.reshape(n, self.q_size), self.o_proj, None)
+        projected = self.linear(out.reshape(n, self.q_size), self.o_proj, None)
+        return projected if self.tp is None else self.tp.all_reduce(projected)
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection."""
 
-    def __init__(self, cfg: ModelConfig, backend: KernelBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: KernelBackend, tp: TensorParallelGroup | None) -> None:
         super().__init__()
+        self.tp = tp  # row-parallel down_proj: the ranks' partial outputs are summed
         self.silu_and_mul = backend.silu_and_mul
         self.linear = backend.linear
         self.gate_up_proj = _linear_weight(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _linear_weight(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.silu_and_mul(self.linear(x, self.gate_up_proj, None)), self.down_proj, None)
+        out = self.linear(self.silu_and_mul(self.linear(x, self.gate_up_proj, None)), self.down_proj, None)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -91,12 +102,18 @@ class DecoderLayer(nn.Module):
     next norm: (h, residual) -> (mlp output, residual before it).
     """
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: KernelBackend) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: KernelBackend,
+        tp: TensorParallelGroup | None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = MLP(cfg, backend)
+        self.mlp = MLP(cfg, backend, tp)
 
     def forward(
         self,
@@ -118,14 +135,26 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head; forward runs a flattened batch of tokens."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, backend: KernelBackend = TORCH_BACKEND) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        backend: KernelBackend = TORCH_BACKEND,
+        tp: TensorParallelGroup | None = None,
+        full_vocab: int | None = None,
+    ) -> None:
+        """`cfg`: the model as this rank holds it; under tensor parallelism (`tp`) its share, whose
+        vocabulary rows start at rank * cfg.vocab_size of the model's `full_vocab`."""
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.tp = tp
+        self.full_vocab = full_vocab or cfg.vocab_size
+        self.vocab_start = 0 if tp is None else tp.rank * cfg.vocab_size
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, backend)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (
             None
@@ -142,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """(num_tokens,) ids and positions -> (num_tokens, hidden) final hidden states."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self._embed(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(positions, h, residual, kv_cache, meta)
@@ -152,8 +181,22 @@ class LlamaForCausalLM(nn.Module):
         out, _ = self.norm.add_norm(h, residual)
         return out
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start  # this rank's rows; other ids are another rank's
+        mine = (local >= 0) & (local < self.cfg.vocab_size)
+        h = F.embedding(local.clamp(0, self.cfg.vocab_size - 1), self.embed_tokens)
+        return self.tp.all_reduce(h * mine[:, None].to(h.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(num_selected, hidden) -> (num_selected, vocab) float32 logits."""
+        """(num_selected, hidden) -> (num_selected, vocab) float32 logits (every rank's share, joined)."""
+        logits = self._local_logits(hidden)
+        if self.tp is None:
+            return logits
+        return self.tp.gather_last_dim(logits)[:, : self.full_vocab]
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_head is not None:
             return self.quantized_head.matmul(hidden).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: the rank group, Megatron sharding, worker processes."""

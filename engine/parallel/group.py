@@ -1,0 +1,81 @@
+"""TensorParallelGroup: one rank's view of the tensor-parallel world (gloo on CPU, NCCL on CUDA).
+
+Each engine gets a process group of its own (a TCPStore rendezvous and a ProcessGroupGloo or
+ProcessGroupNCCL object), not torch.distributed's global default group: a process can then build,
+close and build again tensor-parallel engines (tests do), and nothing global is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A collective that waits longer than this means a rank died or hangs: the step fails, and the
+# engine's step-failure handling stops it (the server exits non-zero) instead of waiting forever.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This process's rank among `size`, and the process group its collectives run on."""
+
+    rank: int
+    size: int
+    group: Any  # ProcessGroupGloo / ProcessGroupNCCL
+    store: Any  # the rendezvous store (kept alive with the group)
+    device: torch.device
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: it schedules, samples and sends every step's inputs to the others."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (row-parallel outputs), in place."""
+        self.group.allreduce([x]).wait()
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` side by side along the last dimension (vocabulary-parallel logits)."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.group.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, obj: Any) -> Any:
+        """The driver's `obj` on every rank (pickled: a step's inputs are small)."""
+        data = pickle.dumps(obj) if self.is_driver else b""
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self.group.broadcast(length, 0).wait()
+        payload = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            if self.is_driver
+            else torch.empty(int(length), dtype=torch.uint8, device=self.device)
+        )
+        self.group.broadcast(payload, 0).wait()
+        return obj if self.is_driver else pickle.loads(payload.cpu().numpy().tobytes())
+
+    def close(self) -> None:
+        """Leave the group (its sockets close; a rank still waiting on it gets an error)."""
+        shutdown = getattr(self.group, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def init_group(rank: int, size: int, address: str, port: int, device: torch.device) -> TensorParallelGroup:
+    """Join the group (every rank calls it with the same address and port; rank 0 hosts the store)."""
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        address, port, size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT
+    )
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    return TensorParallelGroup(rank, size, group, store, device)
