@@ -180,6 +180,17 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from engine.default_model import resolve_model
+    from engine.llm_engine import resolve_max_model_len
+    from engine.models.config import ModelConfig
+    from engine.parallel.workers import run_node
+
+    config = _config(args)
+    model_dir = resolve_model(config.model)
+    return run_node(config, model_dir, resolve_max_model_len(config, ModelConfig.from_dir(model_dir)))
+
+
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
@@ -355,6 +366,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     evaluate.add_argument("--window", type=int, default=512, help="tokens scored per prefill")
     evaluate.add_argument("--prompts", type=int, default=16, help="prompts for greedy agreement (<= 16)")
     evaluate.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    worker = sub.add_parser(
+        "worker",
+        help="a node's tensor-parallel ranks, for an engine on another node (torchrun's variables)",
+        description="Run this node's ranks of a tensor-parallel engine whose rank 0 (`serve`) runs on "
+        "NODE_RANK 0: MASTER_ADDR, MASTER_PORT, NNODES and NODE_RANK as torchrun sets them, and the "
+        "same engine options as the engine's.",
+    )
+    _add_engine_options(worker)
     from engine.planner import add_arguments as add_plan_arguments
 
     plan = sub.add_parser(
@@ -365,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_plan_arguments(plan)
     args = parser.parse_args(argv)
-    commands = {"demo": demo, "serve": serve, "generate": gen, "eval": evaluate}
+    commands = {"demo": demo, "serve": serve, "generate": gen, "eval": evaluate, "worker": worker}
     if args.command in commands:
         args.engine_options = _given_options(commands[args.command], args)
     return args
@@ -389,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "worker":
+            return _worker(args)
         return _demo(args) if args.command == "demo" else _generate(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

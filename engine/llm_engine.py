@@ -73,7 +73,7 @@ class LLMEngine:
         self.model_dir = model_dir
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer: Any = load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
-        self.max_model_len = _resolve_max_model_len(config, self.model_config)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
         self._workers: list[Any] = []
         tp = None
         if config.tensor_parallel_size > 1:  # this process is rank 0; the other ranks start here
@@ -86,8 +86,7 @@ class LLMEngine:
         except BaseException:
             stop_workers(self._workers)
             raise
-        if self._workers:
-            weakref.finalize(self, _stop, self.runner, self._workers)
+        self._closer = weakref.finalize(self, _stop, self.runner, self._workers) if tp is not None else None
         layout = self.runner.layout
         self.block_manager = BlockManager(layout.num_blocks, layout.block_size, config.enable_prefix_caching)
         spec = config.speculative_config
@@ -197,14 +196,20 @@ class LLMEngine:
             spec.model, self.config, self.model_config, self.tokenizer, self.max_model_len, slots
         )
 
+    def close(self) -> None:
+        """Let the worker ranks go (also done when the engine is collected, or at exit)."""
+        if self._closer is not None:
+            self._closer()
+
     @property
     def tensor_parallel(self) -> bool:
         """Whether worker processes hold shares of the model (a failed step then leaves the ranks
         out of step: it is fatal)."""
-        return bool(self._workers)
+        return self.runner.tp is not None
 
     def check_workers(self) -> None:
-        """RuntimeError when a worker rank's process has exited (the engine cannot go on)."""
+        """RuntimeError when a worker rank's process (on this node) has exited (the engine cannot go
+        on); a rank on another node that fails shows as a failed collective instead."""
         for rank, process in enumerate(self._workers, start=1):
             if not process.is_alive():
                 raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {process.exitcode})")
@@ -344,7 +349,7 @@ def _stop(runner: ModelRunner, workers: list[Any]) -> None:
             runner.tp.close()
 
 
-def _resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
     if model_config.sliding_window is not None:
         limit = min(limit, model_config.sliding_window)  # attention without the window is exact up to here

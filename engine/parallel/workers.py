@@ -10,9 +10,11 @@ row-parallel all-reduces, the vocabulary gather) pair up. A worker exits when th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -91,33 +93,87 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def threads_per_rank(config: EngineConfig) -> int:
-    """CPU threads for one rank: the engine's threads (or the machine's cores) shared by the ranks."""
+@dataclass(frozen=True)
+class Topology:
+    """Where the ranks run, by torchrun's convention: NNODES nodes, this one NODE_RANK, the group's
+    rendezvous at MASTER_ADDR:MASTER_PORT (rank 0's node). Unset: one node, the loopback, a free port."""
+
+    address: str
+    port: int
+    nnodes: int
+    node_rank: int
+
+    @classmethod
+    def from_env(cls, size: int, environ: Mapping[str, str] | None = None) -> Topology:
+        env = os.environ if environ is None else environ
+        nnodes, node_rank = int(env.get("NNODES", "1")), int(env.get("NODE_RANK", "0"))
+        if nnodes < 1 or size % nnodes or not 0 <= node_rank < nnodes:
+            raise ValueError(
+                f"NNODES={nnodes} must divide tensor_parallel_size={size}, "
+                f"and NODE_RANK={node_rank} be below NNODES"
+            )
+        if nnodes > 1 and not env.get("MASTER_PORT"):
+            raise ValueError("several nodes need MASTER_ADDR and MASTER_PORT (rank 0's node and a free port)")
+        port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else free_port()
+        return cls(env.get("MASTER_ADDR", ADDRESS), port, nnodes, node_rank)
+
+    def local_ranks(self, size: int) -> range:
+        """The ranks this node runs."""
+        per_node = size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+
+def threads_per_rank(config: EngineConfig, topology: Topology | None = None) -> int:
+    """CPU threads for one rank: the engine's threads (or the machine's cores) shared by this node's ranks."""
     total = config.num_threads or os.cpu_count() or 1
-    return max(1, total // config.tensor_parallel_size)
+    nnodes = topology.nnodes if topology is not None else 1
+    return max(1, total * nnodes // config.tensor_parallel_size)
+
+
+def _spawn(
+    config: EngineConfig, model_dir: Path, max_model_len: int, topology: Topology, ranks: range
+) -> list[Any]:
+    context = mp.get_context("spawn")
+    processes = [
+        context.Process(
+            target=worker_main, args=(rank, config, str(model_dir), max_model_len, topology), daemon=True
+        )
+        for rank in ranks
+    ]
+    for process in processes:
+        process.start()
+    return processes
 
 
 def start_workers(
     config: EngineConfig, model_dir: Path, max_model_len: int, device: torch.device
 ) -> tuple[TensorParallelGroup, list[Any]]:
-    """Start ranks 1..N-1 and join the group as rank 0; returns (the driver's group, the processes)."""
+    """On rank 0's node: start this node's other ranks and join the group as rank 0 (other nodes run
+    `python -m engine worker`); returns (the driver's group, the local worker processes)."""
     size = config.tensor_parallel_size
-    port = free_port()
-    context = mp.get_context("spawn")
-    processes = [
-        context.Process(
-            target=worker_main, args=(rank, config, str(model_dir), max_model_len, port), daemon=True
-        )
-        for rank in range(1, size)
-    ]
-    for process in processes:
-        process.start()
+    topology = Topology.from_env(size)
+    if topology.node_rank != 0:
+        raise ValueError("the engine (rank 0) runs on NODE_RANK 0; other nodes run `python -m engine worker`")
+    processes = _spawn(config, model_dir, max_model_len, topology, topology.local_ranks(size)[1:])
     try:
-        group = init_group(0, size, ADDRESS, port, device)
+        group = init_group(0, size, topology.address, topology.port, device)
     except BaseException:
         stop_workers(processes)
         raise
     return group, processes
+
+
+def run_node(config: EngineConfig, model_dir: Path, max_model_len: int) -> int:
+    """`python -m engine worker` on a node other than rank 0's: run its ranks until they end; the
+    exit code is non-zero when one of them failed."""
+    size = config.tensor_parallel_size
+    topology = Topology.from_env(size)
+    if topology.node_rank == 0:
+        raise ValueError("NODE_RANK 0 runs the engine itself (`python -m engine serve`), not a worker")
+    processes = _spawn(config, model_dir, max_model_len, topology, topology.local_ranks(size))
+    for process in processes:
+        process.join()
+    return max((abs(p.exitcode or 0) for p in processes), default=0)
 
 
 def stop_workers(processes: list[Any], timeout: float = 10.0) -> None:
@@ -129,14 +185,19 @@ def stop_workers(processes: list[Any], timeout: float = 10.0) -> None:
             process.join()
 
 
-def worker_main(rank: int, config: EngineConfig, model_dir: str, max_model_len: int, port: int) -> None:
+def worker_main(
+    rank: int, config: EngineConfig, model_dir: str, max_model_len: int, topology: Topology
+) -> None:
     """A worker rank: load its shard, then run every step the driver sends until it sends None."""
     from engine.model_runner import ModelRunner, resolve_device
     from engine.models.config import ModelConfig
 
-    torch.set_num_threads(threads_per_rank(config))
+    torch.set_num_threads(threads_per_rank(config, topology))
+    local_rank = rank - topology.local_ranks(config.tensor_parallel_size).start
+    if resolve_device(config).type == "cuda":  # one GPU per rank of this node
+        config = dataclasses.replace(config, device=f"cuda:{local_rank}")
     device = resolve_device(config)
-    group = init_group(rank, config.tensor_parallel_size, ADDRESS, port, device)
+    group = init_group(rank, config.tensor_parallel_size, topology.address, topology.port, device)
     try:
         path = Path(model_dir)
         runner = ModelRunner(config, ModelConfig.from_dir(path), path, max_model_len, group)

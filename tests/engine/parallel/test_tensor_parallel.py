@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
+from engine.parallel.workers import free_port
 from engine.planner import weight_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -80,3 +83,28 @@ def test_a_killed_worker_fails_the_next_step_instead_of_hanging(
     with pytest.raises(RuntimeError):
         llm.generate(_prompts(1), GREEDY, use_tqdm=False)
     assert time.monotonic() - started < 70  # the collective timeout bounds it
+
+
+def test_two_nodes_by_torchruns_variables(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 1 runs `python -m engine worker`, node 0 the engine: here both on the loopback."""
+    path = str(tiny_model_factory("qwen2"))
+    prompts = _prompts(3, seed=4)
+    expected = _tokens(LLM(path, max_model_len=256), prompts)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2"}
+    command = [sys.executable, "-m", "engine", "worker", "--model", path, "--tensor-parallel-size", "2",
+               "--max-model-len", "256"]  # fmt: skip
+    node1 = subprocess.Popen(command, env={**os.environ, **env, "NODE_RANK": "1"})
+    try:
+        for name, value in {**env, "NODE_RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+        parallel = LLM(path, max_model_len=256, tensor_parallel_size=2)
+        assert parallel.engine._workers == []  # this node's only rank is the engine's own
+        assert _tokens(parallel, prompts) == expected
+        parallel.engine.close()
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
