@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +19,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_factory: Callable[..., Path]) -> Iterator[TestClient]:
-    model = tiny_model_factory("llama")
-    config = EngineConfig(model=str(model), kv_cache_memory=16 << 20, speculative_config=SPEC)
+def client(tiny_chat_model: Path) -> Iterator[TestClient]:
+    # a tiny random model with SmolLM2's tokenizer: outputs have text, so stop strings apply
+    config = EngineConfig(model=str(tiny_chat_model), kv_cache_memory=16 << 20, speculative_config=SPEC)
     app = create_app(AsyncLLMEngine(config, "tiny"), ["tiny"])
     with TestClient(app) as c:
         deadline = time.monotonic() + 60
@@ -45,19 +45,25 @@ def test_models_announce_speculation_and_outputs_match_streamed_whole_and_opted_
     entry = client.get("/v1/models").json()["data"][0]
     assert entry["speculative_decoding"]["method"] == "ngram"
     assert entry["speculative_decoding"]["num_speculative_tokens"] == 3
-    prompt = [7, 8, 9, 10, 11] * 6 + [7, 8]
+    prompt = [1000, 2000, 3000, 4000, 5000] * 6 + [1000, 2000]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     whole = client.post("/v1/completions", json=body).json()
-    assert whole["usage"]["completion_tokens"] == 40
+    text = whole["choices"][0]["text"]
+    assert whole["usage"]["completion_tokens"] == 40 and len(text) > 20
     opted_out = client.post("/v1/completions", json={**body, "speculative": False}).json()
-    assert opted_out["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert opted_out["choices"][0]["text"] == text
     streamed = ""
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 choices = json.loads(line[6:])["choices"]
                 streamed += choices[0]["text"] if choices else ""
-    assert streamed == whole["choices"][0]["text"]
+    assert streamed == text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string the answer reaches mid-way
+    for speculative in (True, False):
+        cut = client.post("/v1/completions", json={**body, "stop": [stop], "speculative": speculative}).json()
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        assert cut["choices"][0]["text"] == text[: text.index(stop)]
     metrics = client.get("/metrics").text
     drafted = _metric(metrics, "engine:spec_decode_num_draft_tokens_total")
     accepted = _metric(metrics, "engine:spec_decode_num_accepted_tokens_total")
