@@ -80,6 +80,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="split the model and its KV cache over N ranks, one process each (gloo on CPU, NCCL on CUDA)",
     )
     parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a tensor-parallel rank waits in a collective before the engine gives up",
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding, as JSON with vLLM\'s names: \'{"method": "ngram", '

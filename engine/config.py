@@ -58,6 +58,8 @@ class EngineConfig:
     # tensor parallelism: the model and every layer's KV pool split over this many ranks, one
     # process each (torch.distributed: gloo on CPU, NCCL on CUDA; engine/parallel/)
     tensor_parallel_size: int = 1
+    # seconds a rank waits in a collective before the step fails (a dead or hung rank ends the engine)
+    distributed_timeout: float = 60.0
     # speculative decoding: vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) or
     # its JSON text, checked into a SpeculativeConfig (engine/spec_decode/config.py); None: off
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -110,6 +112,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:

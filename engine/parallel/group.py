@@ -15,10 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# A collective that waits longer than this means a rank died or hangs: the step fails, and the
-# engine's step-failure handling stops it (the server exits non-zero) instead of waiting forever.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
-
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -67,15 +63,21 @@ class TensorParallelGroup:
             shutdown()
 
 
-def init_group(rank: int, size: int, address: str, port: int, device: torch.device) -> TensorParallelGroup:
-    """Join the group (every rank calls it with the same address and port; rank 0 hosts the store)."""
+def init_group(
+    rank: int, size: int, address: str, port: int, device: torch.device, timeout: float
+) -> TensorParallelGroup:
+    """Join the group (every rank calls it with the same address and port; rank 0 hosts the store).
+
+    A collective (or the rendezvous) that waits longer than `timeout` seconds means a rank died or
+    hangs: it raises, the step fails, and the engine stops instead of waiting forever."""
+    limit = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(  # type: ignore[attr-defined]
-        address, port, size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT
+        address, port, size, is_master=rank == 0, timeout=limit
     )
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = COLLECTIVE_TIMEOUT
+        options._timeout = limit
         group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+        group = dist.ProcessGroupGloo(store, rank, size, limit)
     return TensorParallelGroup(rank, size, group, store, device)

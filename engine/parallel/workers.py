@@ -156,7 +156,7 @@ def start_workers(
         raise ValueError("the engine (rank 0) runs on NODE_RANK 0; other nodes run `python -m engine worker`")
     processes = _spawn(config, model_dir, max_model_len, topology, topology.local_ranks(size)[1:])
     try:
-        group = init_group(0, size, topology.address, topology.port, device)
+        group = init_group(0, size, topology.address, topology.port, device, config.distributed_timeout)
     except BaseException:
         stop_workers(processes)
         raise
@@ -197,7 +197,8 @@ def worker_main(
     if resolve_device(config).type == "cuda":  # one GPU per rank of this node
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
     device = resolve_device(config)
-    group = init_group(rank, config.tensor_parallel_size, topology.address, topology.port, device)
+    size = config.tensor_parallel_size
+    group = init_group(rank, size, topology.address, topology.port, device, config.distributed_timeout)
     try:
         path = Path(model_dir)
         runner = ModelRunner(config, ModelConfig.from_dir(path), path, max_model_len, group)

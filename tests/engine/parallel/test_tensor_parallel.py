@@ -108,3 +108,21 @@ def test_two_nodes_by_torchruns_variables(
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def test_a_hung_worker_fails_the_step_within_the_distributed_timeout(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    path = str(tiny_model_factory("llama"))
+    llm = LLM(path, max_model_len=256, tensor_parallel_size=2, distributed_timeout=3)
+    assert _tokens(llm, _prompts(1))
+    (worker,) = llm.engine._workers
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate(_prompts(1), GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 15
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
