@@ -126,3 +126,18 @@ def test_a_hung_worker_fails_the_step_within_the_distributed_timeout(
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
+
+
+def test_speculative_decoding_under_tensor_parallelism(tiny_model_factory: Callable[..., Path]) -> None:
+    """Verify passes (drafts after the last token) go to every rank like any other step."""
+    path = str(tiny_model_factory("llama"))
+    rng = random.Random(5)
+    phrases = [[rng.randrange(3, 500) for _ in range(8)] for _ in range(3)]
+    prompts = [p * 4 for p in phrases]  # prompt lookup finds something to propose
+    expected = _tokens(LLM(path, max_model_len=256), prompts)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "min_acceptance_rate": 0.0}  # fmt: skip
+    parallel = LLM(path, max_model_len=256, tensor_parallel_size=2, speculative_config=spec)
+    assert _tokens(parallel, prompts) == expected
+    assert parallel.engine.speculator is not None and parallel.engine.speculator.stats().num_drafts > 0
+    parallel.engine.close()
