@@ -97,9 +97,11 @@ class Upstream(Protocol):
         timeouts: Timeouts | None = None,
         avoid: frozenset[str] = frozenset(),
         headers: Mapping[str, str] | None = None,
+        affinity: int | None = None,
     ) -> UpstreamReply:
         """One whole response (`avoid`: deployments this request already failed on; `headers`:
-        extra request headers, the trace context when tracing is on)."""
+        extra request headers, the trace context when tracing is on; `affinity`: the request's
+        prefix key, for pools that balance by it)."""
         ...
 
     def stream(
@@ -109,6 +111,7 @@ class Upstream(Protocol):
         timeouts: Timeouts | None = None,
         avoid: frozenset[str] = frozenset(),
         headers: Mapping[str, str] | None = None,
+        affinity: int | None = None,
     ) -> AbstractAsyncContextManager[UpstreamStream]:
         """A streamed response; leaving the context releases the upstream."""
         ...

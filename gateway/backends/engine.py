@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
+from gateway.backends.affinity import AffinityRing
 from gateway.backends.base import (
     Learned,
     UpstreamReply,
@@ -43,6 +44,10 @@ class EnginePool:
         self.spec = spec
         self.health = health
         self.replicas = [Replica(u.rstrip("/"), health) for u in spec.urls]
+        urls = [r.url for r in self.replicas]
+        self._ring = AffinityRing(urls) if spec.balance == "prefix_affinity" else None
+        # prefix_affinity: calls sent to their key's home replica, and those that spilled over
+        self.affinity_counts: dict[str, int] | None = {"hit": 0, "spill": 0} if self._ring else None
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         auth = {"authorization": f"Bearer {key}"} if key else {}
         headers = {"content-type": "application/json", **auth}
@@ -87,15 +92,24 @@ class EnginePool:
         )
         return f"no healthy replica in engine pool {self.name} ({states})"
 
-    def _claim(self, avoid: frozenset[str]) -> Replica:
-        """A replica for one call (claims the half-open probe if that is what it gets)."""
+    def _claim(self, avoid: frozenset[str], affinity: int | None = None) -> Replica:
+        """A replica for one call (claims the half-open probe if that is what it gets): the one the
+        request's prefix key maps to when the pool balances by prefix, else the least loaded."""
         tried: set[str] = set(avoid)
-        while (replica := pick(self.replicas, frozenset(tried))) is not None:
+        while (replica := self._pick(frozenset(tried), affinity)) is not None:
             if replica.breaker.claim():
                 return replica
             tried.add(replica.url)
         reason = self.unavailable_reason or f"every replica of {self.name} already failed this request"
         raise UpstreamUnavailableError(reason, timeout=False)
+
+    def _pick(self, tried: frozenset[str], affinity: int | None) -> Replica | None:
+        if self._ring is None or affinity is None:
+            return pick(self.replicas, tried)
+        replica, home = self._ring.choose(affinity, self.replicas, tried, self.spec.max_load_factor)
+        assert self.affinity_counts is not None
+        self.affinity_counts["hit" if home else "spill"] += 1
+        return replica if replica is not None else pick(self.replicas, tried)
 
     async def send(
         self,
@@ -104,9 +118,11 @@ class EnginePool:
         timeouts: Timeouts | None = None,
         avoid: frozenset[str] = frozenset(),
         headers: Mapping[str, str] | None = None,
+        affinity: int | None = None,
     ) -> UpstreamReply:
-        """POST and read the whole response (`headers`: the trace context, when tracing is on)."""
-        replica = self._claim(avoid)
+        """POST and read the whole response (`headers`: the trace context, when tracing is on;
+        `affinity`: the request's prefix key)."""
+        replica = self._claim(avoid, affinity)
         replica.in_flight += 1
         verdict: bool | None = None
         t = timeouts or self.spec.timeouts
@@ -134,9 +150,10 @@ class EnginePool:
         timeouts: Timeouts | None = None,
         avoid: frozenset[str] = frozenset(),
         headers: Mapping[str, str] | None = None,
+        affinity: int | None = None,
     ) -> AsyncIterator[UpstreamStream]:
         """POST with a streamed response; leaving the block early closes the upstream connection."""
-        replica = self._claim(avoid)
+        replica = self._claim(avoid, affinity)
         replica.in_flight += 1
         verdict = _Verdict(replica)
         started = time.perf_counter()

@@ -113,8 +113,10 @@ class HostedModel:
         timeouts: Timeouts | None = None,
         avoid: frozenset[str] = frozenset(),
         headers: Mapping[str, str] | None = None,
+        affinity: int | None = None,
     ) -> UpstreamReply:
-        """One whole completion (our trace context is not sent to providers: `headers` is unused)."""
+        """One whole completion (our trace context is not sent to providers: `headers` is unused;
+        a provider has no replicas to keep a prefix on: nor is `affinity`)."""
         self._check_not_tried(avoid)
         model, params = self._kwargs(path, body, False, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
@@ -137,6 +139,7 @@ class HostedModel:
         timeouts: Timeouts | None = None,
         avoid: frozenset[str] = frozenset(),
         headers: Mapping[str, str] | None = None,
+        affinity: int | None = None,
     ) -> AsyncIterator[UpstreamStream]:
         """A streamed completion, re-encoded as OpenAI SSE lines."""
         self._check_not_tried(avoid)

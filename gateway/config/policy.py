@@ -113,6 +113,10 @@ class EngineBackend(_Strict):
     price: Price | None = None  # what a self-hosted token costs us (for the cost reports) ...
     gpu: GpuCost | None = None  # ... or derived from the GPU's hourly price and throughput
     tokenizer: str | None = None  # tokenizer.json (or its folder): counts tokens when usage is missing
+    # least_loaded: fewest requests in flight; prefix_affinity: requests sharing leading messages go
+    # to one replica (its prefix cache), unless it holds more than max_load_factor x the mean load
+    balance: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
+    max_load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
 
     @model_validator(mode="after")
     def _urls_are_http(self) -> EngineBackend:

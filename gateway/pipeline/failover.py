@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from gateway.backends.affinity import prefix_key
 from gateway.backends.base import (
     Attempt,
     Upstream,
@@ -119,6 +120,11 @@ class Failover:
         state = _State(decision, trace)
         for model, pool in self._candidates(decision, state):
             payload = self._payload(body, model)
+            if (
+                state.affinity is None
+                and getattr(self.policy.backends[pool.name], "balance", "") == "prefix_affinity"
+            ):
+                state.affinity = prefix_key(body)
             for round_ in range(1 + decision.retries.count):
                 if round_:
                     await asyncio.sleep(backoff(decision.retries, round_, self._rng))
@@ -137,7 +143,9 @@ class Failover:
         while state.budget():
             headers = self._begin(state, model, pool, stream=False)
             try:
-                reply = await pool.send(path, payload, state.decision.timeouts, frozenset(avoid), headers)
+                reply = await pool.send(
+                    path, payload, state.decision.timeouts, frozenset(avoid), headers, state.affinity
+                )
             except UpstreamUnavailableError as exc:
                 if exc.deployment is None:  # nothing (left) to offer this round: not a call
                     state.no_deployment(model, pool.name, str(exc), tried_some=bool(avoid))
@@ -166,7 +174,9 @@ class Failover:
             owner = AsyncExitStack()  # holds the upstream open: closed here, or handed over in Served
             try:
                 upstream = await owner.enter_async_context(
-                    pool.stream(path, payload, state.decision.timeouts, frozenset(avoid), headers)
+                    pool.stream(
+                        path, payload, state.decision.timeouts, frozenset(avoid), headers, state.affinity
+                    )
                 )
             except UpstreamUnavailableError as exc:
                 if exc.deployment is None:
@@ -235,6 +245,7 @@ class _State:
     def __init__(self, decision: RouteDecision, trace: Trace) -> None:
         self.decision = decision
         self.trace = trace
+        self.affinity: int | None = None  # the prefix key, once a pool that balances by it is tried
         self.attempts: list[Attempt] = []
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None

@@ -179,10 +179,18 @@ def _replica_families(pools: Mapping[str, Upstream]) -> Iterator[Metric]:
     in_flight = GaugeMetricFamily(
         "gateway_replica_in_flight", "Requests this gateway has in flight to the replica.", labels=labels
     )
+    affinity = CounterMetricFamily(
+        "gateway_affinity_requests",
+        "Calls of prefix_affinity pools: to the prefix's home replica (hit) or another one (spill).",
+        labels=["backend", "outcome"],
+    )
     for name, pool in pools.items():
         for replica in getattr(pool, "replicas", ()):
             values = [name, replica.url]
             state.add_metric(values, _BREAKER_VALUES[replica.breaker.state])
             up.add_metric(values, 1.0 if replica.check_ok else 0.0)
             in_flight.add_metric(values, float(replica.in_flight))
-    yield from (state, up, in_flight)
+        counts = getattr(pool, "affinity_counts", None)  # engine pools that balance by prefix
+        for outcome, count in (counts or {}).items():
+            affinity.add_metric([name, outcome], float(count))
+    yield from (state, up, in_flight, affinity)
