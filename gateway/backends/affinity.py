@@ -23,7 +23,7 @@ from gateway.backends.health import Replica
 
 POINTS_PER_REPLICA = 128  # virtual nodes: each replica's share of the ring evens out
 PREFIX_BLOCK_CHARS = 64  # ~16 tokens, one KV block: a lone prompt's key covers whole blocks
-MAX_PREFIX_CHARS = 1 << 16  # what a lone prompt's key reads at most
+MAX_PREFIX_CHARS = 1 << 16  # what a key reads at most (characters of a prompt, bytes of messages)
 
 
 def _hash(data: bytes) -> int:
@@ -34,8 +34,8 @@ def prefix_key(body: dict[str, Any]) -> int | None:
     """The request's affinity key, or None when it has nothing to share (an empty prompt)."""
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
-        if len(messages) > 1:
-            return _hash(orjson.dumps(messages[:-1], option=orjson.OPT_SORT_KEYS))
+        if len(messages) > 1:  # prompts that share their first 64 KiB share that much cache anyway
+            return _hash(orjson.dumps(messages[:-1], option=orjson.OPT_SORT_KEYS)[:MAX_PREFIX_CHARS])
         content = messages[0].get("content") if isinstance(messages[0], dict) else None
         text = content if isinstance(content, str) else orjson.dumps(content).decode()
         return _text_key(text)
@@ -43,7 +43,14 @@ def prefix_key(body: dict[str, Any]) -> int | None:
     if isinstance(prompt, str):
         return _text_key(prompt)
     if isinstance(prompt, list) and prompt:
-        return _hash(orjson.dumps(prompt[0] if not isinstance(prompt[0], int) else prompt[:256]))
+        first = prompt[0]
+        if isinstance(first, str):  # a batch of text prompts: the first one's
+            return _text_key(first)
+        ids = prompt if isinstance(first, int) else first  # token ids: whole blocks of 16, at most 4,096
+        if not isinstance(ids, list):
+            return None
+        length = min(len(ids), 4096) // 16 * 16
+        return _hash(orjson.dumps(ids[:length])) if length else None
     return None
 
 

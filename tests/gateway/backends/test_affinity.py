@@ -37,6 +37,11 @@ def test_the_key_is_the_leading_messages_or_a_lone_prompts_whole_blocks() -> Non
         {"messages": [{"role": "user", "content": shared + "bb"}]}
     )
     assert prefix_key({"prompt": "short"}) is None and prefix_key({"messages": []}) is None
+    ids = list(range(100))
+    assert prefix_key({"prompt": ids + [7]}) == prefix_key({"prompt": ids + [8, 9]})  # 96 = 6 whole blocks
+    batched = prefix_key({"prompt": [ids, [1]]})
+    assert batched == prefix_key({"prompt": [ids]}) != prefix_key({"prompt": [5] * 32})
+    assert prefix_key({"prompt": [3] * 10}) is None and prefix_key({"prompt": [{"x": 1}]}) is None
 
 
 def test_requests_sharing_a_prefix_go_to_one_replica() -> None:
