@@ -144,7 +144,7 @@ class Failover:
             headers = self._begin(state, model, pool, stream=False)
             try:
                 reply = await pool.send(
-                    path, payload, state.decision.timeouts, frozenset(avoid), headers, state.affinity
+                    path, payload, state.decision.timeouts, frozenset(avoid), headers, **state.affinity_arg()
                 )
             except UpstreamUnavailableError as exc:
                 if exc.deployment is None:  # nothing (left) to offer this round: not a call
@@ -175,7 +175,12 @@ class Failover:
             try:
                 upstream = await owner.enter_async_context(
                     pool.stream(
-                        path, payload, state.decision.timeouts, frozenset(avoid), headers, state.affinity
+                        path,
+                        payload,
+                        state.decision.timeouts,
+                        frozenset(avoid),
+                        headers,
+                        **state.affinity_arg(),
                     )
                 )
             except UpstreamUnavailableError as exc:
@@ -254,6 +259,11 @@ class _State:
         for attempt in decision.skipped:  # models the router skipped (capabilities): noted, never called
             self.attempts.append(attempt)
             trace.failed_over(attempt.model, attempt.backend, None, attempt.outcome, attempt.reason)
+
+    def affinity_arg(self) -> dict[str, int]:
+        """`affinity=` for the call, only once there is a key: upstreams that balance otherwise (and
+        ones written before the argument existed) are called as before."""
+        return {} if self.affinity is None else {"affinity": self.affinity}
 
     def budget(self) -> bool:
         return self.calls < _ATTEMPT_CAP
