@@ -102,6 +102,22 @@ class HealthSettingsOverride(_Strict):
     breaker: Breaker | None = None
 
 
+class Autoscale(_Strict):
+    """Targets per engine replica from which the gateway derives the replicas a pool wants (a gauge
+    for the Kubernetes HPA or KEDA): the queue depth and KV usage one replica should run at."""
+
+    target_queue_depth: float = Field(default=4.0, gt=0)  # waiting requests per replica
+    target_kv_usage: float = Field(default=0.8, gt=0, le=1)  # KV-cache fraction per replica
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=64, ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscale:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
 class EngineBackend(_Strict):
     """A pool of Switchboard engine servers (OpenAI-compatible), called directly over HTTP."""
 
@@ -117,6 +133,7 @@ class EngineBackend(_Strict):
     # to one replica (its prefix cache), unless it holds more than max_load_factor x the mean load
     balance: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     max_load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
+    autoscale: Autoscale = Autoscale()  # the targets behind gateway_pool_desired_replicas
 
     @model_validator(mode="after")
     def _urls_are_http(self) -> EngineBackend:

@@ -20,8 +20,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.backends.autoscale import scale_signal
 from gateway.backends.base import Upstream
 from gateway.backends.health import BreakerState
+from gateway.config.policy import EngineBackend
 from gateway.store.record import RequestRecord, Tried
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -184,7 +186,27 @@ def _replica_families(pools: Mapping[str, Upstream]) -> Iterator[Metric]:
         "Calls of prefix_affinity pools: to the prefix's home replica (hit) or another one (spill).",
         labels=["backend", "outcome"],
     )
+    desired = GaugeMetricFamily(
+        "gateway_pool_desired_replicas",
+        "Replicas each engine pool wants: ceil(replicas up x max(queue / target, KV usage / target)), "
+        "clamped to the policy's autoscale bounds (for the HPA or KEDA).",
+        labels=["backend"],
+    )
+    pool_queue = GaugeMetricFamily(
+        "gateway_pool_queue_depth", "Mean queue depth of each pool's replicas up.", labels=["backend"]
+    )
+    pool_kv = GaugeMetricFamily(
+        "gateway_pool_kv_cache_usage", "Mean KV-cache usage of each pool's replicas up.", labels=["backend"]
+    )
+    pool_up = GaugeMetricFamily("gateway_pool_replicas_up", "Replicas up in each pool.", labels=["backend"])
     for name, pool in pools.items():
+        spec = getattr(pool, "spec", None)
+        if isinstance(spec, EngineBackend):
+            signal = scale_signal(pool.replicas, spec.autoscale)  # type: ignore[attr-defined]
+            desired.add_metric([name], float(signal.desired))
+            pool_queue.add_metric([name], signal.queue_depth)
+            pool_kv.add_metric([name], signal.kv_usage)
+            pool_up.add_metric([name], float(signal.replicas_up))
         for replica in getattr(pool, "replicas", ()):
             values = [name, replica.url]
             state.add_metric(values, _BREAKER_VALUES[replica.breaker.state])
@@ -193,4 +215,4 @@ def _replica_families(pools: Mapping[str, Upstream]) -> Iterator[Metric]:
         counts = getattr(pool, "affinity_counts", None)  # engine pools that balance by prefix
         for outcome, count in (counts or {}).items():
             affinity.add_metric([name, outcome], float(count))
-    yield from (state, up, in_flight, affinity)
+    yield from (state, up, in_flight, affinity, desired, pool_queue, pool_kv, pool_up)
