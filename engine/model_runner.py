@@ -30,7 +30,7 @@ from kernels.split_kv import choose_num_splits
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 
 
@@ -45,7 +45,7 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     """`auto`: float32 on CPU (exact and fast there), bfloat16 on GPU."""
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[config.dtype]
+    return TORCH_DTYPES[config.dtype]
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine.layers.kv_cache import kv_heads_per_rank
-from engine.model_runner import gpu_kv_budget, kv_bytes_per_block
+from engine.model_runner import TORCH_DTYPES, gpu_kv_budget, kv_bytes_per_block
 from engine.models.config import ModelConfig
 
 GIB = 1 << 30
@@ -44,8 +42,6 @@ GPUS_MIB = {
 }
 CUDA_CONTEXT_BYTES = 512 << 20  # the CUDA context and allocator's own use, before any tensor
 MAX_SUGGESTED_SEQS = 256  # past this a step is compute-bound: more sequences only wait their turn
-_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -84,7 +80,7 @@ class Plan:
 
 def weight_bytes(mc: ModelConfig, dtype: str, quantization: str | None, tp: int = 1) -> int:
     """Bytes of one rank's weights (quantized forms: codes plus their scales, as the engine keeps them)."""
-    width = _BYTES[dtype]
+    width = TORCH_DTYPES[dtype].itemsize
     heads, kv_heads = mc.num_heads // tp, kv_heads_per_rank(mc.num_kv_heads, tp)
     hd, hidden, inter = mc.head_dim, mc.hidden_size, mc.intermediate_size // tp
     projections = [  # (inputs, outputs) of one layer's matrices on one rank
@@ -119,7 +115,7 @@ def activation_peak_bytes(mc: ModelConfig, dtype: str, tokens: int, max_num_seqs
     """An estimate of the largest step's activations on one rank: the MLP's gate/up, its product, and
     a few hidden-sized tensors per token, plus float32 logits for the sampled rows."""
     per_token = 3 * mc.intermediate_size // tp + 6 * mc.hidden_size + (mc.num_heads // tp) * mc.head_dim
-    return tokens * per_token * _BYTES[dtype] + max_num_seqs * mc.vocab_size * 4
+    return tokens * per_token * TORCH_DTYPES[dtype].itemsize + max_num_seqs * mc.vocab_size * 4
 
 
 def make_plan(
@@ -148,7 +144,7 @@ def make_plan(
         raise ValueError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS_MIB)}, or give --memory-gib")
     dtype = ("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype
     weights = weight_bytes(mc, dtype, quantization, tp)
-    per_block = kv_bytes_per_block(mc, block_size, _TORCH_DTYPES[dtype], kv_cache_dtype, tp)
+    per_block = kv_bytes_per_block(mc, block_size, TORCH_DTYPES[dtype], kv_cache_dtype, tp)
     if gpu is not None:
         total = GPUS_MIB[gpu] << 20 if memory_gib is None else int(memory_gib * GIB)
         free = total - CUDA_CONTEXT_BYTES - weights
