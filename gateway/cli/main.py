@@ -31,6 +31,7 @@ from gateway.store.migrate import (
     ensure_schema,
     head_revision,
     upgrade,
+    wait_for_schema,
 )
 from gateway.store.reports import DIMENSIONS, render, spend
 from gateway.telemetry.access_log import log_config
@@ -44,6 +45,8 @@ def _database_command(args: argparse.Namespace, settings: GatewaySettings) -> in
     elif args.db_command == "downgrade":
         downgrade(url, args.revision)
         print(f"database at revision {asyncio.run(current_revision(url))}")
+    elif args.db_command == "wait":
+        print(f"database at revision {asyncio.run(wait_for_schema(url, args.timeout))}")
     else:
         print(f"database at revision {asyncio.run(current_revision(url))}; code expects {head_revision()}")
     return 0
@@ -170,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     down = database_sub.add_parser("downgrade", help="migrate down to REVISION ('base' drops every table)")
     down.add_argument("revision")
     database_sub.add_parser("current", help="the database's revision and the one this code expects")
+    wait = database_sub.add_parser(
+        "wait", help="wait until the database is at this code's revision (exit 2 after --timeout seconds)"
+    )
+    wait.add_argument("--timeout", type=float, default=600.0)
     keys = sub.add_parser("keys", help="virtual keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create a key and print it (the plaintext is shown once)")

@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
-from gateway.store.db import create_db
+from gateway.store.db import DATABASE_ERRORS, create_db
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -69,3 +69,30 @@ async def ensure_schema(url: str, auto_upgrade: bool) -> None:
         f"the database schema is at revision {current or 'none'} but this gateway needs {head}: "
         "run `python -m gateway db upgrade` (with the same GATEWAY_DATABASE_URL) first"
     )
+
+
+async def wait_for_schema(url: str, timeout: float, interval: float = 2.0) -> str | None:
+    """Wait until the database is at this code's revision (another process migrates it); return it.
+
+    What a gateway replica runs before it starts where a migration job owns the schema (Kubernetes):
+    an unreachable database or an older revision is waited out; after `timeout` seconds it raises
+    SchemaMismatchError saying which of the two it saw last.
+    """
+    head = head_revision()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            current = await current_revision(url)
+        except DATABASE_ERRORS as exc:
+            seen = f"unreachable ({type(exc).__name__})"
+        else:
+            if current == head:
+                return current
+            seen = f"at revision {current or 'none'}"
+        if loop.time() >= deadline:
+            raise SchemaMismatchError(
+                f"after {timeout:g} s the database is {seen} but this gateway needs {head}: "
+                "has `python -m gateway db upgrade` (the migration job) run?"
+            )
+        await asyncio.sleep(min(interval, max(0.0, deadline - loop.time())))

@@ -76,3 +76,33 @@ def test_db_upgrade_runs_without_the_gateway_secrets(database_url: str) -> None:
         assert done.returncode == 0, done.stderr
         assert "database at revision" in done.stdout
     assert asyncio.run(current_revision(database_url)) == head_revision()
+
+
+def _db_wait(url: str, timeout: float) -> subprocess.Popen[str]:
+    env = {n: v for n, v in os.environ.items() if not n.startswith("GATEWAY_")}
+    env["GATEWAY_DATABASE_URL"] = url
+    command = [sys.executable, "-m", "gateway", "db", "wait", "--timeout", str(timeout)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_db_wait_returns_once_another_process_has_migrated(database_url: str) -> None:
+    waiting = _db_wait(database_url, 60)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(3)  # an empty database: it keeps waiting
+        upgrade(database_url)  # what the migration job does
+        out, err = waiting.communicate(timeout=30)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 0, err
+    assert f"database at revision {head_revision()}" in out
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_db_wait_gives_up_after_its_timeout_and_says_what_it_saw(database_url: str, reachable: bool) -> None:
+    url = database_url if reachable else "postgresql+asyncpg://nobody@127.0.0.1:1/none"
+    waiting = _db_wait(url, 1)
+    _, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 2
+    assert "at revision none" in err if reachable else "unreachable" in err
+    assert "migration job" in err and "Traceback" not in err
