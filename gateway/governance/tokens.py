@@ -52,7 +52,7 @@ def count(text: str, model: str, tokenizer: str | None = None) -> int:
         tokenizer = _bundled("anthropic_tokenizer.json")  # litellm ships Anthropic's tokenizer too
     if tokenizer is not None:
         try:
-            return len(_hf_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids)
+            return len(hf_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids)
         except Exception:  # unreadable since the policy was checked: tiktoken's estimate instead
             logger.warning("tokenizer %s is unreadable; counting with tiktoken", tokenizer, exc_info=True)
     return len(_encoding(encoding_for(model)).encode(text, disallowed_special=()))
@@ -101,7 +101,8 @@ def tokenizer_exists(path: str) -> bool:
 
 
 @lru_cache(maxsize=8)
-def _hf_tokenizer(path: str) -> Any:
+def hf_tokenizer(path: str) -> Any:
+    """The `tokenizers` Tokenizer of a tokenizer.json or its folder (loaded once)."""
     from tokenizers import Tokenizer
 
     file = Path(path)

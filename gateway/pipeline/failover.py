@@ -18,7 +18,6 @@ from typing import Any
 
 import orjson
 
-from gateway.backends.affinity import prefix_key
 from gateway.backends.base import (
     Attempt,
     Upstream,
@@ -27,8 +26,9 @@ from gateway.backends.base import (
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
-from gateway.config.policy import Policy, Retries
+from gateway.config.policy import EngineBackend, Policy, Retries
 from gateway.errors import GatewayError
+from gateway.pipeline.prefix_keys import PrefixKeys
 from gateway.routing.router import RouteDecision
 from gateway.telemetry.trace import NO_TRACE, Trace
 
@@ -99,6 +99,7 @@ class Failover:
         self.policy = policy
         self.pools = pools
         self._rng = rng or random.Random()
+        self._prefix_keys = PrefixKeys()  # prefix-affinity keys, with each pool's tokenizer
 
     async def send(
         self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE
@@ -120,11 +121,10 @@ class Failover:
         state = _State(decision, trace)
         for model, pool in self._candidates(decision, state):
             payload = self._payload(body, model)
-            if (
-                state.affinity is None
-                and getattr(self.policy.backends[pool.name], "balance", "") == "prefix_affinity"
-            ):
-                state.affinity = prefix_key(body)
+            spec = self.policy.backends[pool.name]
+            state.affinity = None
+            if isinstance(spec, EngineBackend) and spec.balance == "prefix_affinity":
+                state.affinity = await self._prefix_keys.key(body, spec.tokenizer)
             for round_ in range(1 + decision.retries.count):
                 if round_:
                     await asyncio.sleep(backoff(decision.retries, round_, self._rng))
@@ -250,7 +250,7 @@ class _State:
     def __init__(self, decision: RouteDecision, trace: Trace) -> None:
         self.decision = decision
         self.trace = trace
-        self.affinity: int | None = None  # the prefix key, once a pool that balances by it is tried
+        self.affinity: int | None = None  # the prefix key while the pool tried balances by it
         self.attempts: list[Attempt] = []
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None
