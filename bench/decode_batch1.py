@@ -1,7 +1,8 @@
 """One user's decode speed: the engine vs HF transformers (and llama.cpp when it is here), one run.
 
 The default model in float32 with N threads (2), a P-token prompt (128) and G greedy tokens (128),
-one request at a time. ms/token of decode = (time for G tokens - time for 1 token) / (G - 1), best
+one request at a time, each configuration in its own process (the MKL mode `engine serve` gives
+it: engine/layers/cpu_blas.py). ms/token of decode = (time for G tokens - time for 1 token) / (G - 1), best
 of R runs (3), for: HF `generate`; the engine with batch invariance (its default) and without it
 (the fast small-batch projections), in float32, int8 and int4; and llama.cpp's `llama-bench` on
 GGUF files of the same weights when `--llama-bench` or $LLAMA_BENCH names the binary and `--gguf`
@@ -16,6 +17,7 @@ Usage: python bench/decode_batch1.py [--prompt-len 128] [--new-tokens 128] [--th
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import shutil
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams
 from engine.default_model import prepare_default_model
+from engine.layers.cpu_blas import request_strict_mkl, rows_are_invariant
 
 
 def decode_ms(run: Callable[[int], object], new_tokens: int, runs: int) -> float:
@@ -118,6 +122,25 @@ def llama_cpp_ms(binary: str, gguf: Path, prompt_len: int, new_tokens: int, thre
     return None
 
 
+def isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` in a fresh process: each configuration gets the MKL mode `engine serve`
+    would give it (strict reproducible mode only with batch invariance: engine/layers/cpu_blas.py),
+    which is fixed at a process's first product."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
+def engine_run(
+    threads: int, prompt: list[int], new_tokens: int, runs: int, **options: Any
+) -> tuple[float, float, bool]:
+    """`engine_ms` as `engine serve` runs it, and whether batch invariance was really on."""
+    torch.set_num_threads(threads)
+    if options.get("batch_invariant", True):
+        request_strict_mkl()
+    ms, outside = engine_ms(prompt, new_tokens, runs, **options)
+    return ms, outside, rows_are_invariant()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,7 +159,7 @@ def main() -> None:
     prompt = [(i * 7919) % 40000 + 1000 for i in range(args.prompt_len)]
     print(f"default model, float32, {args.threads} threads, {args.prompt_len}-token prompt, "
           f"{args.new_tokens} greedy tokens, best of {args.runs}")  # fmt: skip
-    hf = hf_ms(model_dir, prompt, args.new_tokens, args.runs)
+    hf = isolated(hf_ms, model_dir, prompt, args.new_tokens, args.runs)
     print(f"  HF transformers generate            {hf:7.1f} ms/token")
     results = {}
     configurations: list[tuple[str, dict[str, Any]]] = [
@@ -147,10 +170,13 @@ def main() -> None:
         ("engine int4, --no-batch-invariant", {"quantization": "int4", "batch_invariant": False}),
     ]
     for name, options in configurations:
-        ms, outside = engine_ms(prompt, args.new_tokens, args.runs, **options)
+        ms, outside, invariant = isolated(
+            engine_run, args.threads, prompt, args.new_tokens, args.runs, **options
+        )
         results[name] = ms
+        note = "" if invariant or not options.get("batch_invariant", True) else " (NOT batch-invariant here)"
         print(f"  {name:<35} {ms:7.1f} ms/token  ({hf / ms:.2f}x HF; outside the model "
-              f"{outside:.2f} ms per step)")  # fmt: skip
+              f"{outside:.2f} ms per step){note}")  # fmt: skip
     if args.llama_bench and args.gguf:
         for gguf in args.gguf:
             cpp = llama_cpp_ms(args.llama_bench, gguf, args.prompt_len, args.new_tokens, args.threads)

@@ -400,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "no_batch_invariant", True):  # before anything calls MKL (engine/layers/cpu_blas.py)
+        from engine.layers.cpu_blas import request_strict_mkl
+
+        request_strict_mkl()
     if args.command == "plan":
         from engine.planner import run
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.layers.cpu_blas import request_strict_mkl
 from gateway.cli.environment import offline_defaults
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,6 +22,7 @@ for _name, _value in offline_defaults().items():  # what `python -m gateway` set
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+request_strict_mkl()  # before any test calls MKL, as `engine serve` does: row-invariant products
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # GQA 4/2 with Llama-3 rope scaling
