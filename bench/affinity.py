@@ -9,8 +9,12 @@ Reported per phase: the engines' prefix-cache hit rate over the phase (hits / qu
 tokens, from their /metrics), mean and p50 TTFT (first chunk carrying text), output tokens/s.
 A third phase sends a fresh set to one replica directly: the single-replica hit rate.
 
+Each engine gets --kv-cache-mib of KV pool (512: ~11,000 tokens of the default model, about all 8
+prompts; less makes the replicas' aggregate cache the question, which is where affinity matters
+most: least-loaded asks each replica to hold every prompt, affinity only its share).
+
 Usage: python bench/affinity.py [--systems 8] [--system-tokens 1000] [--users 6]
-           [--concurrency 4] [--max-tokens 8]
+           [--concurrency 4] [--max-tokens 8] [--kv-cache-mib 512]
 """
 
 from __future__ import annotations
@@ -115,9 +119,10 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV pool")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="affinity-bench-"))
-    options = ("--kv-cache-memory", str(512 << 20), "--num-threads", "1", "--no-access-log")
+    options = ("--kv-cache-memory", str(args.kv_cache_mib << 20), "--num-threads", "1", "--no-access-log")
     engines = [ServerProcess("default", *options) for _ in range(2)]
     gateway = None
     try:
@@ -135,7 +140,8 @@ def main() -> None:
         headers = {"authorization": f"Bearer {create_key_cli(env, 'bench')}"}
         url = f"{gateway.base_url}/v1/chat/completions"
         print(f"{args.systems} system prompts x ~{args.system_tokens} words, {args.users} users each, "
-              f"{args.concurrency} at a time, {args.max_tokens} tokens; 2 replicas")  # fmt: skip
+              f"{args.concurrency} at a time, {args.max_tokens} tokens; 2 replicas, "
+              f"{args.kv_cache_mib} MiB of KV each")  # fmt: skip
         sets = [workload(systems(args.systems, args.system_tokens, i), args.users, i) for i in (1, 2, 3)]
         least = phase("least_loaded", engines, url, headers, "chat", sets[0], args)
         write_policy("prefix_affinity")

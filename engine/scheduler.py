@@ -147,10 +147,19 @@ class Scheduler:
             scheduled.num_new_tokens = 1 + len(scheduled.spec_tokens)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order, except those whose next uncached block a running
+        sequence is computing right now: they wait for it and then find it cached, rather than
+        computing the same prefix beside it (two requests with one new system prompt)."""
         bm = self.block_manager
+        pending = self._pending_blocks() if self.waiting and bm.enable_prefix_caching else set()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = bm.find_cached_blocks(seq)
+            reusable = (seq.num_tokens - 1) // bm.block_size  # blocks a hit may cover (one token computed)
+            if pending and len(cached) < reusable and seq.block_hashes[len(cached)] in pending:
+                deferred.append(self.waiting.popleft())
+                continue
             num_cached_tokens = len(cached) * bm.block_size
             num_new = min(seq.num_tokens - num_cached_tokens, budget)
             if not bm.can_allocate(seq, cached, num_new):
@@ -166,6 +175,14 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            if bm.enable_prefix_caching:
+                pending.update(seq.block_hashes[len(cached) :])
+        self.waiting.extendleft(reversed(deferred))  # they keep their places at the front
+
+    def _pending_blocks(self) -> set[int]:
+        """Hashes of the full prompt blocks running sequences have yet to compute."""
+        bs = self.block_manager.block_size
+        return {h for seq in self.running for h in seq.block_hashes[seq.num_computed_tokens // bs :]}
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute, not swap: drop the KV (cached blocks stay reusable) and requeue at the front."""

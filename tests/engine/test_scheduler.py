@@ -130,3 +130,48 @@ def test_prefix_cache_counters_count_queried_and_hit_tokens() -> None:
     assert (bm.prefix_queries, bm.prefix_hits) == (21, 8)  # two full blocks of the shared 9 tokens
     assert twin.num_cached_tokens == 8
     assert twin.block_table[:2] == first.block_table[:2]
+
+
+def _shared(seq_id: int, prefix_len: int, tail: int) -> Sequence:
+    tokens = [500 + i for i in range(prefix_len)] + [seq_id * 1000 + i for i in range(tail)]
+    return Sequence(seq_id, f"r{seq_id}", 0, tokens, SamplingParams(), 64, frozenset(), None, None)
+
+
+def test_a_prefix_being_computed_is_waited_for_then_found_cached_not_computed_twice() -> None:
+    bm = BlockManager(64, BS, True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=12)
+    first, second, other = _shared(1, 24, 3), _shared(2, 24, 5), _seq(3, 6)
+    for s in (first, second, other):
+        sched.add(s)
+    out = _run_step(sched)  # first's prefill starts; second would compute the same blocks: it waits
+    assert [s.seq for s in out.scheduled] == [first]
+    assert list(sched.waiting) == [second, other]  # and keeps its place
+    out = _run_step(sched)  # first's second chunk takes the whole budget
+    assert [s.seq for s in out.scheduled] == [first] and second.status is SequenceStatus.WAITING
+    _run_step(sched)  # first's 27 tokens are in: the 24-token prefix (6 blocks) is cached
+    while second.status is SequenceStatus.WAITING:
+        _run_step(sched)
+    assert second.num_cached_tokens == 24  # found cached: only its own 5 tokens computed
+    assert bm.prefix_hits == 24
+    assert other.num_cached_tokens == 0 and other.status is SequenceStatus.RUNNING
+
+
+def test_sequences_arriving_together_with_one_new_prefix_compute_it_once() -> None:
+    bm = BlockManager(64, BS, True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256)
+    seqs = [_shared(i, 32, 2) for i in range(1, 5)]
+    for s in seqs:
+        sched.add(s)
+    out = _run_step(sched)
+    assert [s.seq for s in out.scheduled] == [seqs[0]]  # one computes the 8 shared blocks
+    out = _run_step(sched)
+    assert {s.seq for s in out.scheduled if not s.is_decode} == set(seqs[1:])
+    assert [s.num_cached_tokens for s in seqs] == [0, 32, 32, 32]
+
+
+def test_without_prefix_caching_nothing_waits() -> None:
+    sched = Scheduler(BlockManager(64, BS, False), max_num_seqs=8, max_num_batched_tokens=256)
+    seqs = [_shared(i, 32, 2) for i in range(1, 4)]
+    for s in seqs:
+        sched.add(s)
+    assert [s.seq for s in _run_step(sched).scheduled] == seqs
