@@ -11,22 +11,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.config.policy import EngineBackend, HostedBackend, Policy, PolicyError, load_policy
-from gateway.governance.keys import KeyInfo
+from gateway.config.policy import HostedBackend, Policy, PolicyError, load_policy
 from gateway.routing.capabilities import (
-    CAPABILITIES,
-    CapabilityError,
     CapabilityTable,
     Learner,
-    Needs,
     needed,
 )
 from gateway.routing.complexity import ComplexityModel
-from gateway.routing.router import NoRouteError, Router
+from gateway.routing.explain import anonymous_key, explain, self_hosted, tiered_route
+from gateway.routing.router import Router
 
 LOOKUP_BYTES = 2048  # a smaller body fits every context a chat model has: no need to ask litellm
 
@@ -44,18 +40,6 @@ def policy_check(path: Path) -> int:
     return 0
 
 
-def tiered_route(policy: Policy, name: str | None) -> str:
-    """The route to evaluate: `name`, or the policy's first route with tiers."""
-    if name is not None:
-        if name not in policy.routes or not policy.routes[name].tiers:
-            raise ValueError(f"'{name}' is not a route with complexity tiers in this policy")
-        return name
-    for route_name, route in policy.routes.items():
-        if route.tiers:
-            return route_name
-    raise ValueError("the policy has no route with complexity tiers")
-
-
 def route_eval(policy_path: Path, data: Path, route: str | None) -> dict[str, float]:
     """Route every labelled row of a JSONL file; accuracy etc. for `complex` (any tier above the first)."""
     policy = load_policy(policy_path)
@@ -67,12 +51,13 @@ def route_eval(policy_path: Path, data: Path, route: str | None) -> dict[str, fl
         if not line.strip():
             continue
         row = json.loads(line)
-        decision = router.decide(name, {"model": name, "messages": row.get("messages") or []}, _anonymous())
+        request = {"model": name, "messages": row.get("messages") or []}
+        decision = router.decide(name, request, anonymous_key())
         predicted = decision.tier != first_tier
         actual = row.get("label") == "complex"
         tp, fp = tp + (predicted and actual), fp + (predicted and not actual)
         tn, fn = tn + (not predicted and not actual), fn + (not predicted and actual)
-        frontier += not _self_hosted(policy, decision.chain[0])
+        frontier += not self_hosted(policy, decision.chain[0])
     n = tp + fp + tn + fn
     return {
         "n": n,
@@ -92,70 +77,8 @@ def route_explain(policy_path: Path, body: Mapping[str, Any], route: str | None,
     body = {**body, "model": name}
     size = len(json.dumps(body).encode())
     learners = _hosted_learners(policy) if needed(body) or size > LOOKUP_BYTES else {}
-    table = CapabilityTable(policy, learners)
-    needs = table.needs(name, body, size)
-    if needs.to_count:
-        needs = asyncio.run(table.counted(needs, body))
-    router = Router(policy, ComplexityModel.load(), table)
-    lines = []
-    result = router.explain(name, body)
-    if result is not None:
-        lines.append(
-            f"score {result.score:.3f} (logit {result.logit:+.3f} = bias {result.bias:+.3f} + features)"
-        )
-        ranked = sorted(result.contributions.items(), key=lambda kv: -abs(kv[1]))
-        lines.append(f"{'feature':<32} {'value':>10} {'contribution':>13}")
-        for feature, contribution in ranked:
-            if contribution:
-                lines.append(f"{feature:<32} {result.features[feature]:>10.3f} {contribution:>+13.3f}")
-        if silent := sum(1 for c in result.contributions.values() if not c):
-            lines.append(f"({silent} features contribute nothing here)")
-    lines += _capability_lines(table, name, needs)
-    try:
-        decision = router.decide(name, body, _anonymous(team), needs)
-    except NoRouteError as exc:
-        return "\n".join([*lines, f"no route: {exc}"])
-    except CapabilityError as exc:
-        return "\n".join([*lines, f"refused {exc.status} {exc.code} (param {exc.param}): {exc.message}"])
-    first = decision.chain[0]
-    backend = policy.models[first].backend
-    where = "self-hosted" if _self_hosted(policy, first) else "hosted"
-    lines += [
-        f"route   {decision.header()}",
-        f"reason  {decision.reason}",
-        f"chain   {' -> '.join(decision.chain)}",
-        f"first   {first} on backend {backend} ({where})",
-    ]
-    if decision.skipped:
-        lines.append(f"skipped {', '.join(f'{a.model} ({a.outcome})' for a in decision.skipped)}")
-    return "\n".join(lines)
-
-
-def _capability_lines(table: CapabilityTable, name: str, needs: Needs) -> list[str]:
-    """What the request needs, and what each model it may reach can do (where each value comes from)."""
-    if not needs.capabilities and not needs.prompt_tokens:
-        return ["needs   no capability, and its prompt fits every known context: nothing filtered"]
-    wanted = ", ".join(f"{c} (by `{p}`)" for c, p in needs.capabilities) or "no capability"
-    lines = [f"needs   {wanted}"]
-    if needs.prompt_tokens:
-        counts = ", ".join(f"{m} {n}" for m, n in needs.prompt_tokens.items())
-        lines.append(f"prompt  tokens by each model's tokenizer, where the context may be short: {counts}")
-    lines.append("capabilities (d: declared, l: learned, ?: nobody said: assumed present)")
-    header = "".join(f"{c:>13}" for c in (*CAPABILITIES, "context"))
-    lines.append(f"  {'model':<24}{header}")
-    for model in table.reachable(name):
-        resolved = table.of(model)
-        cells = [_cell(resolved.supports[c], resolved.sources[c]) for c in CAPABILITIES]
-        cells.append(_cell(resolved.context_length, resolved.sources["context_length"]))
-        lines.append(f"  {model:<24}" + "".join(f"{cell:>13}" for cell in cells))
-    return lines
-
-
-def _cell(value: bool | int | None, source: str) -> str:
-    if value is None:
-        return "?"
-    shown = ("yes" if value else "no") if isinstance(value, bool) else str(value)
-    return f"{shown} {source[0]}"
+    router = Router(policy, ComplexityModel.load(), CapabilityTable(policy, learners))
+    return "\n".join(asyncio.run(explain(router, name, body, size, team)))
 
 
 def _hosted_learners(policy: Policy) -> dict[str, Learner]:
@@ -166,13 +89,3 @@ def _hosted_learners(policy: Policy) -> dict[str, Learner]:
     from gateway.backends.hosted import HostedModel
 
     return {name: HostedModel(name, spec) for name, spec in hosted.items()}
-
-
-def _self_hosted(policy: Policy, model: str) -> bool:
-    return isinstance(policy.backends[policy.models[model].backend], EngineBackend)
-
-
-def _anonymous(team: str | None = None) -> KeyInfo:
-    """A key with no restrictions (and an optional team), for offline routing."""
-    now = datetime.now(UTC)
-    return KeyInfo("offline", "offline", "sk-offl", team, None, {}, now, None, None, None)
