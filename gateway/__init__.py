@@ -2,6 +2,6 @@
 
 Rooms, lowest floor first; a module imports only from its own room or the floors below it
 (docs/architecture.md walks a request through them):
-config, store < governance, backends < routing < telemetry < pipeline < api < cli < main.py
+config, store < governance, backends < routing < telemetry < pipeline < api < console < cli < main.py
 (the composition root). `gateway/errors.py` (the base error type) sits under every floor.
 """

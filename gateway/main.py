@@ -23,6 +23,7 @@ from gateway.api.services import Services, app_services, install_services
 from gateway.config.policy import parse_policy, policy_version, read_policy_text
 from gateway.config.secrets import resolve_secrets
 from gateway.config.settings import GatewaySettings
+from gateway.console.app import install_console
 from gateway.governance.budgets import LocalBudgetStore, RedisBudgetStore, spend_seed
 from gateway.governance.keys import AuthLimits, KeyHasher, KeyStore
 from gateway.governance.ratelimit import LocalRateLimiter, RedisRateLimiter
@@ -130,6 +131,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
     app.include_router(admin_policy.router)
     app.include_router(admin_reports.router)
     app.include_router(openai_routes.router)
+    install_console(app)
     registry = CollectorRegistry()
 
     @app.get("/health")

@@ -108,6 +108,7 @@ Switchboard is running.
   models   {", ".join(models)}
   key      {key}
   master   {master_key}   (admin API: {gateway_url}/admin/keys)
+  console  {gateway_url}/ui   (log in with the master key)
   hosted   {hosted}
 
 curl {gateway_url}/v1/chat/completions -H "Authorization: Bearer {key}" \\

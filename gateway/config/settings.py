@@ -57,6 +57,10 @@ class GatewaySettings(BaseSettings):
     redis_max_connections: int = Field(default=512, ge=1)  # per Redis client (limiter, budgets) and replica
     redis_pool_timeout: float = Field(default=5.0, gt=0.0, le=60.0)  # seconds to wait for a free connection
     redis_socket_timeout: float = Field(default=5.0, gt=0.0, le=60.0)  # seconds per Redis command or connect
+    # the web console (/ui): how long a login lasts, and whether its cookie is marked Secure (auto:
+    # when the request reached the gateway over https; behind a TLS-terminating proxy: always)
+    console_session_ttl: int = Field(default=8 * 3600, ge=60, le=30 * 86400)
+    console_cookie_secure: Literal["auto", "always"] = "auto"
     # Who may read /metrics besides the master key (Prometheus gets this, not the master key)
     metrics_token: SecretStr | None = None
     # HTTP limits (docs/gateway.md "Limits"); refusals are 413/431/408/503 in OpenAI's error format

@@ -17,6 +17,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("telemetry",),
     ("pipeline",),
     ("api",),
+    ("console",),
     ("cli",),
     ("main", "__main__"),
 ]

@@ -1,0 +1,145 @@
+"""/ui/keys: list, create (plaintext shown once), edit limits and budgets, revoke, rotate.
+
+Forms are checked with the admin API's own models (`KeyCreate`, `KeyUpdate`), so the console
+accepts exactly what `POST /admin/keys` and `PATCH /admin/keys/{id}` accept.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from fastapi import APIRouter, Response
+from pydantic import ValidationError
+
+from gateway.api.admin_keys import KeyCreate, KeyUpdate
+from gateway.api.services import Database, Keys
+from gateway.console.data import key_spend
+from gateway.console.session import Session
+from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
+from gateway.governance.keys import KeyInfo
+
+router = APIRouter(prefix="/ui/keys")
+
+OPTIONAL = ("team", "allowed_models", "rpm_limit", "tpm_limit", "budget_usd", "expires_in_days")
+
+
+def _fields(form: dict[str, str], lift_empty: bool) -> dict[str, Any]:
+    """Form text to model fields: trimmed; empty optional fields left out (create) or null (edit)."""
+    fields: dict[str, Any] = {"name": form.get("name", "").strip()}
+    for name in OPTIONAL:
+        value = form.get(name, "").strip()
+        if name == "allowed_models" and value:
+            fields[name] = [m.strip() for m in value.split(",") if m.strip()]
+        elif value:
+            fields[name] = value
+        elif lift_empty and name != "expires_in_days":
+            fields[name] = None
+    if fields.get("budget_usd") is not None:
+        fields["budget_period"] = form.get("budget_period", "monthly")
+    return fields
+
+
+def _problem(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ())) or "form"
+    return f"{where}: {first.get('msg')}"
+
+
+def _state(info: KeyInfo, now: datetime) -> str:
+    if info.revoked_at is not None:
+        return "revoked"
+    return "expired" if info.is_expired(now) else "active"
+
+
+async def _rows(keys: Keys, db: Database) -> list[dict[str, Any]]:
+    now = datetime.now(UTC)
+    infos = await keys.list(None, True)
+    spent = await key_spend(db, {k.id: k.budget_period or "monthly" for k in infos}, now)  # type: ignore[misc]
+    rows = []
+    for info in infos:
+        spend = spent.get(info.id, Decimal(0))
+        budget = info.budget_usd
+        used = float(min(Decimal(1), spend / budget)) if budget else 0.0
+        rows.append({**info.public(), "state": _state(info, now), "spend": f"{spend:.6f}", "used": used})
+    return rows
+
+
+async def _list(keys: Keys, db: Database, session: Session, **extra: Any) -> Response:
+    context = {"title": "Keys", "active": "Keys", "keys": await _rows(keys, db), "form": {}, **extra}
+    return page("keys.html", context, 200, session)
+
+
+@router.get("")
+async def keys_page(keys: Keys, db: Database, session: ConsoleSession) -> Response:
+    """Every key with its spend against its budget, and the create form."""
+    return await _list(keys, db, session)
+
+
+@router.post("")
+async def create_key(form: CheckedForm, keys: Keys, db: Database, session: ConsoleSession) -> Response:
+    """Create a key and show its plaintext this once."""
+    try:
+        body = KeyCreate.model_validate(_fields(form, lift_empty=False))
+    except ValidationError as exc:
+        context = {"title": "Keys", "active": "Keys", "keys": await _rows(keys, db), "form": form}
+        return page("keys.html", {**context, "error": _problem(exc)}, 400, session)
+    info, plaintext = await keys.create(
+        body.name, body.team, body.allowed_models, body.expiry(), body.metadata,
+        rpm_limit=body.rpm_limit, tpm_limit=body.tpm_limit, budget_usd=body.budget_usd,
+        budget_period=body.budget_period if body.budget_usd is not None else None,
+    )  # fmt: skip
+    created = {"title": "New key", "name": info.name, "key": plaintext}
+    return await _list(keys, db, session, created=created, notice=f"Created {info.name}")
+
+
+@router.get("/{key_id}")
+async def edit_form(key_id: str, keys: Keys, session: ConsoleSession) -> Response:
+    """One key's settings, editable."""
+    info = await keys.get(key_id)
+    form = {
+        "name": info.name, "team": info.team or "", "rpm_limit": info.rpm_limit or "",
+        "tpm_limit": info.tpm_limit or "", "budget_usd": info.budget_usd or "",
+        "budget_period": info.budget_period or "monthly",
+        "allowed_models": ", ".join(info.allowed_models) if info.allowed_models is not None else "",
+    }  # fmt: skip
+    key = {**info.public(), "state": _state(info, datetime.now(UTC))}
+    context = {"title": f"Key {info.name}", "active": "Keys", "key": key, "form": form}
+    return page("key_edit.html", context, 200, session)
+
+
+@router.post("/{key_id}")
+async def update_key(key_id: str, form: CheckedForm, keys: Keys, session: ConsoleSession) -> Response:
+    """Save the edit form: empty limits, budget, team or model list lift them."""
+    fields = _fields(form, lift_empty=True)
+    days = fields.pop("expires_in_days", None)
+    try:
+        if days is not None:  # checked as the create form checks it
+            fields["expires_at"] = KeyCreate.model_validate({"name": "x", "expires_in_days": days}).expiry()
+        body = KeyUpdate.model_validate(fields)
+    except ValidationError as exc:
+        info = await keys.get(key_id)
+        key = {**info.public(), "state": _state(info, datetime.now(UTC))}
+        context = {"title": f"Key {info.name}", "active": "Keys", "key": key, "form": form}
+        return page("key_edit.html", {**context, "error": _problem(exc)}, 400, session)
+    await keys.update(key_id, **body.model_dump(exclude_unset=True))
+    return redirect("/ui/keys")
+
+
+@router.post("/{key_id}/revoke")
+async def revoke_key(key_id: str, _: CheckedForm, keys: Keys) -> Response:
+    """Stop the key (every replica within the key cache TTL)."""
+    await keys.revoke(key_id)
+    return redirect("/ui/keys")
+
+
+@router.post("/{key_id}/rotate")
+async def rotate_key(
+    key_id: str, _: CheckedForm, keys: Keys, db: Database, session: ConsoleSession
+) -> Response:
+    """Replace the key's secret and show the new plaintext this once."""
+    info, plaintext = await keys.rotate(key_id)
+    created = {"title": "Rotated key", "name": info.name, "key": plaintext}
+    notice = f"Rotated {info.name}: the old secret no longer works"
+    return await _list(keys, db, session, created=created, notice=notice)

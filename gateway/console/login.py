@@ -1,0 +1,73 @@
+"""/ui/login, /ui/logout and the console's static files."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+
+from gateway.api.services import ServicesDep
+from gateway.console.session import COOKIE
+from gateway.console.web import (
+    HERE,
+    SECURITY_HEADERS,
+    CheckedForm,
+    local_path,
+    page,
+    read_form,
+    redirect,
+    signer,
+)
+from gateway.errors import GatewayError
+from gateway.governance.keys import AuthError
+
+router = APIRouter(prefix="/ui")
+
+STATIC = {"console.css": "text/css; charset=utf-8", "console.js": "text/javascript; charset=utf-8"}
+FILES = {name: (HERE / "static" / name).read_bytes() for name in STATIC}  # read once, at import
+
+
+@router.get("/login")
+async def login_form(next_: Annotated[str | None, Query(alias="next")] = None) -> Response:
+    """The login form."""
+    return page("login.html", {"title": "Log in", "next": local_path(next_)})
+
+
+@router.post("/login")
+async def login(request: Request, services: ServicesDep) -> Response:
+    """Check the master key once; answer with a session cookie, never the key."""
+    form = await read_form(request)
+    target = local_path(form.get("next"))
+    client = (request.client.host, request.client.port) if request.client else None
+    try:
+        services.keys.check_master(form.get("master_key", ""), services.secrets.master_key, client)
+    except AuthError as exc:
+        status = 429 if exc.status == 429 else 401
+        message = "Too many failed attempts: wait a minute" if status == 429 else "That is not the master key"
+        return page("login.html", {"title": "Log in", "next": target, "error": message}, status)
+    cookie, _ = signer(services).issue(time.time())
+    response = redirect(target)
+    secure = services.settings.console_cookie_secure == "always" or request.url.scheme == "https"
+    response.set_cookie(
+        COOKIE, cookie, max_age=services.settings.console_session_ttl, path="/ui",
+        secure=secure, httponly=True, samesite="strict",
+    )  # fmt: skip
+    return response
+
+
+@router.post("/logout")
+async def logout(_: CheckedForm) -> Response:
+    """End the session in this browser (the cookie is dropped; it also expires by itself)."""
+    response = redirect("/ui/login")
+    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
+    return response
+
+
+@router.get("/static/{name}")
+async def static(name: str) -> Response:
+    """The console's own stylesheet and script (no other file is served)."""
+    if name not in STATIC:
+        raise GatewayError(404, "No such file", code="not_found")
+    headers = {**SECURITY_HEADERS, "Cache-Control": "public, max-age=300"}
+    return Response(FILES[name], media_type=STATIC[name], headers=headers)

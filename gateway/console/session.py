@@ -1,0 +1,72 @@
+"""Console sessions: a signed cookie that expires, and the CSRF token that goes with it.
+
+Logging in with the master key yields `v1.<expires>.<nonce>.<mac>`: the expiry (Unix seconds),
+16 random bytes, and an HMAC-SHA256 of both under a key derived from the master key. Any gateway
+replica verifies it without shared state, and changing the master key ends every session. The
+master key itself never reaches the browser. Each change a console page makes carries the
+session's CSRF token, HMAC("csrf", nonce) under the same key: another site can neither read it
+nor guess it, and the cookie is SameSite=Strict besides.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+VERSION = "v1"
+COOKIE = "switchboard_console"
+MAX_COOKIE_CHARS = 200  # a real cookie is ~80 characters: anything longer is not ours
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A verified console session."""
+
+    nonce: str
+    expires: int  # Unix seconds
+    csrf: str  # the token every change must carry
+
+
+class SessionSigner:
+    """Issues and verifies session cookies under a key derived from the master key."""
+
+    def __init__(self, master_key: str, ttl_seconds: int) -> None:
+        self._key = hmac.new(master_key.encode(), b"switchboard console session", hashlib.sha256).digest()
+        self.ttl = ttl_seconds
+
+    def _mac(self, message: str) -> str:
+        return _b64(hmac.new(self._key, message.encode(), hashlib.sha256).digest())
+
+    def issue(self, now: float) -> tuple[str, Session]:
+        """A new session's cookie value and the session."""
+        nonce, expires = _b64(secrets.token_bytes(16)), int(now) + self.ttl
+        body = f"{VERSION}.{expires}.{nonce}"
+        return f"{body}.{self._mac(body)}", self._session(nonce, expires)
+
+    def verify(self, cookie: str | None, now: float) -> Session | None:
+        """The session `cookie` holds, or None when it is missing, forged, malformed or expired."""
+        if not cookie or len(cookie) > MAX_COOKIE_CHARS:
+            return None
+        parts = cookie.split(".")
+        if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit():
+            return None
+        body = ".".join(parts[:3])
+        if not hmac.compare_digest(self._mac(body), parts[3]):
+            return None
+        expires = int(parts[1])
+        return self._session(parts[2], expires) if now < expires else None
+
+    def _session(self, nonce: str, expires: int) -> Session:
+        return Session(nonce, expires, self._mac(f"csrf.{nonce}"))
+
+    @staticmethod
+    def csrf_matches(session: Session, presented: str | None) -> bool:
+        """Whether `presented` is `session`'s CSRF token (constant time)."""
+        return presented is not None and hmac.compare_digest(session.csrf.encode(), presented.encode())

@@ -1,0 +1,394 @@
+"""The web console, server side: sessions, CSRF, every page and action behind the master key, keys
+managed from forms, the spend page's figures equal to `gateway report spend`, the request log
+paginated by index, hostile values escaped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from gateway.config.settings import GatewaySettings
+from gateway.console.session import COOKIE, SessionSigner
+from gateway.console.web import local_path
+from gateway.main import create_app
+from gateway.store.db import create_db
+from gateway.store.migrate import upgrade
+from gateway.store.models import RequestLog, UsageDaily
+
+MASTER = "sk-master-console"
+HTML = {"accept": "text/html"}
+BASE = "http://127.0.0.1:8000"
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    database = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    upgrade(database)
+    return database
+
+
+def _client(url: str, master: str = MASTER) -> TestClient:
+    settings = GatewaySettings(
+        master_key=master, key_secret="hmac", database_url=url, auth_failures_per_minute=5
+    )
+    return TestClient(create_app(settings), base_url=BASE)
+
+
+@pytest.fixture
+def anon(url: str) -> Iterator[TestClient]:
+    with _client(url) as client:
+        yield client
+
+
+def _login(client: TestClient, key: str = MASTER) -> str:
+    """Log in; returns a CSRF token from the keys page."""
+    answer = client.post("/ui/login", data={"master_key": key}, headers=HTML, follow_redirects=False)
+    assert answer.status_code == 303, answer.text
+    page = client.get("/ui/keys", headers=HTML)
+    assert page.status_code == 200
+    found = re.search(r'name="csrf" value="([^"]+)"', page.text)
+    assert found is not None
+    return found.group(1)
+
+
+@pytest.fixture
+def ops(url: str) -> Iterator[tuple[TestClient, str]]:
+    with _client(url) as client:
+        yield client, _login(client)
+
+
+PAGES = ["/ui", "/ui/keys", "/ui/spend", "/ui/routing", "/ui/requests", "/ui/requests/abc", "/ui/keys/abc"]
+ACTIONS = [
+    "/ui/keys",
+    "/ui/keys/abc",
+    "/ui/keys/abc/revoke",
+    "/ui/keys/abc/rotate",
+    "/ui/routing/explain",
+    "/ui/logout",
+]
+
+
+def test_every_page_and_action_needs_a_session(anon: TestClient) -> None:
+    for path in PAGES:
+        answer = anon.get(path, headers=HTML, follow_redirects=False)
+        assert answer.status_code == 303 and answer.headers["location"] == f"/ui/login?next={path}", path
+    overview = anon.get("/ui/api/overview")
+    assert overview.status_code == 401 and overview.json()["error"]["code"] == "login_required"
+    for path in ACTIONS:
+        answer = anon.post(path, data={"csrf": "x", "name": "sneaky"}, follow_redirects=False)
+        assert answer.status_code == 401, path
+    # a forged or foreign cookie is no session either
+    anon.cookies.set(COOKIE, "v1.9999999999.bm9uY2U.forged", domain="127.0.0.1", path="/ui")
+    assert anon.get("/ui/keys", headers=HTML, follow_redirects=False).status_code == 303
+    assert anon.post("/ui/keys", data={"csrf": "x", "name": "sneaky"}).status_code == 401
+    assert "sneaky" not in anon.get("/admin/keys", headers={"Authorization": f"Bearer {MASTER}"}).text
+
+
+def test_login_sets_a_strict_httponly_expiring_cookie_and_never_echoes_the_key(anon: TestClient) -> None:
+    wrong = anon.post("/ui/login", data={"master_key": "guess"}, headers=HTML)
+    assert wrong.status_code == 401 and COOKIE not in wrong.headers.get("set-cookie", "")
+    answer = anon.post("/ui/login", data={"master_key": MASTER, "next": "/ui/spend"}, follow_redirects=False)
+    assert answer.status_code == 303 and answer.headers["location"] == "/ui/spend"
+    cookie = answer.headers["set-cookie"]
+    assert (
+        "HttpOnly" in cookie
+        and "SameSite=strict" in cookie
+        and "Path=/ui" in cookie
+        and "Max-Age=28800" in cookie
+    )
+    assert MASTER not in cookie
+    for path in PAGES[:5]:
+        page = anon.get(path, headers=HTML)
+        assert page.status_code == 200 and MASTER not in page.text, path
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert page.headers["x-frame-options"] == "DENY" and page.headers["cache-control"] == "no-store"
+
+
+def test_wrong_master_keys_are_limited_like_any_failed_authentication(anon: TestClient) -> None:
+    statuses = [anon.post("/ui/login", data={"master_key": f"guess{i}"}).status_code for i in range(7)]
+    assert statuses[:5] == [401] * 5 and statuses[-1] == 429
+    assert anon.post("/ui/login", data={"master_key": MASTER}, follow_redirects=False).status_code == 429
+
+
+def test_sessions_expire_are_bound_to_the_master_key_and_verify_in_constant_form() -> None:
+    signer = SessionSigner(MASTER, ttl_seconds=60)
+    cookie, session = signer.issue(now=1000.0)
+    assert signer.verify(cookie, 1059.0) == session
+    assert signer.verify(cookie, 1060.0) is None  # expired
+    assert SessionSigner("another master key", 60).verify(cookie, 1000.0) is None
+    version, expires, nonce, mac = cookie.split(".")
+    assert signer.verify(f"{version}.{int(expires) + 3600}.{nonce}.{mac}", 1000.0) is None  # extended: forged
+    for junk in ("", "v1", "v1.x.y.z", "v2." + cookie[3:], cookie + "." + mac, "v1." * 100):
+        assert signer.verify(junk, 1000.0) is None
+    assert signer.csrf_matches(session, session.csrf) and not signer.csrf_matches(
+        session, session.csrf[:-1] + "x"
+    )
+    assert not signer.csrf_matches(session, None) and session.csrf != signer.issue(1000.0)[1].csrf
+
+
+def test_a_new_master_key_ends_every_session(url: str) -> None:
+    with _client(url) as client:
+        _login(client)
+        cookie = client.cookies.get(COOKIE)
+    with _client(url, master="sk-rotated-master") as client:
+        client.cookies.set(COOKIE, str(cookie), domain="127.0.0.1", path="/ui")
+        assert client.get("/ui/keys", headers=HTML, follow_redirects=False).status_code == 303
+
+
+def test_changes_need_the_sessions_csrf_token_and_the_gateways_own_origin(
+    ops: tuple[TestClient, str],
+) -> None:
+    client, csrf = ops
+    for token in (None, "", "forged", csrf + "x"):
+        data = {"name": "evil"} if token is None else {"name": "evil", "csrf": token}
+        assert client.post("/ui/keys", data=data).status_code == 403
+    other = {"origin": "https://evil.example"}
+    assert client.post("/ui/keys", data={"name": "evil", "csrf": csrf}, headers=other).status_code == 403
+    assert (
+        client.post(
+            "/ui/keys", content=b'{"name": "evil"}', headers={"content-type": "application/json"}
+        ).status_code
+        == 415
+    )
+    assert "evil" not in client.get("/admin/keys", headers={"Authorization": f"Bearer {MASTER}"}).text
+    own = {"origin": BASE, **HTML}
+    assert client.post("/ui/keys", data={"name": "good", "csrf": csrf}, headers=own).status_code == 200
+
+
+def test_login_redirects_only_to_console_paths() -> None:
+    for target in (
+        "//evil.example/ui",
+        "https://evil.example/ui",
+        "/ui\\..\\x",
+        "/admin/keys",
+        "javascript:x",
+        None,
+    ):
+        assert local_path(target) == "/ui"
+    assert local_path("/ui/spend?from=2026-01-01") == "/ui/spend?from=2026-01-01"
+
+
+def _plaintext(html: str) -> str:
+    found = re.search(r'id="new-key"[^>]*value="([^"]+)"', html)
+    assert found is not None, "the new key's plaintext should be on the page once"
+    return found.group(1)
+
+
+def test_keys_are_created_used_edited_rotated_and_revoked_from_the_forms(ops: tuple[TestClient, str]) -> None:
+    client, csrf = ops
+    made = client.post(
+        "/ui/keys",
+        data={
+            "csrf": csrf,
+            "name": "app",
+            "team": "legal",
+            "rpm_limit": "60",
+            "budget_usd": "2.5",
+            "budget_period": "weekly",
+        },
+        headers=HTML,
+    )
+    assert made.status_code == 200
+    plaintext = _plaintext(made.text)
+    listing = client.get("/ui/keys", headers=HTML).text
+    assert plaintext not in listing and "legal" in listing and "2.5" in listing and "weekly" in listing
+    api = {"Authorization": f"Bearer {plaintext}"}
+    assert client.get("/v1/models", headers=api).status_code == 200
+    key_id = re.search(r'data-key-id="([0-9a-f]+)"', listing).group(1)  # type: ignore[union-attr]
+    edited = client.post(
+        f"/ui/keys/{key_id}",
+        data={"csrf": csrf, "name": "app", "rpm_limit": "", "tpm_limit": "900", "budget_usd": ""},
+        follow_redirects=False,
+    )
+    assert edited.status_code == 303
+    admin = client.get(f"/admin/keys/{key_id}", headers={"Authorization": f"Bearer {MASTER}"}).json()
+    assert admin["rpm_limit"] is None and admin["tpm_limit"] == 900 and admin["budget_usd"] is None
+    assert admin["team"] is None  # an empty team field lifts the team too
+    rotated = client.post(f"/ui/keys/{key_id}/rotate", data={"csrf": csrf}, headers=HTML)
+    fresh = _plaintext(rotated.text)
+    assert fresh != plaintext and client.get("/v1/models", headers=api).status_code == 401
+    new_api = {"Authorization": f"Bearer {fresh}"}
+    assert client.get("/v1/models", headers=new_api).status_code == 200
+    assert (
+        client.post(f"/ui/keys/{key_id}/revoke", data={"csrf": csrf}, follow_redirects=False).status_code
+        == 303
+    )
+    assert client.get("/v1/models", headers=new_api).status_code == 401
+    assert 'class="state-revoked"' in client.get("/ui/keys", headers=HTML).text
+
+
+def test_bad_form_values_are_refused_with_the_reason_and_change_nothing(ops: tuple[TestClient, str]) -> None:
+    client, csrf = ops
+    for field, value in (
+        ("rpm_limit", "-3"),
+        ("budget_usd", "NaN"),
+        ("expires_in_days", "1e308"),
+        ("name", ""),
+    ):
+        data = {"csrf": csrf, "name": "bad", field: value}
+        answer = client.post("/ui/keys", data=data, headers=HTML)
+        assert answer.status_code == 400 and 'class="error"' in answer.text, field
+    assert client.get("/admin/keys", headers={"Authorization": f"Bearer {MASTER}"}).json()["data"] == []
+    assert client.post("/ui/keys/nope/revoke", data={"csrf": csrf}, headers=HTML).status_code == 404
+
+
+def test_values_someone_else_wrote_are_escaped(ops: tuple[TestClient, str]) -> None:
+    client, csrf = ops
+    hostile = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    assert client.post("/ui/keys", data={"csrf": csrf, "name": hostile, "team": hostile}).status_code == 200
+    page = client.get("/ui/keys", headers=HTML).text
+    assert hostile not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def _seed_usage(url: str, days: list[date]) -> None:
+    rows = [
+        UsageDaily(
+            day=day,
+            key_id=key,
+            team=team,
+            requested_model="fast",
+            backend=backend,
+            requests=3 + i,
+            errors=i % 2,
+            prompt_tokens=100 * (i + 1),
+            completion_tokens=40,
+            cached_tokens=0,
+            cost_usd=Decimal("0.000125") * (i + 1),
+            reference_cost_usd=Decimal("0.001") if backend == "local" else Decimal(0),
+            reference_basis_usd=Decimal("0.0001") if backend == "local" else Decimal(0),
+        )
+        for i, day in enumerate(days)
+        for key, team, backend in (("k1", "legal", "local"), ("k2", "", "openai"))
+    ]
+
+    async def write() -> None:
+        db = create_db(url)
+        async with async_sessionmaker(db)() as session, session.begin():
+            session.add_all(rows)
+        await db.dispose()
+
+    asyncio.run(write())
+
+
+def test_the_spend_page_shows_the_reports_figures_and_one_bar_a_day(url: str, tmp_path: Path) -> None:
+    today = datetime.now(UTC).date()
+    days = [today - timedelta(days=d) for d in (0, 2, 3, 9)]
+    _seed_usage(url, days)
+    start, end = today - timedelta(days=9), today
+    with _client(url) as client:
+        _login(client)
+        page = client.get(f"/ui/spend?from={start}&to={end}&by=backend", headers=HTML).text
+        csv_text = client.get(f"/ui/spend?from={start}&to={end}&by=backend&format=csv").text
+    shown = dict(re.findall(r'<tr data-group="([^"]+)">.*?<td class="cost">([^<]+)</td>', page, re.S))
+    env = {"GATEWAY_DATABASE_URL": url, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "report",
+            "spend",
+            "--from",
+            str(start),
+            "--to",
+            str(end),
+            "--by",
+            "backend",
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = {row["group"]: row["cost_usd"] for row in json.loads(out.stdout)["rows"]}
+    assert report and {g: Decimal(v) for g, v in shown.items()} == {g: Decimal(v) for g, v in report.items()}
+    assert csv_text.splitlines()[0].startswith("group,label,requests")
+    assert len(csv_text.splitlines()) == 1 + len(report)
+    assert len(re.findall(r'<g class="bar"', page)) == (end - start).days + 1  # every day, spent or not
+    assert 'id="self-hosted-share">' in page
+
+
+def _seed_requests(url: str, count: int) -> list[str]:
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    rows = [
+        RequestLog(
+            id=f"req-{i:04d}",
+            created_at=start + timedelta(seconds=i // 2),
+            key_id="k1" if i % 3 else "k2",
+            requested_model="fast",
+            backend="local" if i % 2 else "openai",
+            status=200 if i % 5 else 429,
+            prompt_tokens=10,
+            completion_tokens=5,
+            latency_ms=12.5,
+            attempts=1,
+        )
+        for i in range(count)
+    ]
+    newest_first = [r.id for r in sorted(rows, key=lambda r: (r.created_at, r.id), reverse=True)]
+
+    async def write() -> None:
+        db = create_db(url)
+        async with async_sessionmaker(db)() as session, session.begin():
+            session.add_all(rows)
+        await db.dispose()
+
+    asyncio.run(write())
+    return newest_first
+
+
+def test_the_request_log_pages_by_index_and_filters(url: str) -> None:
+    newest_first = _seed_requests(url, 125)
+    with _client(url) as client:
+        _login(client)
+        seen: list[str] = []
+        path: str | None = "/ui/requests"
+        while path is not None:
+            page = client.get(path, headers=HTML).text
+            seen += re.findall(r'href="/ui/requests/(req-\d+)"', page)
+            nxt = re.search(r'<a href="([^"]+)" rel="next">', page)
+            path = nxt.group(1).replace("&amp;", "&") if nxt else None
+        assert seen == newest_first  # no row twice, none lost, at equal times too
+        filtered = client.get("/ui/requests?status=429&backend=openai", headers=HTML).text
+        ids = re.findall(r'href="/ui/requests/(req-\d+)"', filtered)
+        assert ids and all(int(i[4:]) % 5 == 0 and int(i[4:]) % 2 == 0 for i in ids)
+        detail = client.get("/ui/requests/req-0007", headers=HTML)
+        assert detail.status_code == 200 and "Not logged" in detail.text
+        assert client.get("/ui/requests/nope", headers=HTML).status_code == 404
+        assert client.get("/ui/requests?status=abc", headers=HTML).status_code == 400
+        assert client.get("/ui/requests?since=yesterday", headers=HTML).status_code == 400
+
+
+def test_overview_and_routing_explain(ops: tuple[TestClient, str]) -> None:
+    client, csrf = ops
+    data = client.get("/ui/api/overview").json()
+    assert set(data) >= {"hour", "day", "failovers", "backends", "policy"} and data["hour"]["requests"] == 0
+    routing = client.get("/ui/routing", headers=HTML).text
+    assert "policies/default.yaml" in routing or "default.yaml" in routing
+    explained = client.post(
+        "/ui/routing/explain",
+        data={"csrf": csrf, "request": "Prove that there are infinitely many primes, step by step."},
+        headers=HTML,
+    )
+    assert explained.status_code == 200 and "score " in explained.text and "chain " in explained.text
+    body = json.dumps({"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+    refused = client.post("/ui/routing/explain", data={"csrf": csrf, "request": body}, headers=HTML)
+    assert refused.status_code == 400 and "neither a model nor a route" in refused.text
+    broken = client.post("/ui/routing/explain", data={"csrf": csrf, "request": "{not json"}, headers=HTML)
+    assert broken.status_code == 400 and "not valid JSON" in broken.text
