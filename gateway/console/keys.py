@@ -18,6 +18,7 @@ from gateway.api.services import Database, Keys
 from gateway.console.data import key_spend
 from gateway.console.session import Session
 from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
+from gateway.governance.budgets import PERIODS
 from gateway.governance.keys import KeyInfo
 
 router = APIRouter(prefix="/ui/keys")
@@ -56,7 +57,8 @@ def _state(info: KeyInfo, now: datetime) -> str:
 async def _rows(keys: Keys, db: Database) -> list[dict[str, Any]]:
     now = datetime.now(UTC)
     infos = await keys.list(None, True)
-    spent = await key_spend(db, {k.id: k.budget_period or "monthly" for k in infos}, now)  # type: ignore[misc]
+    periods = {k.id: k.budget_period if k.budget_period in PERIODS else "monthly" for k in infos}
+    spent = await key_spend(db, periods, now)
     rows = []
     for info in infos:
         spend = spent.get(info.id, Decimal(0))
