@@ -121,12 +121,20 @@ class HostedModel:
         model, params = self._kwargs(path, body, False, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
 
+        total = (timeouts or self.spec.timeouts).total
+
         async def whole() -> bytes:
-            resp = await call(model=model, **params)
+            # the provider client's timeout bounds each read, not the answer: a provider trickling
+            # a byte every few seconds held a request 5x past `total` before this deadline
+            async with asyncio.timeout(total):
+                resp = await call(model=model, **params)
             return resp.model_dump_json(exclude_none=True).encode()  # type: ignore[no-any-return]
 
         try:
             answer = await self._side.run(whole())
+        except TimeoutError as exc:
+            message = f"{self.spec.model} did not finish answering in time"
+            raise UpstreamUnavailableError(message, timeout=True, deployment=self.spec.model) from exc
         except Exception as exc:
             return self._error(exc)
         return UpstreamReply(200, answer, self.spec.model)

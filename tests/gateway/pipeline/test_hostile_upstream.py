@@ -273,6 +273,15 @@ def test_a_stalled_hosted_provider_is_called_once_and_answered_504_within_its_ti
     assert elapsed < 12
 
 
+def test_an_upstream_trickling_its_answer_is_cut_at_the_total_timeout(
+    answers: dict[tuple[str, str, bool], Answer],
+) -> None:
+    # A byte every 100 ms: the provider client's own timeout bounds each read, so a hosted answer
+    # trickled in over 32 s (a 200) past the policy's 6 s total, until the deadline covered it all.
+    for model in ("eng", "host"):
+        assert answers[(model, "slow:100", False)].status == 504
+
+
 def test_a_hosted_request_with_many_messages_does_not_stall_other_requests(stack: HostileStack) -> None:
     async def run() -> float:
         async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
