@@ -51,10 +51,12 @@ def _cases(bytes_per_block: int, pool_blocks: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def _check_case(model_dir: Path, prompts: list[list[int]], ref: HFReference, options: dict[str, Any]) -> None:
+def _check_case(
+    model_dir: Path, prompts: list[list[int]], ref: HFReference, options: dict[str, Any], passes: int = 2
+) -> None:
     llm = LLM(str(model_dir), **options)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-    for attempt in range(2):  # the second pass is served largely from the prefix cache
+    for attempt in range(passes):  # the second pass is served largely from the prefix cache
         outs = llm.generate(prompts, params, use_tqdm=False)
         result = compare_greedy([o.token_ids for o in outs], ref)
         print(f"{options} pass {attempt}: near-ties {result.ties}")
@@ -66,7 +68,8 @@ def _check_case(model_dir: Path, prompts: list[list[int]], ref: HFReference, opt
         assert engine.scheduler.num_preemptions > 0, "the small pool should have forced preemptions"
     if options.get("enable_prefix_caching"):
         assert engine.block_manager.prefix_hits > 0
-        assert outs[-1].num_cached_tokens > 0
+        # a single pass still hits: prompts that share a prefix in one batch compute it once
+        assert outs[-1].num_cached_tokens > 0 if passes > 1 else any(o.num_cached_tokens for o in outs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
@@ -105,6 +108,8 @@ def test_default_model_matches_hf_greedy(default_model_dir: Path) -> None:
     ref = hf_greedy(default_model_dir, prompts, MAX_NEW)
     bpb = _kv_bytes_per_block(default_model_dir)
     cases = _cases(bpb, pool_blocks=24)
-    # (the tiny models above run every case; here the one without prefix caching is left out)
+    # (the tiny models above run every case twice; here the ones without prefix caching are left
+    # out, and one pass each keeps this test near 40 s on 2 cores: the shared-prefix prompts and
+    # the chats' common template hit the cache within it)
     for name in ("one_batch_prefix_cache", "chunked_prefix_cache_preempting", "fast_chunked_prefix_cache"):
-        _check_case(default_model_dir, prompts, ref, cases[name])
+        _check_case(default_model_dir, prompts, ref, cases[name], passes=1)
