@@ -18,10 +18,17 @@
     return String(Math.round(Number(value)));
   }
 
-  function cell(row, text, header) {
+  function cell(row, value, header) {
     const c = document.createElement(header ? "th" : "td");
     if (header) c.setAttribute("scope", "row");
-    c.textContent = text == null ? "" : String(text);
+    if (value && typeof value === "object") {  // {text, href}: a link within the console
+      const a = document.createElement("a");
+      a.href = value.href;
+      a.textContent = String(value.text);
+      c.appendChild(a);
+    } else {
+      c.textContent = value == null ? "" : String(value);
+    }
     row.appendChild(c);
   }
 
@@ -49,6 +56,22 @@
     }
   }
 
+  function rows(selector, items, columns, empty) {
+    const body = document.querySelector(selector + " tbody");
+    if (!body) return;
+    body.replaceChildren();
+    if (!items.length) {
+      const c = body.insertRow().insertCell();
+      c.colSpan = columns(null).length;
+      c.textContent = empty;
+      return;
+    }
+    for (const item of items) {
+      const row = body.insertRow();
+      columns(item).forEach((v, i) => cell(row, v, i === 0 && selector === "#backend-use"));
+    }
+  }
+
   async function refresh() {
     try {
       const answer = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
@@ -63,6 +86,8 @@
         el.textContent = path === "at" ? String(data.at) : format(pick(data, path), el.getAttribute("data-format"));
       }
       replicas(data.backends);
+      rows("#backend-use", data.day.backends, (b) => (b ? [b.backend, b.requests, b.prompt_tokens, b.completion_tokens, b.cost_usd] : [1, 2, 3, 4, 5]), "No requests in the last day.");
+      rows("#failovers", data.failovers, (f) => (f ? [{ text: f.at, href: "/ui/requests/" + encodeURIComponent(f.id) }, f.model, f.backend, f.status, f.failover] : [1, 2, 3, 4, 5]), "None.");
     } catch (err) {
       // the gateway restarting: the next tick tries again
     }
