@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import LLM, SamplingParams
 from engine.default_model import prepare_default_model
 from engine.layers.cpu_blas import request_strict_mkl, rows_are_invariant
+from kernels.reference import ROW_MULTIPLE
 
 
 def decode_ms(run: Callable[[int], object], new_tokens: int, runs: int) -> float:
@@ -138,7 +139,7 @@ def engine_run(
     if options.get("batch_invariant", True):
         request_strict_mkl()
     ms, outside = engine_ms(prompt, new_tokens, runs, **options)
-    return ms, outside, rows_are_invariant()
+    return ms, outside, rows_are_invariant(torch.float32, 576, ROW_MULTIPLE)
 
 
 def main() -> None:

@@ -144,7 +144,7 @@ class ModelRunner:
         # bit-identical batching is a property of the torch CPU path (see kernels/reference.py)
         self.batch_invariant = config.batch_invariant and backend_name != "triton"
         if self.batch_invariant and self.device.type == "cpu":
-            self.batch_invariant = batch_invariant_linear(self.dtype, model_config.hidden_size)
+            self.batch_invariant = batch_invariant_linear(self.dtype, model_config.hidden_size, ROW_MULTIPLE)
         self.backend = load_backend(backend_name, self.batch_invariant or self.device.type != "cpu")
         self._pad_rows = self.batch_invariant or self.device.type != "cpu"
         self.model_config = model_config

@@ -15,6 +15,7 @@ import torch
 
 from engine import LLM
 from engine.layers import cpu_blas
+from kernels.reference import ROW_MULTIPLE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +24,7 @@ import sys, torch, torch.nn.functional as F
 from engine.layers.cpu_blas import request_strict_mkl, rows_are_invariant
 if sys.argv[1] == "late":  # MKL runs before the engine asks: the mode is fixed by then
     F.linear(torch.randn(4, 8), torch.randn(8, 8))
-print(request_strict_mkl(), rows_are_invariant())
+print(request_strict_mkl(), rows_are_invariant(torch.float32, 576, 4))  # the engine pads rows to 4s
 """
 
 
@@ -49,7 +50,7 @@ def test_asked_first_mkl_turns_strict_and_every_row_gets_the_same_bits() -> None
 def test_an_engine_without_row_invariant_products_serves_and_says_it_is_not_batch_invariant(
     tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_blas, "rows_are_invariant", lambda dtype, width: False)
+    monkeypatch.setattr(cpu_blas, "rows_are_invariant", lambda dtype, width, multiple: False)
     with caplog.at_level(logging.WARNING, logger="engine.layers.cpu_blas"):
         llm = LLM(str(tiny_model_factory("llama")), max_model_len=128)
     assert llm.engine.runner.precision()["batch_invariant"] is False
@@ -60,6 +61,6 @@ def test_an_engine_without_row_invariant_products_serves_and_says_it_is_not_batc
 def test_an_engine_with_row_invariant_products_is_batch_invariant(
     tiny_model_factory: Callable[..., Path],
 ) -> None:
-    assert cpu_blas.rows_are_invariant(torch.float32, 64)  # tests/conftest.py asked MKL first
+    assert cpu_blas.rows_are_invariant(torch.float32, 64, ROW_MULTIPLE)  # tests/conftest.py asked MKL first
     llm = LLM(str(tiny_model_factory("llama")), max_model_len=128)
     assert llm.engine.runner.precision()["batch_invariant"] is True
