@@ -150,8 +150,11 @@ class AsyncLLMEngine:
         prompt: Prompt,
         params: SamplingParams,
         add_special_tokens: bool = True,
+        resume_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Queue a request once it is admitted; the caller must `close()` the returned stream.
+
+        `resume_token_ids`: go on with a completion whose output so far is these tokens.
 
         Raises EngineUnavailableError when not accepting, InvalidRequestError (and subclasses)
         when the engine rejects the request.
@@ -164,7 +167,7 @@ class AsyncLLMEngine:
         self._idle.clear()
         arrival = time.monotonic()
         try:
-            prepared = await self._prepare(prompt, params, add_special_tokens)
+            prepared = await self._prepare(prompt, params, add_special_tokens, resume_token_ids)
             done: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._commands.put(_Add(request_id, prepared, params, arrival, done))
             # A cancelled wait (the client left) cancels `done`; the engine thread then skips the add.
@@ -175,14 +178,14 @@ class AsyncLLMEngine:
         return stream
 
     async def _prepare(
-        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool
+        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool, resume: list[int] | None
     ) -> PreparedPrompt:
         """Tokenize and check lengths in a worker thread, and compile the request's constraint on
         the compiler's thread meanwhile: off the event loop and off the step loop."""
         inputs = self._inputs
         assert inputs is not None and self._tokenizers is not None and self._loop is not None
         tokenized = self._loop.run_in_executor(
-            self._tokenizers, inputs.prepare_prompt, prompt, params, add_special_tokens
+            self._tokenizers, inputs.prepare_prompt, prompt, params, add_special_tokens, resume
         )
         if params.guided is None:
             return await tokenized

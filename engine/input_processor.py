@@ -39,6 +39,8 @@ class PreparedPrompt:
     prompt_token_ids: list[int]
     max_tokens: int
     grammar: CompiledGrammar | None = None
+    # a resumed completion: the output tokens another replica already streamed (replayed, not sampled)
+    resume_token_ids: tuple[int, ...] = ()
 
 
 class InputProcessor:
@@ -64,21 +66,48 @@ class InputProcessor:
         self._compiler_lock = threading.Lock()
 
     def prepare(
-        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+        resume_token_ids: list[int] | None = None,
     ) -> PreparedPrompt:
         """`prepare_prompt`, then the constraint compiled (blocking: the offline API)."""
-        prepared = self.prepare_prompt(prompt, params, add_special_tokens)
+        prepared = self.prepare_prompt(prompt, params, add_special_tokens, resume_token_ids)
         if params.guided is None:
             return prepared
         return dataclasses.replace(prepared, grammar=self.compiler(params.guided).compile(params.guided))
 
     def prepare_prompt(
-        self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+        resume_token_ids: list[int] | None = None,
     ) -> PreparedPrompt:
-        """Tokenize and check lengths; raises an InvalidRequestError subclass when it cannot run."""
+        """Tokenize and check lengths; raises an InvalidRequestError subclass when it cannot run.
+
+        `resume_token_ids`: the output so far of a completion to go on with (one sequence only).
+        """
         prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(prompt_ids), params)
-        return PreparedPrompt(prompt_text, prompt_ids, max_tokens)
+        resumed = () if resume_token_ids is None else self._check_resume(resume_token_ids, params, max_tokens)
+        return PreparedPrompt(prompt_text, prompt_ids, max_tokens, resume_token_ids=resumed)
+
+    def _check_resume(self, ids: list[int], params: SamplingParams, max_tokens: int) -> tuple[int, ...]:
+        if params.n != 1:
+            raise InvalidRequestError("only a request with n = 1 can be resumed", param="resume")
+        if len(ids) > max_tokens:
+            raise InvalidRequestError(
+                f"resume has {len(ids)} tokens, more than the completion's {max_tokens}", param="resume"
+            )
+        vocab = self.vocab_size
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"resume token id {bad!r} is outside the vocabulary [0, {vocab})", param="resume.token_ids"
+            )
+        return tuple(ids)
 
     def compiler(self, spec: GuidedSpec) -> GuidedCompiler:
         """The engine's one grammar compiler, made on first use: its view of the vocabulary takes
@@ -167,10 +196,10 @@ class InputProcessor:
     def _new_sequence(
         self, request_id: str, index: int, prepared: PreparedPrompt, params: SamplingParams, arrival: float
     ) -> Sequence:
-        generator = None
-        if params.seed is not None:
+        generator, seed = None, None
+        if params.seed is not None:  # reseeded at every output position (Sequence.seeded_generator)
             generator = torch.Generator(device=self.device)
-            generator.manual_seed((params.seed + index * 0x9E3779B9) % (1 << 63))
+            seed = (params.seed + index * 0x9E3779B9) % (1 << 63)
         prompt_ids = prepared.prompt_token_ids
         detok = None
         if self.tokenizer is not None:
@@ -190,4 +219,5 @@ class InputProcessor:
             generator,
             arrival,
             None if prepared.grammar is None else prepared.grammar.matcher(),
+            seed,
         )

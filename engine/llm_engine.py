@@ -110,6 +110,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}
+        self._ready: list[RequestOutput] = []  # resumed requests whose replay already finished them
         self.step_request_ids: list[str] = []  # requests the current (or last) step runs
 
     # ------------------------------------------------------------------ requests
@@ -120,13 +121,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        resume_token_ids: list[int] | None = None,
     ) -> None:
         """Validate and queue a request; raises an InvalidRequestError subclass when it cannot run.
 
         `add_special_tokens=False` is for text that already holds them (a rendered chat template).
+        `resume_token_ids`: go on with a completion whose output so far is these tokens.
         """
         params = params or SamplingParams()
-        prepared = self.inputs.prepare(prompt, params, add_special_tokens)
+        prepared = self.inputs.prepare(prompt, params, add_special_tokens, resume_token_ids)
         self.add_prepared(request_id, prepared, params, arrival_time)
 
     def add_prepared(
@@ -141,9 +144,41 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = self.inputs.sequences(request_id, prepared, params, arrival)
-        self._requests[request_id] = _Request(request_id, prepared.prompt, prepared.prompt_token_ids, seqs)
+        stop = self._replay(seqs[0], prepared.resume_token_ids) if prepared.resume_token_ids else None
+        req = _Request(request_id, prepared.prompt, prepared.prompt_token_ids, seqs)
+        self._requests[request_id] = req
+        if stop is not None:  # the tokens it was resumed with end it: its last delta, at the next step
+            self._ready.append(self._request_output(req, [self.output_processor.completion(seqs[0], [], [])]))
+            return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _replay(self, seq: Sequence, tokens: tuple[int, ...]) -> tuple[str, int | str | None] | None:
+        """A resumed sequence takes its earlier output as if it had sampled it: text, stop strings,
+        grammar state, penalties, seeds and max_tokens all go on from there; its KV is computed by
+        its first step, as after a recompute preemption. Returns the stop its last token reached.
+
+        The tokens come from another replica of this model, which streamed them: a token the grammar
+        forbids, or tokens past a stop, were not sampled by it, and are refused.
+        """
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            if seq.guided is not None and not seq.guided.accept_token(token):
+                raise InvalidRequestError(
+                    f"resume token {i} ({token}) is not allowed by the request's output format",
+                    param="resume.token_ids",
+                )
+            stop = self._check_stop(seq, token)
+            if stop is not None:
+                if i != len(tokens) - 1:
+                    raise InvalidRequestError(
+                        f"the completion stops at resume token {i} of {len(tokens)}", param="resume.token_ids"
+                    )
+                seq.finish(*stop)  # before take_text: everything is decided
+                seq.replayed_text = seq.take_text()
+                return stop
+        seq.replayed_text = seq.take_text()
+        return None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final delta (None if unknown)."""
@@ -224,13 +259,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a delta for each request that made progress."""
         self.step_request_ids = []
+        ready = [out for out in self._ready if self._requests.pop(out.request_id, None) is not None]
+        self._ready = []  # (an aborted one was popped by the abort)
         sched = self.scheduler.schedule()
         # the requests this step runs: if the step raises, they are the ones to fail
         self.step_request_ids = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
         if sched.is_empty:
-            return []
+            return ready
         logits = self.runner.execute(sched.scheduled)
-        return self._postprocess(sched, logits)
+        return ready + self._postprocess(sched, logits)
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         emitted = self._choose_tokens(sched, logits)

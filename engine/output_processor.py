@@ -38,6 +38,7 @@ class OutputProcessor:
                 entries.append(self._logprob_entry(token, logprob))
                 before = seq.cumulative_logprob
                 seq.cumulative_logprob = logprob[0] if before is None else before + logprob[0]
+        replayed, seq.replayed_text = seq.replayed_text, ""
         return CompletionOutput(
             index=seq.index,
             text=seq.take_text(),
@@ -46,6 +47,7 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
             logprobs=entries,
             cumulative_logprob=seq.cumulative_logprob,
+            replayed_text=replayed,
         )
 
     def request(

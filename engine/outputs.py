@@ -57,6 +57,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None  # one entry per token of `token_ids`
     cumulative_logprob: float | None = None  # over every token so far, not just this delta's
+    # a resumed completion's first delta: the text of the tokens it was resumed with, which the
+    # reader already has (it rebuilds its stream state from it; never sent again)
+    replayed_text: str = ""
 
     @property
     def finished(self) -> bool:
@@ -67,6 +70,7 @@ class CompletionOutput:
         """Append a later delta of the same completion (its finish reason, if any, wins)."""
         assert later.index == self.index
         self.text += later.text
+        self.replayed_text += later.replayed_text
         self.token_ids.extend(later.token_ids)
         if self.logprobs is not None and later.logprobs is not None:
             self.logprobs.extend(later.logprobs)

@@ -86,8 +86,9 @@ class Sampler:
             draw.exponential_(generator=self.generator)
             noise[shared_rows] = draw
         for i, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
+            generator = s.seeded_generator()
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
             greedy_mask = torch.tensor(greedy, device=device)

@@ -50,6 +50,7 @@ class Sequence:
         generator: torch.Generator | None,
         arrival_time: float | None = None,
         guided: GuidedMatcher | None = None,
+        seed: int | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -64,6 +65,7 @@ class Sequence:
         )
         self.detokenizer = detokenizer
         self.generator = generator
+        self.seed = seed  # with `generator`: the sequence's seed (`seeded_generator`)
         # its own state in the request's grammar (n > 1: one each); it has accepted every output
         # token, so recompute preemption, which keeps the tokens, leaves it valid
         self.guided = guided
@@ -77,6 +79,9 @@ class Sequence:
         self.cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when asked for
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        # a resumed sequence: the text of the output it was resumed with, which the reader already
+        # has (its stream state is rebuilt from it); handed out once by the first delta
+        self.replayed_text = ""
         # speculative decoding: drafted and accepted tokens in the current window, and whether the
         # sequence stopped speculating (its drafts were rarely accepted)
         self.spec_drafted = 0
@@ -113,6 +118,19 @@ class Sequence:
         """Whether the sequence stopped (for any reason)."""
         return self.status is SequenceStatus.FINISHED
 
+    def seeded_generator(self) -> torch.Generator | None:
+        """The sequence's generator seeded for the output position it samples next (None: unseeded).
+
+        Every position draws from its own seed (the sequence's, mixed with the position), not from
+        a state carried from one token to the next: a completion resumed on another replica after
+        k tokens draws exactly what this one would have (the gateway's stream resumption), and
+        speculative decoding's extra draws do not shift later positions.
+        """
+        if self.generator is None:
+            return None
+        assert self.seed is not None
+        return self.generator.manual_seed(position_seed(self.seed, self.num_output_tokens))
+
     def take_text(self) -> str:
         """The output text decided since the last call (all that is left once finished)."""
         if self.detokenizer is None:
@@ -129,3 +147,14 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finished_time = time.monotonic()
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A seed for output `position` of a sequence seeded with `seed` (splitmix64 over both)."""
+    z = (seed ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)

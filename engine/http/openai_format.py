@@ -33,6 +33,31 @@ def sse(obj: Any) -> bytes:
 
 SSE_DONE = b"data: [DONE]\n\n"
 
+# `stream_token_ids`: at most this many ids per comment line (a long line would hit clients' caps)
+_IDS_PER_LINE = 4096
+
+
+def token_ids_lines(index: int, token_ids: list[int]) -> list[bytes]:
+    """SSE comment lines (`: token_ids <choice> <id>,<id>...`) with a delta's token ids.
+
+    A comment, which SSE clients ignore: only the gateway reads them (for stream resumption), and
+    strips them. They go just before the data line that completes their delta.
+    """
+    return [
+        b": token_ids %d %s\n\n" % (index, ",".join(map(str, token_ids[i : i + _IDS_PER_LINE])).encode())
+        for i in range(0, len(token_ids), _IDS_PER_LINE)
+    ]
+
+
+def marked(events: list[bytes], index: int, pending: list[int]) -> list[bytes]:
+    """A delta's events with the token ids not reported yet (`pending`, emptied) before the last one;
+    without events the ids wait in `pending` for the next delta that sends something."""
+    if not events or not pending:
+        return events
+    lines = token_ids_lines(index, pending)
+    pending.clear()
+    return [*events[:-1], *lines, events[-1]]
+
 
 def event_pieces(text: str, num_tokens: int) -> list[tuple[str, int, int]]:
     """A delta of `text` and `num_tokens` tokens cut into events: (text piece, first token, end token).

@@ -50,6 +50,23 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+# A resumed completion's tokens so far: bounded here, then by the model's context at admission.
+MAX_RESUME_TOKENS = 1 << 20
+
+
+class ResumeRequest(BaseModel):
+    """`resume` (ours): go on with a streamed completion another replica began, from the token ids
+    it streamed (`stream_token_ids`); the gateway's stream resumption sends it (docs/engine.md).
+
+    `id` and `created` keep the first replica's response identity on the resumed chunks.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    token_ids: list[int] = Field(max_length=MAX_RESUME_TOKENS)
+    id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    created: int | None = Field(None, ge=0, lt=2**40)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extensions)."""
 
@@ -76,6 +93,10 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     speculative: bool | None = True  # ours: false opts the request out of speculative decoding
+    # ours, for the gateway's stream resumption: each streamed delta's token ids as an SSE comment
+    # line, and a completion resumed from another replica's tokens
+    stream_token_ids: bool | None = False
+    resume: ResumeRequest | None = None
     # guided decoding: OpenAI's response_format, vLLM's structured_outputs (checked by guided_spec())
     response_format: Any = None
     structured_outputs: Any = None
@@ -98,6 +119,10 @@ class _SamplingFields(BaseModel):
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.resume is not None and not self.stream:
+            raise ValueError("resume: only a stream can be resumed (stream must be true)")
+        if self.resume is not None and (self.n or 1) != 1:
+            raise ValueError("resume: only a request with n = 1 can be resumed")
         return self
 
     @property

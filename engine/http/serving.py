@@ -22,6 +22,7 @@ from engine.http.openai_format import (
     chat_logprobs,
     completion_logprobs,
     event_pieces,
+    marked,
     raise_if_aborted,
     response_head,
     slice_completion_logprobs,
@@ -40,7 +41,7 @@ from engine.http.protocol import (
     completion_prompts,
 )
 from engine.http.request_limits import check_guided_limits, check_request_limits
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 from engine.tools.prompt import template_takes_tools, with_tools
@@ -133,10 +134,11 @@ class OpenAIServing:
         params: SamplingParams,
         add_special_tokens: bool,
         span: RequestSpan | None = None,
+        resume: list[int] | None = None,
     ) -> RequestStream:
         """Admit the request (admission errors become 400s); the caller closes the stream."""
         try:
-            stream = await self.engine.add_request(request_id, prompt, params, add_special_tokens)
+            stream = await self.engine.add_request(request_id, prompt, params, add_special_tokens, resume)
             if span is not None:
                 span.admitted(request_id)
                 stream.on_final = span.finished
@@ -170,12 +172,14 @@ class OpenAIServing:
         # absent: the rest of the context, as vLLM does for chat
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, top)
-        identity = ResponseIdentity(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, "chat.completion"
-        )
-        stream = await self._start(identity.id, prompt, params, False, span)
+        identity = _identity(req, "chatcmpl", model, "chat.completion")
+        resume = req.resume.token_ids if req.resume is not None else None
+        # the engine's request id: the answer's, unless it came with a resumed request
+        request_id = identity.id if resume is None else f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._start(request_id, prompt, params, False, span, resume)
         if req.stream:
-            events = self._chat_events(identity, stream, params, top, req.include_usage, tools)
+            marks = _Marks(bool(req.stream_token_ids), params.n)
+            events = self._chat_events(identity, stream, params, top, req.include_usage, tools, marks, resume)
             return EventStream(events, [stream])
         try:
             final = await whole_output(stream)
@@ -203,7 +207,9 @@ class OpenAIServing:
         params: SamplingParams,
         top: int | None,
         include_usage: bool,
-        tools: ToolRequest | None = None,
+        tools: ToolRequest | None,
+        marks: _Marks,
+        resume: list[int] | None,
     ) -> AsyncIterator[bytes]:
         head = {**response_head(identity), "object": "chat.completion.chunk"}
         calls = StreamedChoices(params.n) if reads_calls(tools) else None
@@ -215,8 +221,9 @@ class OpenAIServing:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return sse({**head, "choices": [choice], **extra})
 
-        for i in range(params.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+        if resume is None:  # a resumed answer goes on with a message whose role was sent
+            for i in range(params.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
         ended = [False] * params.n
         last: RequestOutput | None = None
         async for out in outputs:
@@ -227,24 +234,28 @@ class OpenAIServing:
                 if c.finish_reason == "abort":
                     yield aborted_event()
                     return
+                if calls is not None and c.replayed_text:  # the reader's state, as after those tokens
+                    calls.deltas(c.index, c.replayed_text)
+                events: list[bytes] = []
                 logprobs = chat_logprobs(c, top) if top is not None else None
                 if calls is not None:  # content and call pieces (logprobs ride on the first delta)
                     for delta in calls.deltas(c.index, c.text):
-                        yield chunk(c.index, delta, logprobs)
+                        events.append(chunk(c.index, delta, logprobs))
                         logprobs = None
                 else:
                     entries = logprobs["content"] if logprobs is not None else []
                     for piece, start, end in event_pieces(c.text, len(entries)):
                         piece_logprobs = {"content": entries[start:end]} if logprobs is not None else None
-                        yield chunk(c.index, {"content": piece}, piece_logprobs)
+                        events.append(chunk(c.index, {"content": piece}, piece_logprobs))
                 if c.finish_reason is not None:
                     ended[c.index] = True
                     finish = c.finish_reason
                     if calls is not None:
                         held, finish = calls.finish(c.index, finish)
-                        for delta in held:
-                            yield chunk(c.index, delta)
-                    yield chunk(c.index, {}, finish=finish)
+                        events.extend(chunk(c.index, delta) for delta in held)
+                    events.append(chunk(c.index, {}, finish=finish))
+                for event in marks.mark(events, c):
+                    yield event
         if include_usage and last is not None:
             yield sse({**head, "choices": [], "usage": usage([last])})
         yield SSE_DONE
@@ -262,19 +273,25 @@ class OpenAIServing:
         )
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         params = self.sampling_params(req, max_tokens, req.logprobs)
-        identity = ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, "text_completion")
+        identity = _identity(req, "cmpl", model, "text_completion")
+        resume = req.resume.token_ids if req.resume is not None else None
+        if resume is not None and len(prompts) != 1:
+            raise APIError(400, "only a request with one prompt can be resumed", param="resume")
         streams: list[RequestStream] = []
+        base_id = identity.id if resume is None else f"cmpl-{uuid.uuid4().hex}"
         try:
             for k, prompt in enumerate(prompts):
-                request_id = identity.id if len(prompts) == 1 else f"{identity.id}-{k}"
-                streams.append(await self._start(request_id, prompt, params, True, span))
-            echo = [self._echo_text(p) for p in prompts] if req.echo else None
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{k}"
+                streams.append(await self._start(request_id, prompt, params, True, span, resume))
+            # a resumed answer's echo was sent with its beginning
+            echo = [self._echo_text(p) for p in prompts] if req.echo and resume is None else None
         except BaseException:
             close_all(streams)
             raise
         if req.stream:
+            marks = _Marks(bool(req.stream_token_ids), len(prompts) * params.n)
             return EventStream(
-                self._completion_events(identity, streams, params, echo, req.include_usage), streams
+                self._completion_events(identity, streams, params, echo, req.include_usage, marks), streams
             )
         try:
             finals = list(await asyncio.gather(*(whole_output(s) for s in streams)))
@@ -310,6 +327,7 @@ class OpenAIServing:
         params: SamplingParams,
         echo: list[str] | None,
         include_usage: bool,
+        marks: _Marks,
     ) -> AsyncIterator[bytes]:
         head = response_head(identity)
         extra = {"usage": None} if include_usage else {}
@@ -340,6 +358,7 @@ class OpenAIServing:
                 pieces = event_pieces(text, len(logprobs["tokens"]) if logprobs is not None else 0)
                 if not pieces and finish is not None:
                     pieces = [("", 0, 0)]
+                events = []
                 for j, (piece, start, end) in enumerate(pieces):
                     piece_logprobs = (
                         slice_completion_logprobs(logprobs, start, end) if logprobs is not None else None
@@ -348,12 +367,40 @@ class OpenAIServing:
                     choice = text_choice(
                         k * n + c.index, piece, piece_logprobs, finish if last_piece else None
                     )
-                    yield sse({**head, "choices": [choice], **extra})
+                    events.append(sse({**head, "choices": [choice], **extra}))
+                for event in marks.mark(events, c, k * n):
+                    yield event
                 if finish is not None:
                     ended[k][c.index] = True
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage([finals[k] for k in sorted(finals)])})
         yield SSE_DONE
+
+
+def _identity(req: _SamplingFields, prefix: str, model: str, kind: str) -> ResponseIdentity:
+    """The answer's id and time: new, or a resumed answer's own (its chunks go on as one stream)."""
+    resume = req.resume
+    ident = resume.id if resume is not None and resume.id is not None else f"{prefix}-{uuid.uuid4().hex}"
+    created = resume.created if resume is not None and resume.created is not None else int(time.time())
+    return ResponseIdentity(ident, created, model, kind)
+
+
+class _Marks:
+    """`stream_token_ids`: each choice's token ids, sent as comment lines before the data line that
+    completes their delta (ids of a delta that sends nothing wait for the next one that does)."""
+
+    def __init__(self, on: bool, choices: int) -> None:
+        self.on = on
+        self._pending: list[list[int]] = [[] for _ in range(choices)] if on else []
+
+    def mark(self, events: list[bytes], c: CompletionOutput, offset: int = 0) -> list[bytes]:
+        """`events` of delta `c` (choice `offset + c.index`), with the ids due before the last one."""
+        if not self.on:
+            return events
+        index = offset + c.index
+        pending = self._pending[index]
+        pending.extend(c.token_ids)
+        return marked(events, index, pending)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:

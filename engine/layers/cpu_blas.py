@@ -5,7 +5,8 @@ number of rows of `x`. MKL does not promise that: on AVX-512 Intel CPUs its sgem
 kernels for 1, 2-3 (or 2-15) and more rows, so a request's logits change with the batch beside it.
 The engine pads a batch-invariant step's rows to a multiple of 4 (kernels.reference.ROW_MULTIPLE),
 so only row counts of that form have to agree: on the AVX-512 AMD EPYC machines (Zen 4) 1-3 rows
-round differently from 4 or more whatever the mode, and 4 and more all agree. MKL's strict Conditional Numerical Reproducibility mode (`MKL_CBWR=AUTO,STRICT`) computes every
+round differently from 4 or more whatever the mode, and 4 and more all agree. MKL's strict
+Conditional Numerical Reproducibility mode (`MKL_CBWR=AUTO,STRICT`) computes every
 row the same way on the instructions the CPU has; measured here it costs the engine nothing that
 matters (docs/BENCHMARKS.md). It is a process-wide setting that MKL accepts only before its first
 call, so `engine serve` and the tests ask for it first thing, and the model runner asks again

@@ -46,12 +46,12 @@ def verify(
         tokens = [*drafts[:accepted], int(targets[accepted])]
         return tokens, _logprobs(logits, tokens, params.logprobs)
     tokens = []
-    generator = seq.generator or shared
     try:
         for i in range(len(drafts) + 1):
             row = _processed(logits[i : i + 1], seq)
             draft = drafts[i] if i < len(drafts) else None
-            token, accepted = _choose(row, seq, draft, generator)
+            # a seeded sequence draws from its position's own seed (a resumed one draws the same)
+            token, accepted = _choose(row, seq, draft, seq.seeded_generator() or shared)
             tokens.append(token)
             seq.token_ids.append(token)  # for a moment: the next row's penalties and min_tokens see it
             if not accepted:
