@@ -29,6 +29,10 @@ class UpstreamStreamError(Exception):
     """A stream broke off after it had started."""
 
 
+class UpstreamErrorEvent(UpstreamStreamError):
+    """An engine ended its stream with an error event (a resumable stream's: it may go on elsewhere)."""
+
+
 @dataclass
 class UpstreamReply:
     """A whole (non-streamed) upstream response."""

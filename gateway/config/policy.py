@@ -26,11 +26,13 @@ class _Strict(BaseModel):
 
 
 class Timeouts(_Strict):
-    """Seconds. `first_token` bounds the wait for a stream's first event (failover happens before it)."""
+    """Seconds. `first_token` bounds the wait for a stream's first event (failover happens before it);
+    `between_tokens` the silence of a resumable stream after it (then it goes on on another replica)."""
 
     connect: float = Field(default=2.0, gt=0)
     first_token: float = Field(default=60.0, gt=0)
     total: float = Field(default=600.0, gt=0)
+    between_tokens: float = Field(default=30.0, gt=0)
 
 
 class Price(_Strict):
@@ -134,6 +136,10 @@ class EngineBackend(_Strict):
     balance: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     max_load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
     autoscale: Autoscale = Autoscale()  # the targets behind gateway_pool_desired_replicas
+    # a stream whose replica fails mid-answer goes on on another replica of this pool, from the
+    # tokens already streamed (a route may turn it off); at most max_resumptions times per request
+    resume_streams: bool = True
+    max_resumptions: int = Field(default=2, ge=0, le=8)
 
     @model_validator(mode="after")
     def _urls_are_http(self) -> EngineBackend:
@@ -217,6 +223,7 @@ class Route(_Strict):
     fallbacks: list[str] = []
     retries: Retries = Retries()
     timeouts: Timeouts | None = None  # default: each backend's own
+    resume_streams: bool | None = None  # off: no stream of this route is resumed (None: the pool decides)
     complexity_weights: dict[str, float] = {}  # override learned feature weights by name
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ from gateway.governance.keys import KeyInfo
 from gateway.pipeline.admission import Ticket
 from gateway.pipeline.reply import Reply
 from gateway.routing.router import RouteDecision
-from gateway.store.record import LogRow, blank_row, clip
+from gateway.store.record import LogRow, Resumption, blank_row, clip
 from gateway.telemetry.trace import NO_TRACE, Trace
 
 
@@ -36,6 +36,7 @@ class Call:
     response_body: bytes | None = None
     decision: RouteDecision | None = None
     attempts: list[Attempt] = field(default_factory=list)
+    resumptions: list[Resumption] = field(default_factory=list)  # a stream gone on on other replicas
     prices: PriceBook | None = None
     ticket: Ticket | None = None  # rate-limit and budget reservations, released with the log row
     body: dict[str, Any] | None = None  # the parsed request (to count tokens if no usage comes back)
@@ -74,7 +75,8 @@ class Call:
             row["route_reason"] = clip(decision.reason, 500)
             row["route_tier"] = clip(decision.tier, 100)
             row["complexity_score"] = round(decision.score, 4) if decision.score is not None else None
-        row["failover"] = ", ".join(a.describe() for a in self.attempts) or None
+        tried = [a.describe() for a in self.attempts] + [r.describe() for r in self.resumptions]
+        row["failover"] = ", ".join(tried) or None
         row["error_type"] = clip(error, 100)
         row["prompt_tokens"] = usage.get("prompt_tokens")
         row["completion_tokens"] = usage.get("completion_tokens")
@@ -82,7 +84,8 @@ class Call:
         row["ttft_ms"] = round(self.ttft * 1e3, 3) if self.ttft is not None else None
         row["overhead_ms"] = round(self.overhead_ms(), 3)
         called = len([a for a in self.attempts if a.called])
-        row["attempts"] = called + (1 if self.backend and self.deployment else 0)
+        row["attempts"] = called + (1 if self.backend and self.deployment else 0) + len(self.resumptions)
+        row["resumptions"] = len(self.resumptions)
         row["cost_picousd"] = cost
         row["reference_cost_picousd"] = reference
         row["cost_estimated"] = estimated

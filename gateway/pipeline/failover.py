@@ -13,7 +13,6 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -22,42 +21,20 @@ from gateway.backends.base import (
     Attempt,
     Upstream,
     UpstreamReply,
-    UpstreamStream,
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
 from gateway.config.policy import EngineBackend, Policy, Retries
 from gateway.errors import GatewayError
 from gateway.pipeline.prefix_keys import PrefixKeys
+from gateway.pipeline.resume import ResumePlan, resumable_body
+from gateway.pipeline.served import Served
 from gateway.routing.router import RouteDecision
 from gateway.telemetry.trace import NO_TRACE, Trace
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 NEXT_MODEL_STATUSES = frozenset({429})
 _ATTEMPT_CAP = 16  # whatever the policy says, one request makes at most this many upstream calls
-
-
-@dataclass
-class Served:
-    """The answer that will reach the client, and everything tried before it.
-
-    A streamed answer owns its open upstream (`stream`, whose first lines are in `head`) until
-    `aclose()`: the caller closes it with `async with aclosing(served)` or `await served.aclose()`.
-    """
-
-    model: str
-    backend: str
-    deployment: str
-    attempts: list[Attempt]
-    reply: UpstreamReply | None = None  # whole answers
-    stream: UpstreamStream | None = None  # streamed answers
-    head: list[str] = field(default_factory=list)
-    owner: AsyncExitStack | None = None  # holds the upstream's context open (streams)
-
-    async def aclose(self) -> None:
-        """Release the upstream (a second call does nothing)."""
-        if self.owner is not None:
-            await self.owner.aclose()
 
 
 class ChainExhaustedError(GatewayError):
@@ -120,8 +97,16 @@ class Failover:
                     trace: Trace) -> Served:  # fmt: skip
         state = _State(decision, trace)
         for model, pool in self._candidates(decision, state):
-            payload = self._payload(body, model)
             spec = self.policy.backends[pool.name]
+            upstream_body = self._upstream_body(body, model)
+            plan = None
+            if stream and self._resumes(decision, spec, body):
+                upstream_body["stream_token_ids"] = True  # the engine reports each delta's token ids
+                assert isinstance(spec, EngineBackend)
+                timeouts = decision.timeouts or pool.timeouts
+                plan = ResumePlan(pool, spec, model, path, upstream_body, timeouts)
+            payload = orjson.dumps(upstream_body)
+            state.plan = plan
             state.affinity = None
             if isinstance(spec, EngineBackend) and spec.balance == "prefix_affinity":
                 state.affinity = await self._prefix_keys.key(body, spec.tokenizer)
@@ -220,7 +205,7 @@ class Failover:
                 await owner.aclose()
                 raise
             return Served(model, pool.name, upstream.url, state.attempts, stream=upstream, head=head,
-                          owner=owner)  # fmt: skip
+                          owner=owner, resume=state.plan)  # fmt: skip
         return _NEXT
 
     def _candidates(self, decision: RouteDecision, state: _State) -> list[tuple[str, Upstream]]:
@@ -240,8 +225,16 @@ class Failover:
         spec = self.policy.backends[pool.name]
         return state.trace.begin_attempt(model, self.policy.upstream_model(model), pool.name, spec, stream)
 
-    def _payload(self, body: dict[str, Any], model: str) -> bytes:
-        return orjson.dumps({**body, "model": self.policy.upstream_model(model)})
+    def _upstream_body(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """The request as `model`'s backend gets it: under the upstream's own name for the model."""
+        return {**body, "model": self.policy.upstream_model(model)}
+
+    def _resumes(self, decision: RouteDecision, spec: EngineBackend | Any, body: dict[str, Any]) -> bool:
+        """Whether a stream from this backend goes on elsewhere if its replica fails mid-answer: an
+        engine pool that resumes, a route that does not say no, an answer with one choice."""
+        if not isinstance(spec, EngineBackend) or not spec.resume_streams or spec.max_resumptions < 1:
+            return False
+        return decision.resume_streams is not False and resumable_body(body)
 
 
 class _State:
@@ -251,6 +244,7 @@ class _State:
         self.decision = decision
         self.trace = trace
         self.affinity: int | None = None  # the prefix key while the pool tried balances by it
+        self.plan: ResumePlan | None = None  # how the model tried now resumes a broken stream
         self.attempts: list[Attempt] = []
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None

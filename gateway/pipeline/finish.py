@@ -105,6 +105,7 @@ class Finish:
             call.response_model,
             policy.backends.get(call.backend) if call.backend is not None else None,
             call.trace.ids,
+            call.resumptions,
         )
         self.log.record(rec)
         self.observe(rec, call.trace)

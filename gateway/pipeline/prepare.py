@@ -11,6 +11,10 @@ from gateway.governance.keys import AuthError
 from gateway.pipeline.call import Call
 from gateway.pipeline.runtime import Runtime
 
+# Fields the gateway sends its engines for stream resumption (pipeline/resume.py): a client's
+# would make an engine report token ids to it, or go on from tokens it made up.
+_ENGINE_INTERNAL = ("stream_token_ids", "resume")
+
 
 def prepare(rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
     """The request body to forward, and whether the client asked for a stream's usage.
@@ -41,6 +45,8 @@ def prepare(rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
         raise AuthError(403, f"this key may not use the model '{model}'", "model_not_allowed")
     if rt.policy.log_bodies:
         call.request_body = raw
+    for field in _ENGINE_INTERNAL:  # the gateway's own dialogue with its engines, never a client's
+        body.pop(field, None)
     call.body, call.body_bytes = body, len(raw)
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True

@@ -21,12 +21,13 @@ from gateway.governance.keys import KeyInfo
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.answer import passed_on, whole
 from gateway.pipeline.call import Call
-from gateway.pipeline.failover import ChainExhaustedError, Served
+from gateway.pipeline.failover import ChainExhaustedError
 from gateway.pipeline.finish import Finish
 from gateway.pipeline.prepare import prepare
 from gateway.pipeline.relay import relay
 from gateway.pipeline.reply import SSE_HEADERS, Reply, error_reply
 from gateway.pipeline.runtime import Runtime, RuntimeHolder
+from gateway.pipeline.served import Served
 from gateway.routing.capabilities import CapabilityError
 from gateway.store.record import RecordSink, RequestRecord, blank_row
 from gateway.telemetry.trace import NO_TRACE, NO_TRACING, Trace, Tracing

@@ -1,5 +1,6 @@
 """A streamed answer relayed event by event: usage taken for the log, hidden where the client did
-not ask for it, and an error event (never a silent switch) when the upstream breaks off.
+not ask for it, and, when the upstream breaks off, another replica of the pool going on from where
+the client is (a resumable stream: resume.py) or an error event (never a silent switch).
 
 The relay owns the served upstream: it closes it (`aclosing`) however the stream ends, then
 hands the request's status to `done` (the log row, exactly once). Gateway time is what the relay
@@ -17,66 +18,129 @@ from contextlib import aclosing
 
 import orjson
 
-from gateway.backends.base import UpstreamStreamError
+from gateway.backends.base import UpstreamErrorEvent, UpstreamStreamError
 from gateway.backends.upstream_errors import error_event
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
-from gateway.pipeline.failover import Served
+from gateway.pipeline.resume import TOKEN_IDS, StreamTokens, break_reason, ended_early
+from gateway.pipeline.served import Served
+from gateway.store.record import Resumption
 
 logger = logging.getLogger(__name__)
 
 _DONE = "data: [DONE]"
+_DONE_EVENT = b"data: [DONE]\n\n"
 
 
 async def relay(call: Call, served: Served, wants_usage: bool,
                 done: Callable[[Call, int, str | None], None]) -> AsyncGenerator[bytes, None]:  # fmt: skip
-    """The client's events of an open stream whose first lines (`served.head`) are read already."""
-    upstream = served.stream
-    assert upstream is not None
+    """The client's events of an open stream whose first lines (`served.head`) are read already;
+    a resumable one goes on on another replica when its own fails mid-answer (resume.py)."""
     status, error = 200, None
+    tokens = StreamTokens() if served.resume is not None else None
+    current: Served | None = served
     perf_counter = time.perf_counter
     mark = perf_counter()  # gateway time up to here is counted; what follows is the upstream's
     try:
-        async with aclosing(served):
+        while current is not None:
+            upstream, reading = current.stream, current
+            assert upstream is not None
             try:
-                ended = _DONE in served.head  # the upstream's end arrived (it may be in the head)
-                call.upstream_seconds += perf_counter() - mark
-                # read before committing to this upstream: one event for the client (one send)
-                head = [e for line in served.head if (e := relay_line(call, line, wants_usage)) is not None]
-                mark = perf_counter()
-                if head:
-                    yield b"".join(head)
-                async for line in upstream.lines:
+                async with aclosing(current):
+                    ended = _DONE in current.head  # the upstream's end arrived (it may be in the head)
                     call.upstream_seconds += perf_counter() - mark
-                    ended = ended or line == _DONE
-                    event = relay_line(call, line, wants_usage)
+                    # read before committing to this upstream: one event for the client (one send)
+                    events = (relay_line(call, ln, wants_usage, tokens) for ln in current.head)
+                    head = [e for e in events if e is not None]
                     mark = perf_counter()
-                    if event is not None:
-                        yield event
-                call.upstream_seconds += perf_counter() - mark
-                if not ended:  # the upstream closed the stream in the middle of the answer
-                    raise UpstreamStreamError("the stream ended before data: [DONE]")
+                    if head:
+                        yield b"".join(head)
+                    lines, stall = upstream.lines, _stall_limit(reading)
+                    while True:
+                        if stall is None:
+                            line = await anext(lines, None)
+                        else:  # a replica gone silent mid-answer is a break: another goes on
+                            async with asyncio.timeout(stall):
+                                line = await anext(lines, None)
+                        if line is None:
+                            break
+                        call.upstream_seconds += perf_counter() - mark
+                        ended = ended or line == _DONE
+                        event = relay_line(call, line, wants_usage, tokens)
+                        mark = perf_counter()
+                        if event is not None:
+                            yield event
+                    call.upstream_seconds += perf_counter() - mark
+                    if not ended:  # the upstream closed the stream in the middle of the answer
+                        raise ended_early()
+                current = None
             except (asyncio.CancelledError, GeneratorExit):
                 status, error = 499, "client_disconnected"
                 raise
-            except Exception as exc:  # broke off mid-stream: tell the client, never switch silently
-                status, error = 502, "upstream_stream_error"
-                if isinstance(exc, UpstreamStreamError):
-                    logger.warning("request %s: the stream from %s broke: %s", call.id, call.backend, exc)
-                else:
-                    logger.exception("request %s: relaying %s's stream failed", call.id, call.backend)
-                yield error_event(f"the upstream stream ({call.backend}) failed", error)
+            except Exception as exc:  # broke off mid-stream: resumed, or the client is told
+                if tokens is not None and tokens.finished and call.usage:  # all but the end: given
+                    current = None
+                    yield _DONE_EVENT
+                    continue
+                mark = perf_counter()
+                try:
+                    current = await _resumed(call, reading, tokens, exc)
+                except asyncio.CancelledError:
+                    status, error = 499, "client_disconnected"
+                    raise
+                call.upstream_seconds += perf_counter() - mark  # waiting for another replica
+                mark = perf_counter()
+                if current is None:  # never switched silently: the client learns the stream failed
+                    status, error = 502, "upstream_stream_error"
+                    if isinstance(exc, UpstreamStreamError):
+                        logger.warning("request %s: the stream from %s broke: %s", call.id, call.backend, exc)
+                    else:
+                        logger.exception("request %s: relaying %s's stream failed", call.id, call.backend)
+                    yield error_event(f"the upstream stream ({call.backend}) failed", error)
     finally:
         done(call, status, error)
 
 
-def relay_line(call: Call, line: str, wants_usage: bool) -> bytes | None:
-    """One upstream SSE line as the client should see it (usage taken for the log; None: nothing)."""
+def _stall_limit(served: Served) -> float | None:
+    """Seconds a resumable stream may stay silent (None: not resumable, the total deadline bounds it)."""
+    return None if served.resume is None else served.resume.timeouts.between_tokens
+
+
+async def _resumed(call: Call, failed: Served, tokens: StreamTokens | None, exc: Exception) -> Served | None:
+    """Another replica going on with a broken stream, or None (not resumable, or none could)."""
+    plan = failed.resume
+    if plan is None or tokens is None or not plan.worth_it(tokens, call.started):
+        return None
+    reason, position = break_reason(exc), len(tokens.token_ids)
+    plan.failed.add(failed.deployment)
+    call.trace.resumed(failed.backend, failed.deployment, reason, position)
+    opened = await plan.reopen(tokens, call.started, call.trace)
+    if opened is None:
+        return None
+    served = Served(plan.model, plan.pool.name, opened.stream.url, [], stream=opened.stream,
+                    owner=opened.owner, resume=plan)  # fmt: skip
+    logger.warning(
+        "request %s: the stream from %s broke (%s: %s); resumed after %d tokens on %s",
+        call.id, failed.deployment, reason, exc, position, served.deployment,
+    )  # fmt: skip
+    call.resumptions.append(Resumption(failed.backend, failed.deployment, reason, position))
+    call.deployment = served.deployment
+    return served
+
+
+def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | None = None) -> bytes | None:
+    """One upstream SSE line as the client should see it (usage taken for the log; None: nothing).
+
+    `tokens`: a resumable stream's, which takes the engine's token id lines (never the client's)
+    and whose error event is a break to resume from, not an answer to pass on."""
     if not line:
         return None
     if call.ttft is None:
         call.ttft = time.perf_counter() - call.started
     if not line.startswith("data:") or line == _DONE:
+        if tokens is not None and line.startswith(TOKEN_IDS):
+            tokens.announce(line)
+            return None
         return line.encode() + b"\n\n"
     # Every event is parsed (about a microsecond each): one that is not a JSON object would
     # break the client's SDK mid-answer, so it ends the stream with an error event instead.
@@ -86,6 +150,11 @@ def relay_line(call: Call, line: str, wants_usage: bool) -> bytes | None:
         raise UpstreamStreamError("the upstream sent an event that is not JSON") from None
     if not isinstance(chunk, dict):
         raise UpstreamStreamError("the upstream sent an event that is not a JSON object")
+    if tokens is not None:
+        if chunk.get("error") is not None:
+            raise UpstreamErrorEvent("the engine ended the stream with an error event")
+        if not tokens.passes(chunk):
+            return None
     call.lines.append(line)  # kept for the token count if the stream ends without usage
     usage = chunk.get("usage")
     if isinstance(usage, dict):

@@ -45,6 +45,7 @@ class RouteDecision:
     self_hosted_only: bool = False
     retries: Retries = NO_RETRIES
     timeouts: Timeouts | None = None
+    resume_streams: bool | None = None  # the route's word on stream resumption (None: each pool's)
     complexity: ComplexityResult | None = field(default=None, compare=False)
     skipped: tuple[Attempt, ...] = ()  # models of the chain that cannot serve the request, never called
 
@@ -167,7 +168,7 @@ class Router:
         chain = tuple(dict.fromkeys([*passed_over, *candidates, *route.fallbacks]))  # in order, once each
         return RouteDecision(
             name, chain, reason, tier_name, score, retries=route.retries, timeouts=route.timeouts,
-            complexity=result,
+            resume_streams=route.resume_streams, complexity=result,
         )  # fmt: skip
 
     def _self_hosted(self, model: str) -> bool:

@@ -114,6 +114,7 @@ class RequestLog(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Numeric(12, 3))
     overhead_ms: Mapped[float | None] = mapped_column(Numeric(12, 3))
     attempts: Mapped[int] = mapped_column(Integer, default=1)
+    resumptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # streams resumed
     cost_usd: Mapped[Decimal | None] = mapped_column("cost_picousd", Money)  # what serving it cost
     reference_cost_usd: Mapped[Decimal | None] = mapped_column("reference_cost_picousd", Money)  # at frontier
     cost_estimated: Mapped[bool] = mapped_column(Boolean, default=False)  # usage counted by us, not reported

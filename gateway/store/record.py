@@ -42,6 +42,7 @@ class LogRow(TypedDict):
     ttft_ms: float | None
     overhead_ms: float
     attempts: int  # upstream calls made (a backend skipped as unavailable is no call)
+    resumptions: int  # times a stream broke mid-answer and went on on another replica
     cost_picousd: Decimal | None
     reference_cost_picousd: Decimal | None
     cost_estimated: bool  # usage counted by the gateway, not reported by the upstream
@@ -57,7 +58,7 @@ def blank_row(request_id: str, created_at: datetime, status: int, latency_ms: fl
         "requested_model": None, "backend": None, "deployment": None, "route_reason": None,
         "route_tier": None, "complexity_score": None, "failover": None, "status": status,
         "error_type": None, "prompt_tokens": None, "completion_tokens": None, "cached_tokens": None,
-        "latency_ms": latency_ms, "ttft_ms": None, "overhead_ms": latency_ms, "attempts": 0,
+        "latency_ms": latency_ms, "ttft_ms": None, "overhead_ms": latency_ms, "attempts": 0, "resumptions": 0,
         "cost_picousd": None, "reference_cost_picousd": None, "cost_estimated": False,
         "request_body": None, "response_body": None,
     }  # fmt: skip
@@ -77,6 +78,20 @@ class Tried(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Resumption:
+    """A stream that broke mid-answer and went on on another replica of its pool."""
+
+    backend: str
+    deployment: str  # the replica that failed (the log's, never a client's)
+    reason: str  # bounded: reset | timeout | error_event | ended_early
+    tokens: int  # output tokens the client had when it broke (the new replica went on from there)
+
+    def describe(self) -> str:
+        """For the log row's failover column."""
+        return f"{self.backend}@{self.deployment}=resumed after {self.tokens} tokens ({self.reason})"
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """One finished request: its log row and what the telemetry adds (built once, never changed)."""
@@ -89,6 +104,7 @@ class RequestRecord:
     response_model: str | None = None  # the `model` the upstream answered with
     backend_spec: EngineBackend | HostedBackend | None = None  # the serving backend's spec (the trace)
     trace_ids: tuple[str, str] | None = None  # (trace id, span id) when tracing is on
+    resumptions: Sequence[Resumption] = ()  # a stream's resumptions, in order
 
 
 class RecordSink(Protocol):

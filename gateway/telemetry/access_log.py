@@ -71,6 +71,7 @@ class AccessLog:
             "failovers": len(rec.attempts),
             "failover": row["failover"],
             "attempts": row["attempts"],
+            "resumptions": row["resumptions"],
             "stream": rec.stream,
         }
         if row["request_body"] is not None or row["response_body"] is not None:  # log_bodies is on

@@ -78,6 +78,8 @@ class GatewayMetrics(Collector):
         self._series: dict[tuple[str, str], _Series] = {}  # (model, backend)
         self._failovers: dict[tuple[str, str, str], int] = {}  # (from backend, to backend, reason)
         self._overhead = _Histogram(OVERHEAD_BUCKETS)
+        self._resumptions: dict[tuple[str, str], int] = {}  # (backend, reason)
+        self._resumed_tokens: dict[str, int] = {}  # backend: output tokens streams were resumed from
         self._pools = pools  # the active policy's upstreams, read at scrape time
         registry.register(self)
 
@@ -101,6 +103,11 @@ class GatewayMetrics(Collector):
             series.cost += float(row["cost_picousd"])
         if rec.attempts:
             self._count_failovers(rec.attempts, row["backend"])
+        for resumed in rec.resumptions:
+            pair = (resumed.backend, resumed.reason)
+            self._resumptions[pair] = self._resumptions.get(pair, 0) + 1
+            before = self._resumed_tokens.get(resumed.backend, 0)
+            self._resumed_tokens[resumed.backend] = before + resumed.tokens
 
     def _count_failovers(self, attempts: Sequence[Tried], served: str | None) -> None:
         """Each attempt that did not serve moved the request on: to the next attempt's backend."""
@@ -158,7 +165,22 @@ class GatewayMetrics(Collector):
         )
         for failover_labels, count in self._failovers.items():
             failovers.add_metric(list(failover_labels), count)
+        resumptions = CounterMetricFamily(
+            "gateway_stream_resumptions",
+            "Streams that broke mid-answer and went on on another replica of the pool, by why they broke.",
+            labels=["backend", "reason"],
+        )
+        for resumption_labels, count in self._resumptions.items():
+            resumptions.add_metric(list(resumption_labels), count)
+        resumed_tokens = CounterMetricFamily(
+            "gateway_stream_resumed_tokens",
+            "Output tokens resumed streams went on from (the client had them; the new replica re-read them).",
+            labels=["backend"],
+        )
+        for backend_name, count in self._resumed_tokens.items():
+            resumed_tokens.add_metric([backend_name], count)
         yield from (requests, latency, ttft, overhead, input_tokens, output_tokens, cost, failovers)
+        yield from (resumptions, resumed_tokens)
         if self._pools is not None:
             yield from _replica_families(self._pools())
 

@@ -58,6 +58,10 @@ class Trace(Protocol):
         """The backend had nothing to offer: the attempt begun for it made no call."""
         ...
 
+    def resumed(self, backend: str, deployment: str, reason: str, tokens: int) -> None:
+        """The open stream broke mid-answer (its attempt ends); another replica goes on after `tokens`."""
+        ...
+
     def record(self, rec: RequestRecord) -> None:
         """The request is over: its outcome, from its record (a RecordSink)."""
         ...
@@ -105,6 +109,9 @@ class NoTrace:
         """Nothing."""
 
     def no_call(self, model: str, backend: str, outcome: str, noted: bool) -> None:
+        """Nothing."""
+
+    def resumed(self, backend: str, deployment: str, reason: str, tokens: int) -> None:
         """Nothing."""
 
     def record(self, rec: RequestRecord) -> None:

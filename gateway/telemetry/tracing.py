@@ -209,6 +209,20 @@ class RequestTrace:
         if noted:
             self.failed_over(model, backend, None, outcome, "unavailable")
 
+    def resumed(self, backend: str, deployment: str, reason: str, tokens: int) -> None:
+        """Event: the stream broke mid-answer (its attempt ends) and goes on on another replica."""
+        if self._attempt is not None:
+            self.end_attempt(deployment, None, reason, f"stream broke ({reason})")
+        self.span.add_event(
+            "stream_resumed",
+            {
+                "switchboard.resume.backend": backend,
+                "switchboard.resume.from_replica": deployment,
+                "switchboard.resume.reason": reason,
+                "switchboard.resume.tokens": tokens,
+            },
+        )
+
     def record(self, rec: RequestRecord) -> None:
         """The request's outcome from its record; ends the open attempt (a stream's) and the span."""
         row = rec.row
@@ -226,6 +240,7 @@ class RequestTrace:
             "http.response.status_code": status,
             "switchboard.request_id": row["id"],
             "switchboard.failover.count": len(rec.attempts),
+            "switchboard.resume.count": row["resumptions"],
             "switchboard.overhead_ms": row["overhead_ms"],
         }
         for name, value in (

@@ -3,10 +3,16 @@
 Replies are deterministic: the completion is "echo:" plus the words of the last message (or the
 prompt), one word per token; usage counts whitespace-separated words. `POST /control` sets
 `latency_ms` (before the response), `chunk_delay_ms` (between streamed chunks), `fail_status`
-(answer every request with that status), `omit_usage` (report no usage) and `card` (fields added
-to its model's entry in `GET /v1/models`, e.g. `max_model_len` and `capabilities`); `GET /stats`
-reports requests served, the usage reported so far, and how many callers left during the latency
-wait or mid-stream.
+(answer every request with that status), `omit_usage` (report no usage), `card` (fields added
+to its model's entry in `GET /v1/models`, e.g. `max_model_len` and `capabilities`), and
+`break_after` / `break_mode` (a new stream breaks after that many words: `reset` the connection,
+send an `error_event`, or `stall`); `GET /stats` reports requests served, the usage reported so
+far, how many callers left during the latency wait or mid-stream, and streams resumed.
+
+Like the engine, it speaks stream resumption: with `stream_token_ids` each word's token id (its
+position) comes in a `: token_ids 0 <id>` line before its data line, and `resume: {token_ids, id,
+created}` goes on after those words under that id, without a role chunk (ids that are not the
+answer's own first words: 400).
 
 Run: python tests/fakes/openai_upstream.py --port 9001
 """
@@ -17,6 +23,7 @@ import argparse
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -30,6 +37,7 @@ def create_app() -> FastAPI:
     app = FastAPI()
     app.state.control = {
         "latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0, "omit_usage": False, "card": {},
+        "break_after": None, "break_mode": "reset",
     }  # fmt: skip
     app.state.stats = {
         "requests": 0,
@@ -37,6 +45,7 @@ def create_app() -> FastAPI:
         "completion_tokens": 0,
         "streams_cut_off": 0,
         "waits_cut_off": 0,
+        "resumed": 0,
     }
 
     @app.get("/health")
@@ -105,9 +114,25 @@ async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
     rid, created, model = f"fake-{stats['requests']}", int(time.time()), body.get("model")
     if body.get("stream"):
         include = bool((body.get("stream_options") or {}).get("include_usage")) and not control["omit_usage"]
-        return StreamingResponse(
-            _events(rid, created, model, words, usage, include, chat, app), media_type="text/event-stream"
-        )
+        resume = body.get("resume")
+        start = 0
+        if isinstance(resume, dict):
+            start = len(resume.get("token_ids") or [])
+            if resume.get("token_ids") != list(range(start)) or start > len(words):
+                error = {
+                    "message": "bad resume",
+                    "type": "invalid_request_error",
+                    "param": "resume",
+                    "code": None,
+                }
+                return Response(
+                    orjson.dumps({"error": error}), status_code=400, media_type="application/json"
+                )
+            rid, created = str(resume.get("id") or rid), int(resume.get("created") or created)
+            stats["resumed"] += 1
+        stream = _Stream(rid, created, model, words, usage, include, chat, bool(body.get("stream_token_ids")),
+                         start, isinstance(resume, dict))  # fmt: skip
+        return StreamingResponse(_events(stream, app), media_type="text/event-stream")
     content = " ".join(words)
     if chat:
         choice: dict[str, Any] = {
@@ -134,20 +159,25 @@ async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
     return Response(orjson.dumps(reply), media_type="application/json")
 
 
-async def _events(
-    rid: str,
-    created: int,
-    model: Any,
-    words: list[str],
-    usage: dict[str, Any],
-    include: bool,
-    chat: bool,
-    app: FastAPI,
-) -> AsyncIterator[bytes]:
+@dataclass
+class _Stream:
+    rid: str
+    created: int
+    model: Any
+    words: list[str]
+    usage: dict[str, Any]
+    include: bool
+    chat: bool
+    token_ids: bool  # stream_token_ids: each word's position before its data line
+    start: int  # the word a resumed stream goes on from
+    resumed: bool
+
+
+async def _events(stream: _Stream, app: FastAPI) -> AsyncIterator[bytes]:
     """The stream; `chunk_delay_ms` paces it, and a reader that leaves early is counted."""
     finished = False
     try:
-        async for event in _chunks(rid, created, model, words, usage, include, chat, app):
+        async for event in _chunks(stream, app):
             yield event
         finished = True
     finally:
@@ -155,37 +185,47 @@ async def _events(
             app.state.stats["streams_cut_off"] += 1
 
 
-async def _chunks(
-    rid: str,
-    created: int,
-    model: Any,
-    words: list[str],
-    usage: dict[str, Any],
-    include: bool,
-    chat: bool,
-    app: FastAPI,
-) -> AsyncIterator[bytes]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    extra = {"usage": None} if include else {}
+class _Broken(Exception):
+    """Raised inside the response: the server drops the connection mid-body."""
+
+
+async def _chunks(s: _Stream, app: FastAPI) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if s.chat else "text_completion"
+    extra = {"usage": None} if s.include else {}
+    control = app.state.control
 
     def event(choice: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+        return b"data: " + orjson.dumps({"id": s.rid, "object": obj, "created": s.created, "model": s.model,
                                         "choices": [choice], **extra}) + b"\n\n"  # fmt: skip
 
-    if chat:
+    if s.chat and not s.resumed:
         yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-    delay = float(app.state.control.get("chunk_delay_ms") or 0.0) / 1000
-    for i, word in enumerate(words):
+    delay = float(control.get("chunk_delay_ms") or 0.0) / 1000
+    break_after = None if s.resumed else control.get("break_after")
+    for i in range(s.start, len(s.words) + 1):
+        if break_after is not None and i == int(break_after):
+            mode = control.get("break_mode") or "reset"
+            if mode == "error_event":
+                error = {"message": "the engine failed", "type": "server_error", "param": None, "code": None}
+                yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+                return
+            if mode == "stall":
+                await asyncio.sleep(3600)
+            raise _Broken("connection dropped mid-stream")
+        if i == len(s.words):
+            break
         if delay:
             await asyncio.sleep(delay)
+        word = s.words[i]
         piece = word if i == 0 else " " + word
-        yield event({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat
-                    else {"index": 0, "text": piece, "finish_reason": None})  # fmt: skip
-    yield event({"index": 0, "delta": {}, "finish_reason": "stop"} if chat
+        ids = b": token_ids 0 %d\n\n" % i if s.token_ids else b""
+        yield ids + event({"index": 0, "delta": {"content": piece}, "finish_reason": None} if s.chat
+                          else {"index": 0, "text": piece, "finish_reason": None})  # fmt: skip
+    yield event({"index": 0, "delta": {}, "finish_reason": "stop"} if s.chat
                 else {"index": 0, "text": "", "finish_reason": "stop"})  # fmt: skip
-    if include:
-        yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                        "choices": [], "usage": usage}) + b"\n\n"  # fmt: skip
+    if s.include:
+        yield b"data: " + orjson.dumps({"id": s.rid, "object": obj, "created": s.created, "model": s.model,
+                                        "choices": [], "usage": s.usage}) + b"\n\n"  # fmt: skip
     yield b"data: [DONE]\n\n"
 
 

@@ -147,7 +147,7 @@ def test_unavailable_models_are_skipped_without_a_call() -> None:
 
 def test_each_candidate_gets_its_own_upstream_model_name() -> None:
     failover, _, _ = _setup({"http://r1": [200], "http://r2": [200]})
-    assert failover._payload({"model": "auto", "x": 1}, "frontier") == b'{"model":"openai/x","x":1}'
+    assert failover._upstream_body({"model": "auto", "x": 1}, "frontier") == {"model": "openai/x", "x": 1}
 
 
 def test_a_stream_stalled_after_its_role_chunk_fails_over_before_anything_is_sent() -> None:

@@ -16,7 +16,7 @@ FIELDS = {
     "ts", "level", "request_id", "trace_id", "span_id", "key_id", "key_prefix", "team", "model", "route",
     "tier", "complexity_score", "backend", "replica", "status", "error", "prompt_tokens",
     "completion_tokens", "cached_tokens", "latency_ms", "ttft_ms", "overhead_ms", "cost_usd",
-    "cost_estimated", "failovers", "failover", "attempts", "stream",
+    "cost_estimated", "failovers", "failover", "attempts", "resumptions", "stream",
 }  # fmt: skip
 
 
