@@ -3,7 +3,9 @@
 Tests that need a stuck or failing step start this instead of `python -m engine serve`; the shipped
 engine has no such hooks. It serves `HookedAsyncLLMEngine` and adds two routes:
 `POST /debug/stall {"seconds": x}` hangs the step loop, `POST /debug/fail-steps {"steps": n}` makes
-the next steps raise (as a device error would).
+the next steps raise (as a device error would), `POST /debug/step-delay {"seconds": x}` makes every
+step take x longer (a tiny model streaming at a big model's pace, to be cut mid-answer), and
+`GET /debug/in-flight` says how many requests it holds (from their admission, before any step).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class HookedAsyncLLMEngine(AsyncLLMEngine):
         super().__init__(*args, **kwargs)
         self._stall_until = 0.0
         self._fail_steps = 0  # how many coming steps raise
+        self.step_delay = 0.0  # seconds added to every step
 
     def stall_for(self, seconds: float) -> None:
         """Make the step loop hang for `seconds` (as a stuck step would)."""
@@ -48,6 +51,8 @@ class HookedAsyncLLMEngine(AsyncLLMEngine):
             time.sleep(remaining)  # no heartbeat meanwhile: /health reports the stall
 
     def _step(self, engine: LLMEngine) -> None:
+        if self.step_delay:
+            time.sleep(self.step_delay)
         if self._fail_steps <= 0:
             super()._step(engine)
             return
@@ -75,6 +80,20 @@ def add_test_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
             raise APIError(400, "'seconds' must be a number in [0, 600]", param="seconds")
         engine.stall_for(float(seconds))
         return Response(dumps({"stalled_for": seconds}), media_type="application/json")
+
+    @app.post("/debug/step-delay")
+    async def step_delay(request: Request) -> Response:
+        """Make every step take `seconds` longer."""
+        seconds = (await _json_body(request)).get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds <= 10:
+            raise APIError(400, "'seconds' must be a number in [0, 10]", param="seconds")
+        engine.step_delay = float(seconds)
+        return Response(dumps({"step_delay": seconds}), media_type="application/json")
+
+    @app.get("/debug/in-flight")
+    async def in_flight() -> Response:
+        """Requests admitted and not finished."""
+        return Response(dumps({"in_flight": engine.num_in_flight}), media_type="application/json")
 
     @app.post("/debug/fail-steps")
     async def fail_steps(request: Request) -> Response:
