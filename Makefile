@@ -38,10 +38,12 @@ run: model
 demo: model
 	$(PY) -m engine demo
 
+# Two test processes (pytest-xdist), each file's tests in one of them (module fixtures: servers,
+# models): the suite is mostly single-threaded, and the machines it runs on have two cores.
 test: model
 	$(PY) -m ruff check engine kernels gateway tests bench migrations
 	$(PY) -m mypy
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: install
 	$(PY) -m ruff check engine kernels gateway tests bench migrations

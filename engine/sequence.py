@@ -65,7 +65,9 @@ class Sequence:
         )
         self.detokenizer = detokenizer
         self.generator = generator
-        self.seed = seed  # with `generator`: the sequence's seed (`seeded_generator`)
+        # with `generator`: the sequence's seed (`seeded_generator`); a generator given without one
+        # keeps the seed it was given
+        self.seed = seed if seed is not None or generator is None else generator.initial_seed()
         # its own state in the request's grammar (n > 1: one each); it has accepted every output
         # token, so recompute preemption, which keeps the tokens, leaves it valid
         self.guided = guided

@@ -21,7 +21,9 @@ for _name, _value in offline_defaults().items():  # what `python -m gateway` set
 # kernel is defined: set it before any test module imports kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one thread a test process when pytest-xdist runs one per core (make test), else up to two
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 request_strict_mkl()  # before any test calls MKL, as `engine serve` does: row-invariant products
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
