@@ -237,3 +237,26 @@ def test_a_request_sampled_out_exports_nothing_and_tells_the_engine_so() -> None
     trace.end_attempt("http://e", 200)
     trace.record(RequestRecord(blank_row("req-1", datetime.now(UTC), 200, 1.0), response_model="tiny"))
     assert exporter.get_finished_spans() == ()
+
+
+def test_a_resumed_stream_ends_its_broken_attempt_and_notes_where_it_went_on() -> None:
+    exporter = InMemorySpanExporter()
+    trace = exporting_to(exporter).start("/v1/chat/completions")
+    spec = EngineBackend(type="engine", urls=["http://a:8001", "http://b:8001"])
+    trace.begin_attempt("local", "tiny", "pool", spec, True)
+    trace.resumed("pool", "http://a:8001", "reset", 12)
+    trace.begin_attempt("local", "tiny", "pool", spec, True)
+    row = blank_row("req-1", datetime.now(UTC), 200, 5.0)
+    row.update(backend="pool", deployment="http://b:8001", resumptions=1)
+    trace.record(RequestRecord(row, stream=True))
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER}
+    attempts = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.CLIENT]
+    assert [s.status.status_code for s in attempts] == [StatusCode.ERROR, StatusCode.UNSET]
+    assert [_attributes(s)["switchboard.replica"] for s in attempts] == ["http://a:8001", "http://b:8001"]
+    (request,) = spans.values()
+    (event,) = [e for e in request.events if e.name == "stream_resumed"]
+    assert dict(event.attributes or {}) == {
+        "switchboard.resume.backend": "pool", "switchboard.resume.from_replica": "http://a:8001",
+        "switchboard.resume.reason": "reset", "switchboard.resume.tokens": 12,
+    }  # fmt: skip
+    assert _attributes(request)["switchboard.resume.count"] == 1
