@@ -175,23 +175,23 @@ class EnginePool:
                     error = await resp.read(MAX_REPLY_BYTES)
                 verdict(resp.status < 500)
             slo = self.health.first_token_slo
-            yield UpstreamStream(
-                resp.status, self._lines(resp, replica, started, slo, verdict), error, replica.url, verdict
-            )
+            lines = self._lines(resp, replica, started, slo, verdict, t.between_tokens)
+            yield UpstreamStream(resp.status, lines, error, replica.url, verdict)
         finally:
             replica.in_flight -= 1
             verdict.settle()
             resp.release()  # read to the end: back to the pool; abandoned: closed, so the engine aborts
 
-    async def _lines(
-        self, resp: WireResponse, replica: Replica, started: float, slo: float | None, verdict: _Verdict
-    ) -> AsyncIterator[str]:
-        """The stream's non-blank lines; the first one's delay is the replica's first-token verdict."""
+    async def _lines(self, resp: WireResponse, replica: Replica, started: float, slo: float | None,
+                     verdict: _Verdict, silence: float) -> AsyncIterator[str]:  # fmt: skip
+        """The stream's non-blank lines; the first one's delay is the replica's first-token verdict;
+        after it, `silence` seconds without a byte break the stream (timeouts.between_tokens)."""
         try:
             line = await resp.next_line(MAX_LINE_BYTES)
             if line is None:
                 return
             verdict(slo is None or time.perf_counter() - started <= slo)
+            resp.watch_silence(silence)
             yield line
             while (line := await resp.next_line(MAX_LINE_BYTES)) is not None:
                 yield line

@@ -55,15 +55,7 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     mark = perf_counter()
                     if head:
                         yield b"".join(head)
-                    lines, stall = upstream.lines, _stall_limit(reading)
-                    while True:
-                        if stall is None:
-                            line = await anext(lines, None)
-                        else:  # a replica gone silent mid-answer is a break: another goes on
-                            async with asyncio.timeout(stall):
-                                line = await anext(lines, None)
-                        if line is None:
-                            break
+                    async for line in upstream.lines:
                         call.upstream_seconds += perf_counter() - mark
                         ended = ended or line == _DONE
                         event = relay_line(call, line, wants_usage, tokens)
@@ -99,11 +91,6 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     yield error_event(f"the upstream stream ({call.backend}) failed", error)
     finally:
         done(call, status, error)
-
-
-def _stall_limit(served: Served) -> float | None:
-    """Seconds a resumable stream may stay silent (None: not resumable, the total deadline bounds it)."""
-    return None if served.resume is None else served.resume.timeouts.between_tokens
 
 
 async def _resumed(call: Call, failed: Served, tokens: StreamTokens | None, exc: Exception) -> Served | None:

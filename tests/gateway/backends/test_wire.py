@@ -259,3 +259,38 @@ def test_past_the_connection_limit_a_request_waits_for_a_free_connection() -> No
             assert len(connections) == 1
 
     asyncio.run(main())
+
+
+def test_a_stream_silent_for_its_limit_times_out_and_one_that_trickles_does_not() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await read_request(reader)
+        writer.write(SSE_HEAD + b"8\r\ndata: 1\n\r\n")
+        await writer.drain()
+        gaps = [0.05] * 8 if body.endswith(b"trickle") else [5.0]  # bytes every 50 ms, or silence
+        for gap in gaps:
+            await asyncio.sleep(gap)
+            writer.write(b"8\r\ndata: 2\n\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> None:
+        async with serving(handler) as (url, _):
+            pool = WirePool(url, {})
+            resp = await pool.post("/", b"silent", 1.0, 10.0)
+            assert await resp.next_line(100) == "data: 1"
+            resp.watch_silence(0.2)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):
+                await resp.next_line(100)
+            assert 0.2 <= asyncio.get_running_loop().time() - started < 0.5  # within 1.25 x, plus slack
+            resp.release()
+            resp = await pool.post("/", b"trickle", 1.0, 10.0)
+            resp.watch_silence(0.2)  # 0.4 s in all, but never 0.2 s without a byte
+            lines = []
+            while (line := await resp.next_line(100)) is not None:
+                lines.append(line)
+            assert lines == ["data: 1"] + ["data: 2"] * 8
+            resp.release()
+
+    asyncio.run(main())
