@@ -100,9 +100,8 @@ class Failover:
             spec = self.policy.backends[pool.name]
             upstream_body = self._upstream_body(body, model)
             plan = None
-            if stream and self._resumes(decision, spec, body):
+            if stream and isinstance(spec, EngineBackend) and self._resumes(decision, spec, body):
                 upstream_body["stream_token_ids"] = True  # the engine reports each delta's token ids
-                assert isinstance(spec, EngineBackend)
                 timeouts = decision.timeouts or pool.timeouts
                 plan = ResumePlan(pool, spec, model, path, upstream_body, timeouts)
             payload = orjson.dumps(upstream_body)
@@ -229,12 +228,13 @@ class Failover:
         """The request as `model`'s backend gets it: under the upstream's own name for the model."""
         return {**body, "model": self.policy.upstream_model(model)}
 
-    def _resumes(self, decision: RouteDecision, spec: EngineBackend | Any, body: dict[str, Any]) -> bool:
-        """Whether a stream from this backend goes on elsewhere if its replica fails mid-answer: an
-        engine pool that resumes, a route that does not say no, an answer with one choice."""
-        if not isinstance(spec, EngineBackend) or not spec.resume_streams or spec.max_resumptions < 1:
+    @staticmethod
+    def _resumes(decision: RouteDecision, spec: EngineBackend, body: dict[str, Any]) -> bool:
+        """Whether a stream from this engine pool goes on elsewhere if its replica fails mid-answer:
+        the pool resumes, the route does not say no, the answer has one choice."""
+        if not spec.resume_streams or spec.max_resumptions < 1 or decision.resume_streams is False:
             return False
-        return decision.resume_streams is not False and resumable_body(body)
+        return resumable_body(body)
 
 
 class _State:
