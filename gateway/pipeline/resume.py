@@ -39,6 +39,7 @@ from gateway.telemetry.trace import Trace
 TOKEN_IDS = ": token_ids "  # the engine's comment line: `: token_ids <choice> <id>,<id>,...`
 MIN_REMAINING_S = 1.0  # less of the request's deadline than this left: not worth another replica
 _MAX_TOKENS = 1 << 20  # ids one stream may report (the engine's own bound on a resumed request)
+_MAX_ID_LINE = 64 << 10  # characters of one id line (the engine sends at most 4,096 ids a line)
 
 
 def resumable_body(body: dict[str, Any]) -> bool:
@@ -84,6 +85,8 @@ class StreamTokens:
 
     def announce(self, line: str) -> None:
         """A `: token_ids 0 <ids>` line: the ids of the data line that follows."""
+        if len(line) > _MAX_ID_LINE:  # refused before parsing: no long work on the event loop
+            raise UpstreamStreamError("the upstream sent a token_ids line that is too long")
         _, _, rest = line.partition(TOKEN_IDS)
         index, _, ids = rest.partition(" ")
         if index != "0":

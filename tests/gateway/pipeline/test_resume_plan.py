@@ -74,6 +74,7 @@ def test_after_the_finish_a_choice_gets_nothing_more_but_usage_still_passes() ->
     ],
 )
 def test_a_malformed_token_id_line_is_a_broken_stream(line: str) -> None:
+    """(Including one too long to parse on the event loop.)"""
     with pytest.raises(UpstreamStreamError):
         StreamTokens().announce(line)
 
