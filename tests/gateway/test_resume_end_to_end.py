@@ -20,7 +20,7 @@ from tests.engine.server_proc import ServerProcess
 from tests.gateway.processes import create_key_cli, read_log_rows, start_gateway
 
 MAX_TOKENS = 16
-STEP_DELAY = 0.06  # a tiny model at a big one's pace: a stream lasts long enough to be cut
+STEP_DELAY = 0.08  # a tiny model at a big one's pace: a stream lasts long enough to be cut
 
 
 class Pool:
@@ -132,7 +132,7 @@ COMMON = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "stream_options": {"incl
         (CHAT, {"temperature": 0}, 1),
         (CHAT, {"temperature": 1.0, "seed": 42}, MAX_TOKENS // 2),
         (CHAT, {"temperature": 1.0}, MAX_TOKENS // 2),  # unseeded: a valid answer, whole
-        (TEXT, {"temperature": 0}, MAX_TOKENS - 2),  # just before the end (the last token in flight)
+        (TEXT, {"temperature": 0}, MAX_TOKENS - 3),  # just before the end (its last tokens in flight)
         (TEXT, {"temperature": 1.0, "seed": 7}, 3),
     ],
     ids=["chat-greedy-1", "chat-seeded-mid", "chat-unseeded-mid", "text-greedy-end", "text-seeded-3"],

@@ -71,10 +71,10 @@ def test_after_the_finish_a_choice_gets_nothing_more_but_usage_still_passes() ->
         ": token_ids 0 ",
         ": token_ids 0 -1",
         f": token_ids 0 {1 << 31}",
+        ": token_ids 0 " + "1," * 40_000 + "1",  # too long to parse on the event loop
     ],
 )
 def test_a_malformed_token_id_line_is_a_broken_stream(line: str) -> None:
-    """(Including one too long to parse on the event loop.)"""
     with pytest.raises(UpstreamStreamError):
         StreamTokens().announce(line)
 
