@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import uvicorn
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.config.settings import GatewaySettings
 from gateway.main import create_app
@@ -186,3 +187,17 @@ log_bodies: {"true" if log_bodies else "false"}
         self.gateway.stop()
         self.ok.stop()
         self.bad.stop()
+
+
+def insert_rows(database_url: str, rows: Sequence[object]) -> None:
+    """ORM rows added to the database in one transaction (tests that need history in the log)."""
+
+    async def write() -> None:
+        db = create_db(database_url)
+        try:
+            async with async_sessionmaker(db)() as session, session.begin():
+                session.add_all(rows)
+        finally:
+            await db.dispose()
+
+    asyncio.run(write())

@@ -4,7 +4,6 @@ paginated by index, hostile values escaped."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
@@ -16,15 +15,14 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from gateway.config.settings import GatewaySettings
 from gateway.console.session import COOKIE, SessionSigner
 from gateway.console.web import local_path
 from gateway.main import create_app
-from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import RequestLog, UsageDaily
+from tests.gateway.processes import insert_rows
 
 MASTER = "sk-master-console"
 HTML = {"accept": "text/html"}
@@ -273,13 +271,7 @@ def _seed_usage(url: str, days: list[date]) -> None:
         for key, team, backend in (("k1", "legal", "local"), ("k2", "", "openai"))
     ]
 
-    async def write() -> None:
-        db = create_db(url)
-        async with async_sessionmaker(db)() as session, session.begin():
-            session.add_all(rows)
-        await db.dispose()
-
-    asyncio.run(write())
+    insert_rows(url, rows)
 
 
 def test_the_spend_page_shows_the_reports_figures_and_one_bar_a_day(url: str, tmp_path: Path) -> None:
@@ -343,13 +335,7 @@ def _seed_requests(url: str, count: int) -> list[str]:
     ]
     newest_first = [r.id for r in sorted(rows, key=lambda r: (r.created_at, r.id), reverse=True)]
 
-    async def write() -> None:
-        db = create_db(url)
-        async with async_sessionmaker(db)() as session, session.begin():
-            session.add_all(rows)
-        await db.dispose()
-
-    asyncio.run(write())
+    insert_rows(url, rows)
     return newest_first
 
 

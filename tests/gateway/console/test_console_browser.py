@@ -8,7 +8,6 @@ browser can be installed at all. CONSOLE_SCREENSHOTS=<folder> keeps a screenshot
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -20,12 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import UsageDaily
-from tests.gateway.processes import start_gateway
+from tests.gateway.processes import insert_rows, start_gateway
 
 MASTER = "sk-master-browser"
 ROOT = Path(__file__).resolve().parents[3]
@@ -88,13 +85,7 @@ def _seed_spend(url: str, today: datetime) -> None:
         for back, backend, cost in ((0, "local", "0.0004"), (2, "openai", "0.03"), (5, "local", "0.0011"))
     ]
 
-    async def write() -> None:
-        db = create_db(url)
-        async with async_sessionmaker(db)() as session, session.begin():
-            session.add_all(rows)
-        await db.dispose()
-
-    asyncio.run(write())
+    insert_rows(url, rows)
 
 
 @pytest.fixture(scope="module")
