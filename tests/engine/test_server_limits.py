@@ -185,23 +185,26 @@ def test_completions_without_max_tokens_stop_at_16_tokens(server: ServerProcess)
 
 def test_a_huge_prompt_is_rejected_without_stalling_other_streams(server: ServerProcess) -> None:
     gaps: list[tuple[float, float]] = []  # (previous event, this event) of the streams meanwhile
-    done = threading.Event()
+    done, streaming = threading.Event(), threading.Event()
 
     def stream_meanwhile() -> None:
         body = {"prompt": "count", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        last = None  # across streams too: the wait for the next stream's first event is a gap as well
         while not done.is_set():
             with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
-                last = None
                 for line in r.iter_lines():
+                    if not line:
+                        continue
                     now = time.monotonic()
-                    if line and last is not None:
+                    if last is not None:
                         gaps.append((last, now))
+                        streaming.set()
                     last = now
 
     streamer = threading.Thread(target=stream_meanwhile)
     streamer.start()
     try:
-        time.sleep(0.3)
+        assert streaming.wait(30), "the stream beside the huge prompt never started"  # a loaded CI
         huge = "lorem ipsum dolor sit amet, consectetur " * 90_000  # 3.6 MB: ~3 s to tokenize whole
         start = time.monotonic()
         r = httpx.post(
