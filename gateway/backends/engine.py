@@ -191,6 +191,13 @@ class EnginePool:
             if line is None:
                 return
             verdict(slo is None or time.perf_counter() - started <= slo)
+            yield line
+            # the silence watch starts with the second line: a chat stream's first is its role chunk,
+            # sent at once, and the wait for the first token is first_token's to bound (a prefill
+            # behind a grammar compile on a busy CPU may take longer than between_tokens)
+            line = await resp.next_line(MAX_LINE_BYTES)
+            if line is None:
+                return
             resp.watch_silence(silence)
             yield line
             while (line := await resp.next_line(MAX_LINE_BYTES)) is not None:
