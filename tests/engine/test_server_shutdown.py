@@ -38,7 +38,8 @@ def _stream(client: openai.OpenAI, max_tokens: int, first: threading.Event, resu
 
 @pytest.mark.slow
 def test_sigterm_drains_finishes_short_requests_aborts_long_ones_and_exits_0(default_model_dir: Path) -> None:
-    server = ServerProcess("default", "--shutdown-timeout", "4", "--max-model-len", "1024")
+    # 8 s: the short stream's 12 tokens finish in time even with the other test process busy
+    server = ServerProcess("default", "--shutdown-timeout", "8", "--max-model-len", "1024")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
     short: dict[str, Any] = {}
     long: dict[str, Any] = {}
