@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -97,6 +98,21 @@ async def run(url: str, headers: dict[str, str], model: str, requests: list, con
     return ttfts, chunks, time.perf_counter() - started
 
 
+def affinity_counts(gateway_url: str) -> str:
+    """The gateway's calls to a prefix's home replica and spills to another, and the prefixes each
+    replica is home to, from its /metrics."""
+    text = httpx.get(f"{gateway_url}/metrics", headers={"authorization": "Bearer m"}, timeout=10).text
+    counts, placed = [], []
+    for line in text.splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("gateway_affinity_requests_total"):
+            outcome = line.partition('outcome="')[2].partition('"')[0]
+            counts.append(f"{outcome} {float(value):.0f}")
+        elif line.startswith("gateway_affinity_prefixes{"):
+            placed.append(f"{float(value):.0f}")
+    return f"{', '.join(counts)}; prefixes per replica {'/'.join(placed)}"
+
+
 def phase(name: str, engines: list[ManagedServer], url: str, headers: dict[str, str], model: str,
           requests: list, args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
     q0, f0 = prefix_counters(engines)
@@ -120,9 +136,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV pool")
+    parser.add_argument("--engine-args", default="", help="more `engine serve` options for both replicas")
+    parser.add_argument("--load-factor", type=float, default=None, help="the pool's max_load_factor")
+    parser.add_argument("--no-single", action="store_true", help="skip the one-replica phase")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="affinity-bench-"))
-    options = ("--kv-cache-memory", str(args.kv_cache_mib << 20), "--num-threads", "1", "--no-access-log")
+    options = ("--kv-cache-memory", str(args.kv_cache_mib << 20), "--num-threads", "1", "--no-access-log",
+               *shlex.split(args.engine_args))  # fmt: skip
     engines = [ServerProcess("default", *options) for _ in range(2)]
     gateway = None
     try:
@@ -130,8 +150,10 @@ def main() -> None:
         policy = root / "policy.yaml"
 
         def write_policy(balance: str) -> None:
-            policy.write_text(f"backends:\n  pool: {{type: engine, urls: [{urls}], balance: {balance}}}\n"
-                              "models:\n  chat: {backend: pool, model: default}\n")  # fmt: skip
+            factor = "" if args.load_factor is None else f", max_load_factor: {args.load_factor}"
+            pool = f"{{type: engine, urls: [{urls}], balance: {balance}{factor}}}"
+            models = "models:\n  chat: {backend: pool, model: default}\n"
+            policy.write_text(f"backends:\n  pool: {pool}\n{models}")
 
         write_policy("least_loaded")
         env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s",
@@ -147,6 +169,12 @@ def main() -> None:
         write_policy("prefix_affinity")
         time.sleep(3)  # the gateway's policy watcher picks the change up
         affinity = phase("prefix_affinity", engines, url, headers, "chat", sets[1], args)
+        print(f"{'':>16}  gateway: {affinity_counts(gateway.base_url)}")
+        if args.no_single:
+            print(f"mean TTFT least_loaded / prefix_affinity: "
+                  f"{least['ttft_mean'] / affinity['ttft_mean']:.2f}x; "
+                  f"throughput ratio {affinity['tok_s'] / least['tok_s']:.2f}")  # fmt: skip
+            return
         direct = f"{engines[0].base_url}/v1/chat/completions"
         single = phase("one replica", engines[:1], direct, {}, "default", sets[2], args)
         print(f"affinity hit rate / one replica's: {affinity['hit_rate'] / single['hit_rate']:.2f}; "

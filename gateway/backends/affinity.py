@@ -6,23 +6,20 @@ affinity key hashes its leading part: every message but the last (the system pro
 turns), or for a lone message or text prompt its first LONE_PREFIX_TOKENS tokens in whole blocks
 of BLOCK_TOKENS, counted with the pool's tokenizer when the policy names one
 (`gateway.pipeline.prefix_keys`) and
-else estimated as 4 characters a token. A consistent-hash ring with bounded load (Mirrokni et al.)
-maps the key to a replica: the first one clockwise that is usable, not avoided, not saturated and
-under `load_factor` x the mean load. A replica that joins or leaves moves only the keys of its own
-arcs.
+else estimated as 4 characters a token. A consistent-hash ring orders the replicas for a key:
+its first is the key's ring home, and a replica that joins or leaves moves only the keys of its
+own arcs. Where each prefix lives, within bounds on prefixes and on requests per replica, is
+`gateway.backends.prefix_homes`'s decision.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
-
-from gateway.backends.health import Replica
 
 POINTS_PER_REPLICA = 128  # virtual nodes: each replica's share of the ring evens out
 BLOCK_TOKENS = 16  # the engine's KV block: a key covers whole blocks, as its prefix cache does
@@ -101,20 +98,3 @@ class AffinityRing:
             if len(seen) * POINTS_PER_REPLICA >= n:
                 break
         return list(seen)
-
-    def choose(
-        self, key: int, replicas: Sequence[Replica], avoid: frozenset[str], load_factor: float
-    ) -> tuple[Replica | None, bool]:
-        """(the replica for `key`, whether it is the key's home); None: none within bounds."""
-        by_url = {r.url: r for r in replicas}
-        usable = [r for r in replicas if r.usable()]
-        if not usable:
-            return None, False
-        cap = math.ceil(load_factor * (sum(r.in_flight for r in usable) + 1) / len(usable))
-        for i, url in enumerate(self.order(key)):
-            replica = by_url.get(url)
-            if replica is None or url in avoid or not replica.usable() or replica.saturated():
-                continue
-            if replica.in_flight + 1 <= cap:
-                return replica, i == 0
-        return None, False

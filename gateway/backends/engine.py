@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-from gateway.backends.affinity import AffinityRing
 from gateway.backends.base import (
     Learned,
     UpstreamReply,
@@ -25,6 +24,7 @@ from gateway.backends.base import (
 )
 from gateway.backends.health import HealthChecker, Replica, pick
 from gateway.backends.model_cards import merge_replicas
+from gateway.backends.prefix_homes import PrefixHomes
 from gateway.backends.wire import WireError, WirePool, WireResponse
 from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 
@@ -45,9 +45,9 @@ class EnginePool:
         self.health = health
         self.replicas = [Replica(u.rstrip("/"), health) for u in spec.urls]
         urls = [r.url for r in self.replicas]
-        self._ring = AffinityRing(urls) if spec.balance == "prefix_affinity" else None
-        # prefix_affinity: calls sent to their key's home replica, and those that spilled over
-        self.affinity_counts: dict[str, int] | None = {"hit": 0, "spill": 0} if self._ring else None
+        # prefix_affinity: each prefix's home replica, and the calls sent to it or spilled elsewhere
+        self.homes = PrefixHomes(urls) if spec.balance == "prefix_affinity" else None
+        self.affinity_counts: dict[str, int] | None = {"hit": 0, "spill": 0} if self.homes else None
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         auth = {"authorization": f"Bearer {key}"} if key else {}
         headers = {"content-type": "application/json", **auth}
@@ -59,6 +59,11 @@ class EnginePool:
     async def start(self) -> None:
         """Start the active health checks."""
         self._checker.start()
+
+    def adopt_homes(self, previous: EnginePool) -> None:
+        """Keep the prefixes' homes of the pool this one replaces (its replicas changed)."""
+        if self.homes is not None and previous.homes is not None:
+            self.homes.adopt(previous.homes.homes())
 
     @property
     def timeouts(self) -> Timeouts:
@@ -104,9 +109,10 @@ class EnginePool:
         raise UpstreamUnavailableError(reason, timeout=False)
 
     def _pick(self, tried: frozenset[str], affinity: int | None) -> Replica | None:
-        if self._ring is None or affinity is None:
+        if self.homes is None or affinity is None:
             return pick(self.replicas, tried)
-        replica, home = self._ring.choose(affinity, self.replicas, tried, self.spec.max_load_factor)
+        factor, slack = self.spec.max_load_factor, self.spec.load_slack
+        replica, home = self.homes.choose(affinity, self.replicas, tried, factor, slack)
         assert self.affinity_counts is not None
         self.affinity_counts["hit" if home else "spill"] += 1
         return replica if replica is not None else pick(self.replicas, tried)

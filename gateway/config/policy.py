@@ -133,8 +133,11 @@ class EngineBackend(_Strict):
     tokenizer: str | None = None  # tokenizer.json (or its folder): counts tokens when usage is missing
     # least_loaded: fewest requests in flight; prefix_affinity: requests sharing leading messages go
     # to one replica (its prefix cache), unless it holds more than max_load_factor x the mean load
+    # and more than load_slack requests above the mean (a few more in flight do not load a batching
+    # engine; a spill does: it computes the prefix again elsewhere)
     balance: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     max_load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
+    load_slack: int = Field(default=4, ge=0, le=4096)
     autoscale: Autoscale = Autoscale()  # the targets behind gateway_pool_desired_replicas
     # a stream whose replica fails mid-answer goes on on another replica of this pool, from the
     # tokens already streamed (a route may turn it off); at most max_resumptions times per request

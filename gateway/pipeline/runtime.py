@@ -61,8 +61,10 @@ async def build_runtime(
         if old is not None and _same_backend(previous, policy, name):
             pools[name] = old
             continue
-        pools[name] = _new_backend(name, policy)
-        await pools[name].start()
+        pool = pools[name] = _new_backend(name, policy)
+        if isinstance(old, EnginePool) and isinstance(pool, EnginePool):
+            pool.adopt_homes(old)  # its replicas changed: prefixes on the ones still there stay
+        await pool.start()
     router = Router(policy, model, CapabilityTable(policy, pools))  # learns from the pools
     return Runtime(
         policy, router, Failover(policy, pools), pools, version, datetime.now(UTC), PriceBook(policy)

@@ -208,6 +208,11 @@ def _replica_families(pools: Mapping[str, Upstream]) -> Iterator[Metric]:
         "Calls of prefix_affinity pools: to the prefix's home replica (hit) or another one (spill).",
         labels=["backend", "outcome"],
     )
+    prefixes = GaugeMetricFamily(
+        "gateway_affinity_prefixes",
+        "Prefixes whose home is each replica of a prefix_affinity pool (used in the last 10 minutes).",
+        labels=labels,
+    )
     desired = GaugeMetricFamily(
         "gateway_pool_desired_replicas",
         "Replicas each engine pool wants: ceil(replicas up x max(queue / target, KV usage / target)), "
@@ -237,4 +242,9 @@ def _replica_families(pools: Mapping[str, Upstream]) -> Iterator[Metric]:
         counts = getattr(pool, "affinity_counts", None)  # engine pools that balance by prefix
         for outcome, count in (counts or {}).items():
             affinity.add_metric([name, outcome], float(count))
-    yield from (state, up, in_flight, affinity, desired, pool_queue, pool_kv, pool_up)
+        homes = getattr(pool, "homes", None)
+        if homes is not None:
+            placed = homes.placed()
+            for replica in pool.replicas:  # type: ignore[attr-defined]
+                prefixes.add_metric([name, replica.url], float(placed.get(replica.url, 0)))
+    yield from (state, up, in_flight, affinity, prefixes, desired, pool_queue, pool_kv, pool_up)

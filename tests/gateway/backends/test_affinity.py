@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -17,10 +19,15 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from gateway.backends.affinity import AffinityRing, prefix_key
+from gateway.backends.base import Upstream
+from gateway.backends.engine import EnginePool
 from gateway.backends.health import Replica
-from gateway.config.policy import HealthSettings
+from gateway.backends.prefix_homes import PrefixHomes
+from gateway.config.policy import EngineBackend, HealthSettings, Policy, parse_policy
 from gateway.pipeline import prefix_keys
 from gateway.pipeline.prefix_keys import PrefixKeys
+from gateway.pipeline.runtime import build_runtime
+from gateway.routing.complexity import ComplexityModel
 from tests.engine.server_proc import ManagedServer
 from tests.gateway.processes import create_key_cli, start_gateway
 
@@ -124,17 +131,17 @@ def test_a_prefix_is_tokenized_once_off_the_event_loop_and_an_unreadable_tokeniz
 
 
 def test_requests_sharing_a_prefix_go_to_one_replica() -> None:
-    ring, replicas = AffinityRing(URLS), _replicas()
+    homes_, replicas = PrefixHomes(URLS), _replicas()
     key = prefix_key(_chat(SYSTEM, "q"))
     assert key is not None
-    chosen = {ring.choose(key, replicas, frozenset(), 1.25)[0].url for _ in range(20)}  # type: ignore[union-attr]
-    assert len(chosen) == 1
-    homes = {ring.order(random.Random(i).getrandbits(64))[0] for i in range(400)}
+    chosen = {homes_.choose(key, replicas, frozenset(), 1.25)[0].url for _ in range(20)}  # type: ignore[union-attr]
+    assert chosen == {homes_.ring.order(key)[0]}
+    homes = {homes_.ring.order(random.Random(i).getrandbits(64))[0] for i in range(400)}
     assert homes == set(URLS)  # and different prefixes spread over every replica
 
 
 def test_load_stays_bounded_when_one_prefix_is_hot() -> None:
-    ring, replicas = AffinityRing(URLS), _replicas()
+    ring, replicas = PrefixHomes(URLS), _replicas()
     key = random.Random(1).getrandbits(64)
     hits = 0
     for _ in range(200):  # one hot prefix, nothing finishes: its home fills to the bound, then spills
@@ -146,6 +153,68 @@ def test_load_stays_bounded_when_one_prefix_is_hot() -> None:
     assert 40 < hits < 200 and min(r.in_flight for r in replicas) > 0
 
 
+def test_slack_keeps_a_prefix_home_under_light_load_and_the_factor_bounds_heavy_load() -> None:
+    ring, replicas = PrefixHomes(URLS[:2]), _replicas(URLS[:2])
+    key = random.Random(3).getrandbits(64)
+    home_url = ring.ring.order(key)[0]
+    for in_flight in range(6):  # 2 replicas: a factor of 1.25 alone would spill the 4th request
+        replica, home = ring.choose(key, replicas, frozenset(), 1.25, slack=4)
+        assert replica is not None and replica.url == home_url and home, in_flight
+        replica.in_flight += 1
+    strict, _ = ring.choose(key, replicas, frozenset(), 1.25)  # no slack: ceil(1.25 x 3.5) = 5 < 7
+    assert strict is not None and strict.url != home_url
+    hits = 0
+    for _ in range(400):  # one hot prefix, nothing finishes: the factor takes over from the slack
+        replica, home = ring.choose(key, replicas, frozenset(), 1.25, slack=4)
+        assert replica is not None
+        replica.in_flight += 1
+        hits += home
+        mean = sum(r.in_flight for r in replicas) / 2
+        assert max(r.in_flight for r in replicas) <= max(-(-1.25 * mean // 1), -(-mean // 1) + 4) + 1
+    assert 0 < 400 - hits < 200  # some spilled, most stayed home
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
+def test_few_prefixes_are_placed_evenly_and_keep_their_homes(factor: float) -> None:
+    worst = 0
+    for trial in range(50):  # hashing alone splits 8 prefixes 6/2 or worse about 29% of the time
+        homes, replicas = PrefixHomes(URLS[:2]), _replicas(URLS[:2])
+        rng = random.Random(trial)
+        keys = [rng.getrandbits(64) for _ in range(8)]
+        first = {k: homes.choose(k, replicas, frozenset(), factor)[0].url for k in keys}  # type: ignore[union-attr]
+        worst = max(worst, *Counter(first.values()).values())
+        for _ in range(3):  # later requests go home, whichever replica is less loaded
+            replicas[0].in_flight, replicas[1].in_flight = rng.randrange(3), rng.randrange(3)
+            assert all(homes.choose(k, replicas, frozenset(), factor, 4) == (
+                next(r for r in replicas if r.url == first[k]), True) for k in keys)  # fmt: skip
+        assert sum(homes.placed().values()) == 8
+    assert worst == 4  # always 4/4
+
+
+def test_placements_are_bounded_and_forgotten_when_idle() -> None:
+    now = [0.0]
+    homes, replicas = PrefixHomes(URLS, size=10, idle_s=60, clock=lambda: now[0]), _replicas()
+    for key in range(25):  # a flood of one-off prefixes: the oldest are forgotten
+        homes.choose(key, replicas, frozenset(), 1.25)
+        now[0] += 1
+    assert sum(homes.placed().values()) == 10 and [k for k, _, _ in homes.homes()] == list(range(15, 25))
+    now[0] += 30
+    homes.choose(15, replicas, frozenset(), 1.25)  # used again: kept past the others
+    now[0] += 40
+    assert [k for k, _, _ in homes.homes()] == [15] and sum(homes.placed().values()) == 1
+
+
+def test_a_pool_that_loses_a_replica_keeps_the_other_prefixes_homes() -> None:
+    four, replicas = PrefixHomes(URLS), _replicas()
+    keys = [random.Random(i).getrandbits(64) for i in range(40)]
+    before = {k: four.choose(k, replicas, frozenset(), 1.25)[0].url for k in keys}  # type: ignore[union-attr]
+    three = PrefixHomes(URLS[:3])
+    three.adopt(four.homes())
+    after = {k: three.choose(k, replicas[:3], frozenset(), 1.25)[0].url for k in keys}  # type: ignore[union-attr]
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == URLS[3] for k in moved)
+
+
 def test_a_replica_leaving_moves_only_its_own_keys() -> None:
     four, three = AffinityRing(URLS), AffinityRing(URLS[:3])
     keys = [random.Random(i).getrandbits(64) for i in range(1000)]
@@ -154,14 +223,23 @@ def test_a_replica_leaving_moves_only_its_own_keys() -> None:
 
 
 def test_unhealthy_saturated_and_avoided_replicas_are_passed_over() -> None:
-    ring, replicas = AffinityRing(URLS), _replicas()
+    homes, replicas = PrefixHomes(URLS), _replicas()
     key = random.Random(2).getrandbits(64)
-    order = ring.order(key)
+    order = homes.ring.order(key)
     by_url = {r.url: r for r in replicas}
-    by_url[order[0]].check_ok = False  # failed its health check
+    assert homes.choose(key, replicas, frozenset(), 1.25) == (by_url[order[0]], True)  # placed
+    by_url[order[0]].queue_depth = 10  # saturated (over max_queue_depth): a spill, the home stays
+    assert homes.choose(key, replicas, frozenset(), 1.25) == (by_url[order[1]], False)
+    by_url[order[0]].queue_depth = 0
+    assert homes.choose(key, replicas, frozenset({order[0]}), 1.25) == (by_url[order[1]], False)  # failover
+    assert homes.choose(key, replicas, frozenset(), 1.25) == (by_url[order[0]], True)
+    by_url[order[0]].check_ok = False  # failed its health check: the prefix moves
     by_url[order[1]].queue_depth = 10  # over max_queue_depth
-    chosen, home = ring.choose(key, replicas, frozenset({order[2]}), 1.25)
+    chosen, home = homes.choose(key, replicas, frozenset({order[2]}), 1.25)
     assert chosen is not None and chosen.url == order[3] and not home
+    by_url[order[0]].check_ok = True  # back: the prefix stays where its KV now is
+    assert homes.choose(key, replicas, frozenset(), 1.25) == (by_url[order[3]], True)
+    assert homes.placed() == {order[3]: 1}
 
 
 def test_through_the_gateway_a_prefixs_requests_keep_to_one_replica(tmp_path: Path) -> None:
@@ -204,8 +282,59 @@ def test_through_the_gateway_a_prefixs_requests_keep_to_one_replica(tmp_path: Pa
             assert sorted(after - b for after, b in zip(served(), before, strict=True)) == [0, 3]
         metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"authorization": "Bearer m"}).text
         assert 'gateway_affinity_requests_total{backend="pool",outcome="hit"} 66.0' in metrics
+        placed = re.findall(r'gateway_affinity_prefixes\{backend="pool",replica="[^"]+"\} (\d+)', metrics)
+        counts = sorted(int(n) for n in placed)  # 12 system prompts and 6 lone prompts' prefixes
+        assert counts == [9, 9]  # placed evenly
     finally:
         if gateway is not None:
             gateway.stop()
         for fake in fakes:
             fake.stop()
+
+
+@pytest.mark.parametrize(("slack", "stays_home"), [(None, True), (0, False)])
+def test_a_pool_bounds_its_replicas_by_the_policys_factor_and_slack(
+    slack: int | None, stays_home: bool
+) -> None:
+    extra = {} if slack is None else {"load_slack": slack}  # None: the policy's default (4)
+    spec = EngineBackend(type="engine", urls=URLS[:2], balance="prefix_affinity", **extra)
+    pool = EnginePool("pool", spec, HealthSettings())
+    key = random.Random(4).getrandbits(64)
+    home_url = AffinityRing(URLS[:2]).order(key)[0]
+    assert pool._pick(frozenset(), key).url == home_url  # type: ignore[union-attr]  # placed, idle pool
+    for replica in pool.replicas:
+        replica.in_flight = 5 if replica.url == home_url else 2  # 8 with this one: mean 4, factor cap 5
+    assert (pool._pick(frozenset(), key).url == home_url) is stays_home  # type: ignore[union-attr]
+    assert pool.affinity_counts == ({"hit": 2, "spill": 0} if stays_home else {"hit": 1, "spill": 1})
+
+
+def test_a_policy_reload_that_removes_a_replica_moves_only_its_prefixes() -> None:
+    def policy(urls: list[str]) -> Policy:
+        listed = ", ".join(f'"{u}"' for u in urls)
+        pool = f"{{type: engine, urls: [{listed}], balance: prefix_affinity}}"
+        return parse_policy(f"backends:\n  pool: {pool}\nmodels:\n  chat: {{backend: pool}}\n", "p.yaml")
+
+    def picks(pool: Upstream, keys: list[int]) -> dict[int, str]:
+        assert isinstance(pool, EnginePool)
+        for replica in pool.replicas:
+            replica.check_ok = True
+        return {k: pool._pick(frozenset(), k).url for k in keys}  # type: ignore[union-attr]
+
+    async def scenario() -> tuple[dict[int, str], dict[int, str]]:
+        model = ComplexityModel.load()
+        keys = [random.Random(i).getrandbits(64) for i in range(40)]
+        first = await build_runtime(policy(URLS), "1", model)
+        try:
+            before = picks(first.pools["pool"], keys)
+            second = await build_runtime(policy(URLS[:3]), "2", model, first)
+            try:
+                assert second.pools["pool"] is not first.pools["pool"]
+                return before, picks(second.pools["pool"], keys)
+            finally:
+                await second.pools["pool"].close()
+        finally:
+            await first.pools["pool"].close()
+
+    before, after = asyncio.run(scenario())
+    moved = [k for k in before if before[k] != after[k]]
+    assert moved and all(before[k] == URLS[3] for k in moved)

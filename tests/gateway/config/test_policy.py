@@ -94,6 +94,7 @@ def test_upstream_model_defaults_to_the_exposed_name() -> None:
         ),
         (GOOD.replace("type: engine,", "type: engine, colour: red,"), "backends.local.colour: unknown key"),
         (GOOD.replace('"http://127.0.0.1:8002"', '"ftp://x"'), "urls[1]: must start with http"),
+        (GOOD.replace("type: engine,", "type: engine, load_slack: -1,"), "backends.local.load_slack: "),
         (GOOD + "extra_top_level: 1\n", "extra_top_level: unknown key"),
         ("- a list", "must be a mapping"),
         ("backends: [unclosed", "not valid YAML"),
