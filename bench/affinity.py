@@ -6,15 +6,18 @@ rewritten and hot-reloaded between them). Workload: S system prompts of ~T token
 a fresh set per phase so no phase finds another's prefixes cached), U users each asking a short
 question, sent in a seeded random order with C requests at a time, streamed, M tokens each.
 Reported per phase: the engines' prefix-cache hit rate over the phase (hits / queried prompt
-tokens, from their /metrics), mean and p50 TTFT (first chunk carrying text), output tokens/s.
-A third phase sends a fresh set to one replica directly: the single-replica hit rate.
+tokens, from their /metrics), mean and p50 TTFT (first chunk carrying text), output tokens/s;
+for the affinity phase the gateway's calls to a prefix's home and spills, and the prefixes each
+replica is home to. A third phase sends a fresh set to one replica directly: the single-replica
+hit rate (--no-single skips it).
 
 Each engine gets --kv-cache-mib of KV pool (512: ~11,000 tokens of the default model, about all 8
 prompts; less makes the replicas' aggregate cache the question, which is where affinity matters
 most: least-loaded asks each replica to hold every prompt, affinity only its share).
 
-Usage: python bench/affinity.py [--systems 8] [--system-tokens 1000] [--users 6]
-           [--concurrency 4] [--max-tokens 8] [--kv-cache-mib 512]
+Usage: python bench/affinity.py [--systems 8] [--system-tokens 1000] [--users 12]
+           [--concurrency 8] [--max-tokens 8] [--kv-cache-mib 512] [--load-factor F]
+           [--engine-args "..."] [--no-single]
 """
 
 from __future__ import annotations
@@ -132,8 +135,8 @@ def main() -> None:
     )
     parser.add_argument("--systems", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1000)
-    parser.add_argument("--users", type=int, default=6)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--users", type=int, default=12)
+    parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV pool")
     parser.add_argument("--engine-args", default="", help="more `engine serve` options for both replicas")
