@@ -91,8 +91,17 @@ class InputProcessor:
         """
         prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(prompt_ids), params)
+        self._check_logit_bias(params)
         resumed = () if resume_token_ids is None else self._check_resume(resume_token_ids, params, max_tokens)
         return PreparedPrompt(prompt_text, prompt_ids, max_tokens, resume_token_ids=resumed)
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.vocab_size
+        bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias"
+            )
 
     def _check_resume(self, ids: list[int], params: SamplingParams, max_tokens: int) -> tuple[int, ...]:
         if params.n != 1:

@@ -109,7 +109,9 @@ def sampled_logprob(lp: torch.Tensor, token: int, num_top: int) -> tuple[float, 
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition penalty (HF-style, prompt and output) and OpenAI presence/frequency (output only)."""
+    """Repetition penalty (HF-style, prompt and output), OpenAI presence/frequency (output only),
+    then OpenAI's logit_bias (its ids are checked against the vocabulary when the request comes in;
+    a token the grammar forbids stays forbidden: -inf plus a bias is -inf)."""
     vocab = logits.shape[1]
     for row, seq in enumerate(seqs):
         p = seq.params
@@ -130,6 +132,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                 logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
                     logits.dtype
                 )
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row, ids] += bias
     return logits
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from engine.guided.spec import GuidedSpec, from_structured_outputs
 
 _GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 300  # entries in `logit_bias` (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class SamplingParams:
     guided: GuidedSpec | None = None
     # speculative decoding (when the engine has a speculative_config): False opts this request out
     speculative: bool = True
+    # OpenAI's logit_bias: added to these tokens' logits before sampling, each in [-100, 100]
+    logit_bias: dict[int, float] | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -104,6 +107,13 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError("stop_token_ids must be non-negative integers")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS}")
+        if any(type(t) is not int or t < 0 for t in bias):
+            raise ValueError("logit_bias keys must be non-negative token ids")
+        if any(not isinstance(v, int | float) or not -100.0 <= v <= 100.0 for v in bias.values()):
+            raise ValueError("logit_bias values must be numbers in [-100, 100]")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -122,5 +132,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether any repetition-style penalty changes the logits."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        """Whether a repetition-style penalty or a logit bias changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )

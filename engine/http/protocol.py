@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.errors import EngineError
 from engine.guided import GuidedDecodingError, GuidedSpec, from_response_format, from_structured_outputs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from engine.tools.grammar import tool_spec
 from engine.tools.request import ToolRequest, checked_tool_calls, parse_tool_request
 
@@ -81,6 +81,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # token id (as JSON keys are: decimal text) -> bias in [-100, 100], at most MAX_LOGIT_BIAS
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -334,6 +336,22 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"Invalid {what} for '{param}': {msg}", param=param, code=code)
 
 
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """`logit_bias`'s keys as token ids (the vocabulary is checked when the prompt is prepared)."""
+    if not given:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in given.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 12:
+            raise APIError(400, f"logit_bias: {key[:40]!r} is not a token id", param="logit_bias",
+                           code="invalid_value")  # fmt: skip
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias: the bias of token {key} must be in [-100, 100], got {value}",
+                           param="logit_bias", code="invalid_value")  # fmt: skip
+        bias[int(key)] = value
+    return bias
+
+
 def build_sampling_params(
     req: _SamplingFields,
     max_tokens: int | None,
@@ -370,6 +388,7 @@ def build_sampling_params(
             skip_special_tokens=req.skip_special_tokens is not False,
             guided=guided,
             speculative=req.speculative is not False,
+            logit_bias=_logit_bias(req.logit_bias),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

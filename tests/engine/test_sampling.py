@@ -152,3 +152,28 @@ def test_frequency_and_presence_penalties_reduce_repetition(llm: LLM) -> None:
         use_tqdm=False,
     )[0]
     assert len(set(penal.token_ids)) > len(set(plain.token_ids))
+
+
+def test_logit_bias_forces_and_forbids_tokens_greedy_and_seeded(llm: LLM, chat_prompt: list[int]) -> None:
+    def run(**kw: object) -> list[int]:
+        params = SamplingParams(max_tokens=8, ignore_eos=True, **kw)  # type: ignore[arg-type]
+        return list(llm.generate([chat_prompt], params, use_tqdm=False)[0].token_ids)
+
+    greedy = run(temperature=0)
+    assert run(temperature=0, logit_bias={42: 100.0}) == [42] * 8
+    banned = run(temperature=0, logit_bias={t: -100.0 for t in set(greedy)})
+    assert not set(banned) & set(greedy)
+    seeded = run(temperature=1.0, seed=7, logit_bias={42: 100.0})
+    assert seeded == [42] * 8  # +100 outweighs any other logit at temperature 1
+    assert run(temperature=0, logit_bias={greedy[0]: 0.0}) == greedy  # a zero bias changes nothing
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {5: 100.5}, {5: float("nan")}, {i: 1.0 for i in range(301)}])
+def test_bad_logit_bias_is_refused(bias: dict[int, float]) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused(llm: LLM, chat_prompt: list[int]) -> None:
+    with pytest.raises(ValueError, match="logit_bias token id 10000000 is outside the vocabulary"):
+        llm.generate([chat_prompt], SamplingParams(logit_bias={10_000_000: 1.0}), use_tqdm=False)

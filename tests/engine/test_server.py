@@ -221,6 +221,22 @@ def test_unknown_fields_are_ignored(client: openai.OpenAI, model: str) -> None:
     assert resp.usage is not None and resp.usage.completion_tokens >= 1
 
 
+def test_logit_bias_steers_the_tokens_both_ways(server: ServerProcess, model: str) -> None:
+    def answer(bias: dict[str, float] | None) -> tuple[str, list[int]]:
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "logprobs": 1, "ignore_eos": True, **({"logit_bias": bias} if bias else {})}  # fmt: skip
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["tokens"]
+
+    plain, _ = answer(None)
+    forced, tokens = answer({"11": 100})  # token 11 everywhere
+    assert forced != plain and len(set(tokens)) == 1
+    avoided, _ = answer({str(i): -100 for i in range(300)})  # ids 0-299 never chosen: not the same text
+    assert avoided and all(ord(c) >= 32 for c in avoided)
+
+
 BAD_CHAT_FIELDS = [
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": 3.0}, "temperature"),
@@ -241,6 +257,13 @@ BAD_CHAT_FIELDS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"top_k": -5}, "top_k"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "up"}}, "logit_bias.5"),
+    ({"logit_bias": {"10000000": 1}}, "logit_bias"),  # past the vocabulary
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
 ]
 
 

@@ -74,6 +74,19 @@ def test_greedy_output_is_identical_with_and_without_speculation(
         assert _tokens(spec.generate([prompt], GREEDY, use_tqdm=False)) == [tokens]
 
 
+def test_a_logit_bias_is_applied_to_every_verified_position(model: Path) -> None:
+    plain, spec = _pair(model)
+    changed = 0
+    for prompt in _prompts(seed=3):  # tokens outside the prompt pushed up: some drafts still match
+        rng = random.Random(len(prompt))
+        bias = {t: 3.0 for t in rng.sample([t for t in range(3, 500) if t not in prompt], 40)}
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logit_bias=bias)
+        expected = _tokens(plain.generate([prompt], params, use_tqdm=False))
+        changed += expected != _tokens(plain.generate([prompt], GREEDY, use_tqdm=False))
+        assert _tokens(spec.generate([prompt], params, use_tqdm=False)) == expected
+    assert changed >= 3 and _accepted(spec) > 10  # the bias mattered, and drafts were verified
+
+
 def test_prefix_cache_hits_and_preemption_keep_the_output(model: Path) -> None:
     cfg = ModelConfig.from_dir(model)
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
