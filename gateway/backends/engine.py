@@ -63,7 +63,7 @@ class EnginePool:
     def adopt_homes(self, previous: EnginePool) -> None:
         """Keep the prefixes' homes of the pool this one replaces (its replicas changed)."""
         if self.homes is not None and previous.homes is not None:
-            self.homes.adopt(previous.homes.homes())
+            self.homes.adopt(previous.homes)
 
     @property
     def timeouts(self) -> Timeouts:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.backends.affinity import AffinityRing
 from gateway.backends.health import Replica
@@ -57,11 +57,13 @@ class PrefixHomes:
         self._expire(self._clock())
         return {url: n for url, n in self._placed.items() if n}
 
-    def adopt(self, homes: Iterable[tuple[int, str, float]]) -> None:
-        """Keep another pool's placements on replicas this pool still has (a replica that left
-        moves only its own prefixes; one that joined takes new ones)."""
-        for key, url, used in homes:
-            if url in self._urls:
+    def adopt(self, previous: PrefixHomes) -> None:
+        """Take over the placements of the pool this one replaces: a replica that left gives up its
+        own prefixes, one that joined takes the prefixes whose ring home it now is (its share, as
+        plain consistent hashing would move), every other prefix stays where its KV is."""
+        joined = self._urls - previous._urls
+        for key, url, used in previous.homes():
+            if url in self._urls and not (joined and self.ring.order(key)[0] in joined):
                 self._set(key, url, used)
 
     def homes(self) -> list[tuple[int, str, float]]:

@@ -209,10 +209,23 @@ def test_a_pool_that_loses_a_replica_keeps_the_other_prefixes_homes() -> None:
     keys = [random.Random(i).getrandbits(64) for i in range(40)]
     before = {k: four.choose(k, replicas, frozenset(), 1.25)[0].url for k in keys}  # type: ignore[union-attr]
     three = PrefixHomes(URLS[:3])
-    three.adopt(four.homes())
+    three.adopt(four)
     after = {k: three.choose(k, replicas[:3], frozenset(), 1.25)[0].url for k in keys}  # type: ignore[union-attr]
     moved = [k for k in keys if before[k] != after[k]]
     assert moved and all(before[k] == URLS[3] for k in moved)
+
+
+def test_a_replica_joining_takes_the_prefixes_whose_ring_home_it_is() -> None:
+    three, replicas = PrefixHomes(URLS[:3]), _replicas()
+    keys = [random.Random(i).getrandbits(64) for i in range(200)]
+    before = {k: three.choose(k, replicas[:3], frozenset(), 1.25)[0].url for k in keys}  # type: ignore[union-attr]
+    four = PrefixHomes(URLS)
+    four.adopt(three)
+    after = {k: four.choose(k, replicas, frozenset(), 1.25)[0].url for k in keys}  # type: ignore[union-attr]
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == URLS[3] for k in moved)  # only onto the new replica ...
+    assert {k for k in keys if four.ring.order(k)[0] == URLS[3]} == set(moved)  # ... its ring share
+    assert 25 < len(moved) < 75  # about a quarter
 
 
 def test_a_replica_leaving_moves_only_its_own_keys() -> None:
