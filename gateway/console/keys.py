@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any
+from urllib.parse import urlencode
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import ValidationError
 
 from gateway.api.admin_keys import KeyCreate, KeyUpdate
 from gateway.api.services import Database, Keys
-from gateway.console.data import key_spend
+from gateway.console.data import key_spend, page_cursor, parse_cursor
 from gateway.console.session import Session
 from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
 from gateway.governance.budgets import PERIODS
@@ -23,6 +24,7 @@ from gateway.governance.keys import KeyInfo
 
 router = APIRouter(prefix="/ui/keys")
 
+PAGE_KEYS = 100  # keys a page (their spend is one query over the page's keys)
 OPTIONAL = ("team", "allowed_models", "rpm_limit", "tpm_limit", "budget_usd", "expires_in_days")
 
 
@@ -54,9 +56,16 @@ def _state(info: KeyInfo, now: datetime) -> str:
     return "expired" if info.is_expired(now) else "active"
 
 
-async def _rows(keys: Keys, db: Database) -> list[dict[str, Any]]:
+async def _rows(keys: Keys, db: Database, after: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """One page of keys with their spend, and the next page's cursor (None: the last page)."""
     now = datetime.now(UTC)
-    infos = await keys.list(None, True)
+    infos = await keys.list(None, True, PAGE_KEYS + 1, parse_cursor(after))
+    following = (
+        page_cursor(infos[PAGE_KEYS - 1].created_at, infos[PAGE_KEYS - 1].id)
+        if len(infos) > PAGE_KEYS
+        else None
+    )
+    infos = infos[:PAGE_KEYS]
     periods = {k.id: k.budget_period if k.budget_period in PERIODS else "monthly" for k in infos}
     spent = await key_spend(db, periods, now)
     rows = []
@@ -65,18 +74,37 @@ async def _rows(keys: Keys, db: Database) -> list[dict[str, Any]]:
         budget = info.budget_usd
         used = float(min(Decimal(1), spend / budget)) if budget else 0.0
         rows.append({**info.public(), "state": _state(info, now), "spend": f"{spend:.6f}", "used": used})
-    return rows
+    return rows, following
 
 
-async def _list(keys: Keys, db: Database, session: Session, **extra: Any) -> Response:
-    context = {"title": "Keys", "active": "Keys", "keys": await _rows(keys, db), "form": {}, **extra}
-    return page("keys.html", context, 200, session)
+async def _context(keys: Keys, db: Database, after: str | None = None) -> dict[str, Any]:
+    rows, following = await _rows(keys, db, after)
+    after_link = f"/ui/keys?{urlencode({'after': following})}" if following else None
+    return {
+        "title": "Keys",
+        "active": "Keys",
+        "keys": rows,
+        "form": {},
+        "first": after is None,
+        "next": after_link,
+    }
+
+
+async def _list(
+    keys: Keys, db: Database, session: Session, after: str | None = None, **extra: Any
+) -> Response:
+    return page("keys.html", {**await _context(keys, db, after), **extra}, 200, session)
 
 
 @router.get("")
-async def keys_page(keys: Keys, db: Database, session: ConsoleSession) -> Response:
-    """Every key with its spend against its budget, and the create form."""
-    return await _list(keys, db, session)
+async def keys_page(
+    keys: Keys,
+    db: Database,
+    session: ConsoleSession,
+    after: Annotated[str | None, Query(max_length=300)] = None,
+) -> Response:
+    """The keys, newest first, PAGE_KEYS a page, with their spend against their budgets; the create form."""
+    return await _list(keys, db, session, after)
 
 
 @router.post("")
@@ -85,8 +113,8 @@ async def create_key(form: CheckedForm, keys: Keys, db: Database, session: Conso
     try:
         body = KeyCreate.model_validate(_fields(form, lift_empty=False))
     except ValidationError as exc:
-        context = {"title": "Keys", "active": "Keys", "keys": await _rows(keys, db), "form": form}
-        return page("keys.html", {**context, "error": _problem(exc)}, 400, session)
+        context = {**await _context(keys, db), "form": form, "error": _problem(exc)}
+        return page("keys.html", context, 400, session)
     info, plaintext = await keys.create(
         body.name, body.team, body.allowed_models, body.expiry(), body.metadata,
         rpm_limit=body.rpm_limit, tpm_limit=body.tpm_limit, budget_usd=body.budget_usd,

@@ -14,7 +14,7 @@ from decimal import Decimal
 from functools import partial
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config.settings import GatewaySettings
@@ -319,13 +319,27 @@ class KeyStore:
         self._remember(digest, info)
         return info, plaintext
 
-    async def list(self, team: str | None = None, include_revoked: bool = True) -> list[KeyInfo]:
-        """Keys, newest first."""
+    async def list(
+        self,
+        team: str | None = None,
+        include_revoked: bool = True,
+        limit: int | None = None,
+        after: tuple[datetime, str] | None = None,
+    ) -> list[KeyInfo]:
+        """Keys, newest first; at most `limit`, those after the key created at `after` = (time, id)
+        in that order (a page: keyset, never offset, so a late page costs what the first does)."""
         query = select(ApiKey).order_by(ApiKey.created_at.desc(), ApiKey.id)
         if team is not None:
             query = query.where(ApiKey.team == team)
         if not include_revoked:
             query = query.where(ApiKey.revoked_at.is_(None))
+        if after is not None:
+            at, key_id = after
+            query = query.where(
+                or_(ApiKey.created_at < at, and_(ApiKey.created_at == at, ApiKey.id > key_id))
+            )
+        if limit is not None:
+            query = query.limit(limit)
         async with translated_errors("the keys cannot be listed"), self._sessions() as session:
             return [_info(r) for r in (await session.execute(query)).scalars()]
 

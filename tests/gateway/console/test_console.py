@@ -21,7 +21,7 @@ from gateway.console.session import COOKIE, SessionSigner
 from gateway.console.web import local_path
 from gateway.main import create_app
 from gateway.store.migrate import upgrade
-from gateway.store.models import RequestLog, UsageDaily
+from gateway.store.models import ApiKey, RequestLog, UsageDaily
 from tests.gateway.processes import insert_rows
 
 MASTER = "sk-master-console"
@@ -359,6 +359,33 @@ def test_the_request_log_pages_by_index_and_filters(url: str) -> None:
         assert client.get("/ui/requests/nope", headers=HTML).status_code == 404
         assert client.get("/ui/requests?status=abc", headers=HTML).status_code == 400
         assert client.get("/ui/requests?since=yesterday", headers=HTML).status_code == 400
+
+
+def test_the_keys_page_pages_by_index(url: str) -> None:
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    keys = [
+        ApiKey(id=f"key{i:04d}", key_hash=f"{i:064x}", key_prefix="sk-x", name=f"name-{i:04d}",
+               created_at=start + timedelta(seconds=i // 3))  # three keys a second: ties on the time
+        for i in range(230)
+    ]  # fmt: skip
+    newest_first = [k.id for k in sorted(keys, key=lambda k: (-k.created_at.timestamp(), k.id))]
+    insert_rows(url, keys)
+    with _client(url) as client:
+        _login(client)
+        seen: list[str] = []
+        pages = 0
+        path: str | None = "/ui/keys"
+        while path is not None:
+            page = client.get(path, headers=HTML).text
+            found = re.findall(r'data-key-id="(key\d+)"', page)
+            assert 0 < len(found) <= 100 and ("back to the newest" in page) == (pages > 0)
+            seen += found
+            pages += 1
+            nxt = re.search(r'<a href="([^"]+)" rel="next">', page)
+            path = nxt.group(1).replace("&amp;", "&") if nxt else None
+        assert pages == 3 and seen == newest_first  # no key twice, none lost, at equal times too
+        assert client.get("/ui/keys?after=nonsense", headers=HTML).status_code == 200  # the newest
+        assert client.get(f"/ui/keys?after={'x' * 400}", headers=HTML).status_code == 400
 
 
 def test_overview_and_routing_explain(ops: tuple[TestClient, str]) -> None:

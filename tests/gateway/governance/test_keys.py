@@ -20,6 +20,8 @@ from gateway.governance.keys import AuthError, KeyHasher, KeyStore
 from gateway.main import create_app
 from gateway.store.db import DatabaseUnavailableError, create_db, session_factory
 from gateway.store.migrate import upgrade
+from gateway.store.models import ApiKey
+from tests.gateway.processes import insert_rows
 
 MASTER = "sk-master-test"
 ADMIN = {"Authorization": f"Bearer {MASTER}"}
@@ -437,3 +439,26 @@ def test_the_longest_allowed_expiry_is_accepted(admin: TestClient) -> None:
     r = admin.post("/admin/keys", json={"name": "x", "expires_in_days": 36500}, headers=ADMIN)
     assert r.status_code == 201, r.text
     assert datetime.fromisoformat(r.json()["expires_at"]).year >= datetime.now(UTC).year + 99
+
+
+def test_keys_list_in_keyset_pages_on_both_databases(migrated: str) -> None:
+    start = datetime(2026, 11, 1, tzinfo=UTC)
+    rows = [ApiKey(id=f"key{i:03d}", key_hash=f"{i:064x}", key_prefix="sk-x", name=f"k{i}",
+                   created_at=start + timedelta(seconds=i // 4)) for i in range(37)]  # fmt: skip
+    newest_first = [r.id for r in sorted(rows, key=lambda r: (-r.created_at.timestamp(), r.id))]
+    insert_rows(migrated, rows)
+    store = _store(migrated, FakeClock())
+
+    async def pages() -> list[list[str]]:
+        found: list[list[str]] = []
+        after = None
+        while True:
+            page = await store.list(None, True, 10, after)
+            found.append([k.id for k in page])
+            if len(page) < 10:
+                return found
+            after = (page[-1].created_at, page[-1].id)
+
+    found = asyncio.run(pages())
+    assert [len(p) for p in found] == [10, 10, 10, 7]
+    assert [k for p in found for k in p] == newest_first  # ties on the time kept in id order
