@@ -316,6 +316,9 @@ class DrainingServer(uvicorn.Server):
             if self._engine.is_dead:
                 logger.critical("the engine cannot serve any more: exiting for a restart")
                 self.engine_died = True
+                # /health answers 503 `dead` a moment first, so that health checks see why it went
+                # (a watcher that found the engine dead at once left them almost no time to)
+                await asyncio.sleep(_DEAD_CHECK_INTERVAL)
                 self.should_exit = True
                 return
 
