@@ -6,12 +6,13 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.api.services import Keys, app_services
+from gateway.errors import GatewayError
 from gateway.governance.budgets import Period
-from gateway.governance.keys import AuthError
+from gateway.governance.keys import AuthError, KeyNotFoundError
 
 router = APIRouter(prefix="/admin/keys")
 
@@ -114,9 +115,30 @@ async def create_key(body: KeyCreate, keys: Keys) -> dict[str, Any]:
 
 
 @router.get("", dependencies=admin)
-async def list_keys(keys: Keys, team: str | None = None, include_revoked: bool = True) -> dict[str, Any]:
-    """Every key (never a plaintext), newest first."""
-    return {"object": "list", "data": [k.public() for k in await keys.list(team, include_revoked)]}
+async def list_keys(
+    keys: Keys,
+    team: str | None = None,
+    include_revoked: bool = True,
+    limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+    after: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
+) -> dict[str, Any]:
+    """The keys (never a plaintext), newest first: every one, or `limit` a page after the key whose
+    id is `after` (OpenAI's list shape: `has_more`, `first_id`, `last_id`)."""
+    try:
+        found = await keys.list(team, include_revoked, None if limit is None else limit + 1, after)
+    except KeyNotFoundError as exc:
+        message = f"after: no key with id {after}"
+        raise GatewayError(400, message, param="after", code="invalid_value") from exc
+    page = found if limit is None else found[:limit]
+    data = [k.public() for k in page]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": first,
+        "last_id": last,
+        "has_more": len(found) > len(page),
+    }
 
 
 @router.get("/{key_id}", dependencies=admin)

@@ -177,8 +177,7 @@ class RequestFilter:
     until: datetime | None = None
 
 
-def page_cursor(at: datetime, rid: str) -> str:
-    """The cursor of the page after the row (created_at, id)."""
+def _cursor(at: datetime, rid: str) -> str:
     return f"{at.astimezone(UTC).isoformat()}|{rid}"
 
 
@@ -235,7 +234,7 @@ async def requests_page(
     if len(rows) <= PAGE_ROWS:
         return rows, None
     rows = rows[:PAGE_ROWS]
-    return rows, page_cursor(rows[-1]["created_at"], rows[-1]["id"])
+    return rows, _cursor(rows[-1]["created_at"], rows[-1]["id"])
 
 
 async def request_detail(db: AsyncEngine, request_id: str) -> dict[str, Any] | None:

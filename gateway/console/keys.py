@@ -16,11 +16,11 @@ from pydantic import ValidationError
 
 from gateway.api.admin_keys import KeyCreate, KeyUpdate
 from gateway.api.services import Database, Keys
-from gateway.console.data import key_spend, page_cursor, parse_cursor
+from gateway.console.data import key_spend
 from gateway.console.session import Session
 from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
 from gateway.governance.budgets import PERIODS
-from gateway.governance.keys import KeyInfo
+from gateway.governance.keys import KeyInfo, KeyNotFoundError
 
 router = APIRouter(prefix="/ui/keys")
 
@@ -59,12 +59,11 @@ def _state(info: KeyInfo, now: datetime) -> str:
 async def _rows(keys: Keys, db: Database, after: str | None) -> tuple[list[dict[str, Any]], str | None]:
     """One page of keys with their spend, and the next page's cursor (None: the last page)."""
     now = datetime.now(UTC)
-    infos = await keys.list(None, True, PAGE_KEYS + 1, parse_cursor(after))
-    following = (
-        page_cursor(infos[PAGE_KEYS - 1].created_at, infos[PAGE_KEYS - 1].id)
-        if len(infos) > PAGE_KEYS
-        else None
-    )
+    try:
+        infos = await keys.list(None, True, PAGE_KEYS + 1, after)
+    except KeyNotFoundError:  # a link to a key that is gone (or made up): the newest page
+        infos = await keys.list(None, True, PAGE_KEYS + 1)
+    following = infos[PAGE_KEYS - 1].id if len(infos) > PAGE_KEYS else None
     infos = infos[:PAGE_KEYS]
     periods = {k.id: k.budget_period if k.budget_period in PERIODS else "monthly" for k in infos}
     spent = await key_spend(db, periods, now)

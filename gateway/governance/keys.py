@@ -324,23 +324,24 @@ class KeyStore:
         team: str | None = None,
         include_revoked: bool = True,
         limit: int | None = None,
-        after: tuple[datetime, str] | None = None,
+        after: str | None = None,
     ) -> list[KeyInfo]:
-        """Keys, newest first; at most `limit`, those after the key created at `after` = (time, id)
-        in that order (a page: keyset, never offset, so a late page costs what the first does)."""
+        """Keys, newest first; at most `limit`, those that come after the key with id `after` in that
+        order (a page by index, never by offset: a late page costs what the first does).
+        KeyNotFoundError when there is no key `after`."""
         query = select(ApiKey).order_by(ApiKey.created_at.desc(), ApiKey.id)
         if team is not None:
             query = query.where(ApiKey.team == team)
         if not include_revoked:
             query = query.where(ApiKey.revoked_at.is_(None))
-        if after is not None:
-            at, key_id = after
-            query = query.where(
-                or_(ApiKey.created_at < at, and_(ApiKey.created_at == at, ApiKey.id > key_id))
-            )
+        if after is not None:  # the database's own time of that key: compared as it stores times
+            at = select(ApiKey.created_at).where(ApiKey.id == after).scalar_subquery()
+            query = query.where(or_(ApiKey.created_at < at, and_(ApiKey.created_at == at, ApiKey.id > after)))
         if limit is not None:
             query = query.limit(limit)
         async with translated_errors("the keys cannot be listed"), self._sessions() as session:
+            if after is not None and await session.get(ApiKey, after) is None:
+                raise KeyNotFoundError(after)
             return [_info(r) for r in (await session.execute(query)).scalars()]
 
     async def get(self, key_id: str) -> KeyInfo:
