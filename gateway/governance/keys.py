@@ -327,7 +327,7 @@ class KeyStore:
         after: str | None = None,
     ) -> list[KeyInfo]:
         """Keys, newest first; at most `limit`, those that come after the key with id `after` in that
-        order (a page by index, never by offset: a late page costs what the first does).
+        order (keyset paging, never by offset: no key is skipped or shown twice as keys are added).
         KeyNotFoundError when there is no key `after`."""
         query = select(ApiKey).order_by(ApiKey.created_at.desc(), ApiKey.id)
         if team is not None:
