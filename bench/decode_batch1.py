@@ -4,7 +4,8 @@ The default model in float32 with N threads (2), a P-token prompt (128) and G gr
 one request at a time, each configuration in its own process (the MKL mode `engine serve` gives
 it: engine/layers/cpu_blas.py). ms/token of decode = (time for G tokens - time for 1 token) / (G - 1), best
 of R runs (3), for: HF `generate`; the engine with batch invariance (its default) and without it
-(the fast small-batch projections), in float32, int8 and int4; and llama.cpp's `llama-bench` on
+(the C decode kernels for a step's few rows, and once without them: torch operations only),
+in float32, int8 and int4; and llama.cpp's `llama-bench` on
 GGUF files of the same weights when `--llama-bench` or $LLAMA_BENCH names the binary and `--gguf`
 the files (skipped otherwise).
 Also the engine's fixed cost per decode step: the step's time outside the model's forward pass and
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import LLM, SamplingParams
 from engine.default_model import prepare_default_model
 from engine.layers.cpu_blas import request_strict_mkl, rows_are_invariant
+from kernels import cpu_native
 from kernels.reference import ROW_MULTIPLE
 
 
@@ -132,10 +134,13 @@ def isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def engine_run(
-    threads: int, prompt: list[int], new_tokens: int, runs: int, **options: Any
+    threads: int, prompt: list[int], new_tokens: int, runs: int, cpu_kernels: bool = True, **options: Any
 ) -> tuple[float, float, bool]:
-    """`engine_ms` as `engine serve` runs it, and whether batch invariance was really on."""
+    """`engine_ms` as `engine serve` runs it, and whether batch invariance was really on.
+    `cpu_kernels=False`: without the C decode kernels (kernels/cpu_native.py): torch operations only."""
     torch.set_num_threads(threads)
+    if not cpu_kernels:
+        cpu_native.load = lambda *args, **kwargs: None  # this process only (isolated)
     if options.get("batch_invariant", True):
         request_strict_mkl()
     ms, outside = engine_ms(prompt, new_tokens, runs, **options)
@@ -166,7 +171,9 @@ def main() -> None:
     configurations: list[tuple[str, dict[str, Any]]] = [
         ("engine, batch-invariant (default)", {}),
         ("engine, --no-batch-invariant", {"batch_invariant": False}),
+        ("engine, --no-batch-invariant, no C kernels", {"batch_invariant": False, "cpu_kernels": False}),
         ("engine int8, batch-invariant", {"quantization": "int8"}),
+        ("engine int8, --no-batch-invariant", {"quantization": "int8", "batch_invariant": False}),
         ("engine int4, batch-invariant", {"quantization": "int4"}),
         ("engine int4, --no-batch-invariant", {"quantization": "int4", "batch_invariant": False}),
     ]
@@ -176,7 +183,7 @@ def main() -> None:
         )
         results[name] = ms
         note = "" if invariant or not options.get("batch_invariant", True) else " (NOT batch-invariant here)"
-        print(f"  {name:<35} {ms:7.1f} ms/token  ({hf / ms:.2f}x HF; outside the model "
+        print(f"  {name:<40} {ms:7.1f} ms/token  ({hf / ms:.2f}x HF; outside the model "
               f"{outside:.2f} ms per step){note}")  # fmt: skip
     if args.llama_bench and args.gguf:
         for gguf in args.gguf:

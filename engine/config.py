@@ -165,6 +165,16 @@ def _parse_env_value(name: str, raw: str, type_name: str) -> Any:
     return raw
 
 
+def kernel_cache_dir() -> Path:
+    """Where CPU kernels built on this machine live: $SWITCHBOARD_KERNEL_CACHE, else
+    ~/.cache/switchboard/kernels (kernels/cpu_gemv.py)."""
+    override = os.environ.get("SWITCHBOARD_KERNEL_CACHE")
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "switchboard" / "kernels"
+
+
 def model_cache_dir() -> Path:
     """Where converted models live: $SWITCHBOARD_MODEL_CACHE, else ~/.cache/switchboard/models."""
     override = os.environ.get("SWITCHBOARD_MODEL_CACHE")

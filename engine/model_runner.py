@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, kernel_cache_dir
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from engine.layers import kv_cache
 from engine.layers.attention import AttentionMetadata
 from engine.layers.backend import load_backend, resolve_backend_name
 from engine.layers.cpu_blas import batch_invariant_linear
+from engine.layers.quant import use_cpu_int8
 from engine.layers.weight_loading import load_weights
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
@@ -26,6 +27,7 @@ from engine.parallel.workers import rebuild, step_inputs
 from engine.prequantized import read_checkpoint_quant
 from engine.scheduler import ScheduledSeq
 from engine.weights import iter_weights
+from kernels import cpu_native
 from kernels.reference import ROW_MULTIPLE, plan_decode
 from kernels.split_kv import choose_num_splits
 
@@ -145,7 +147,9 @@ class ModelRunner:
         self.batch_invariant = config.batch_invariant and backend_name != "triton"
         if self.batch_invariant and self.device.type == "cpu":
             self.batch_invariant = batch_invariant_linear(self.dtype, model_config.hidden_size, ROW_MULTIPLE)
-        self.backend = load_backend(backend_name, self.batch_invariant or self.device.type != "cpu")
+        invariant = self.batch_invariant or self.device.type != "cpu"
+        cpu = None if invariant or self.dtype != torch.float32 else cpu_native.load(kernel_cache_dir())
+        self.backend = load_backend(backend_name, invariant, cpu)
         self._pad_rows = self.batch_invariant or self.device.type != "cpu"
         self.model_config = model_config
         self.config = config
@@ -165,6 +169,8 @@ class ModelRunner:
         else:
             calibrate = lambda tokens: self._prefill_alone(model, tokens)  # noqa: E731 - w8a8's smoothing
             self.quantization = load_weights(model, model_dir, config, self.backend.is_triton, calibrate)
+            if cpu is not None:  # int8 products of a decode step's rows on the C kernel too
+                use_cpu_int8(model, cpu.gemv)
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)

@@ -8,8 +8,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import cpu_decode, reference
 from kernels.checks import interpreting
+from kernels.cpu_decode import CpuDecode
+from kernels.cpu_gemv import MAX_ROWS as GEMV_ROWS
+from kernels.cpu_gemv import CpuGemv
+from kernels.cpu_native import CpuKernels
 
 Tensor = torch.Tensor
 
@@ -29,6 +33,9 @@ class KernelBackend:
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = F.linear
     # the LM head in fixed vocabulary slices, which keeps it batch-invariant on CPU (torch only)
     chunked_logits: bool = True
+    # C kernels for a decode step's attention block (CPU, float32, no batch invariance): see
+    # engine/models/llama.py's Attention for when they apply
+    cpu_decode: CpuDecode | None = None
 
     @property
     def is_triton(self) -> bool:
@@ -65,6 +72,59 @@ def small_batch_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return out if b is None else out + b
 
 
+def _few_f32_rows(x: Tensor) -> bool:
+    return (
+        x.dim() == 2 and x.shape[0] <= cpu_decode.MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous()
+    )
+
+
+def cpu_kernel_backend(kernels: CpuKernels) -> KernelBackend:
+    """The torch backend without batch invariance, with the C kernels for a decode step's few rows
+    (kernels/cpu_gemv.py, kernels/cpu_decode.py); every other case goes to the torch operations."""
+    decode = kernels.decode
+
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if _few_f32_rows(x) and weight.dtype == torch.float32:
+            return decode.rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        if _few_f32_rows(x) and _few_f32_rows(residual) and weight.dtype == torch.float32:
+            return decode.add_rms_norm(x, residual, weight, eps)
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(x: Tensor) -> Tensor:
+        return decode.silu_and_mul(x) if _few_f32_rows(x) else reference.silu_and_mul(x)
+
+    return replace(
+        TORCH_BACKEND,
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        silu_and_mul=silu_and_mul,
+        linear=gemv_linear(kernels.gemv),
+        chunked_logits=False,
+        cpu_decode=decode,
+    )
+
+
+def gemv_linear(gemv: CpuGemv) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
+    """`small_batch_linear`, with float32 products of up to GEMV_ROWS rows on the C kernel
+    (kernels/cpu_gemv.py: 2-3x MKL's speed at one row; a row's bits do not depend on the others)."""
+
+    def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        if (
+            x.dim() == 2
+            and x.shape[0] <= GEMV_ROWS
+            and x.dtype == w.dtype == torch.float32
+            and w.is_contiguous()
+        ):
+            out = gemv(x.contiguous(), w)
+            return out if b is None else out + b
+        return small_batch_linear(x, w, b)
+
+    return linear
+
+
 def resolve_backend_name(requested: str, device: torch.device) -> str:
     """`auto`: Triton on CUDA, torch on CPU. Triton on CPU runs only under the interpreter."""
     if requested == "auto":
@@ -77,15 +137,18 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
     return requested
 
 
-def load_backend(name: str, batch_invariant: bool = True) -> KernelBackend:
+def load_backend(name: str, batch_invariant: bool = True, cpu: CpuKernels | None = None) -> KernelBackend:
     """The kernel set called `name` ("torch" or "triton"); Triton is imported only when asked for.
 
     torch without batch invariance computes small batches' projections the fast way
-    (`small_batch_linear`) and the LM head in one product.
+    (`small_batch_linear`) and the LM head in one product; given the C kernels (`cpu`), a decode
+    step's few float32 rows go to them (`cpu_kernel_backend`).
     """
     if name == "torch":
         if batch_invariant:
             return TORCH_BACKEND
+        if cpu is not None:
+            return cpu_kernel_backend(cpu)
         return replace(TORCH_BACKEND, linear=small_batch_linear, chunked_logits=False)
     if name != "triton":
         raise ValueError(f"unknown kernel backend {name!r}")

@@ -15,6 +15,10 @@ activations (their float32-activation variants are ~10x slower here; bfloat16 mo
 model's figures (batch-1 step ~28 ms int8, ~25 ms int4, against 51–80 ms in float32; perplexity
 +0.15% and +0.21%) are in docs/quantization.md.
 
+Without batch invariance, int8 products of a decode step's few rows (the head's above all) go to
+the C kernel instead (`CpuInt8Weight`, kernels/cpu_gemv.c: float32 activations, ~2x torch's
+kernel at one row); `use_cpu_int8` swaps them in after loading.
+
 - w8a8 (`W8A8Weight`, QKV and gate/up only): int8 weights times int8 activations with one scale per
   row, through torch's integer matmul; several times faster for batches (see the class).
 
@@ -34,6 +38,7 @@ from torch import nn
 from engine.config import QUANTIZATIONS
 from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
 from kernels import reference_quant
+from kernels.cpu_gemv import CpuGemv
 
 Tensor = torch.Tensor
 _QMAX = 127
@@ -78,6 +83,36 @@ class Int8Weight:
         out: Tensor = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
+
+
+@dataclass(frozen=True)
+class CpuInt8Weight(Int8Weight):
+    """An Int8Weight whose products of up to INT8_ROWS float32 rows run on the C kernel (float32
+    activations, the sum in another order: not batch-invariant); more rows take torch's."""
+
+    scales_f32: Tensor  # (out,) float32, the same scales
+    gemv: CpuGemv
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ w.T (+ bias); a few float32 rows through the C kernel."""
+        if x.dim() == 2 and x.shape[0] <= INT8_ROWS and x.dtype == torch.float32:
+            out = self.gemv.int8(x.contiguous(), self.qweight, self.scales_f32)
+            return out if bias is None else out + bias
+        return super().matmul(x, bias)
+
+
+INT8_ROWS = 8  # past this torch's int8 kernel is the faster (docs/BENCHMARKS.md)
+
+
+def use_cpu_int8(model: nn.Module, gemv: CpuGemv) -> int:
+    """Every Int8Weight of the model (projections, LM head) becomes a CpuInt8Weight; returns how many."""
+    swapped = 0
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if type(value) is Int8Weight:
+                setattr(module, name, CpuInt8Weight(value.qweight, value.scales, value.scales.float(), gemv))
+                swapped += 1
+    return swapped
 
 
 @dataclass(frozen=True)

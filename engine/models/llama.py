@@ -16,6 +16,7 @@ from engine.layers.quant import Int8Weight
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.parallel.group import TensorParallelGroup
+from kernels import cpu_decode
 
 # HF checkpoint name -> (our fused parameter, shard index)
 _STACKED = {
@@ -61,12 +62,43 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
         self.linear = backend.linear
+        fits = not cfg.qk_norm and cpu_decode.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.cpu_decode = backend.cpu_decode if fits else None
+
+    def _fused_decode(self, qkv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> bool:
+        """Whether the C kernel takes this step's attention block: a few decode rows, float32
+        throughout (a quantized cache's codes and scales stay with the torch path)."""
+        n = qkv.shape[0]
+        return (
+            self.cpu_decode is not None
+            and n == meta.num_decode_tokens == meta.num_actual_tokens
+            and n <= cpu_decode.MAX_ROWS
+            and kv_cache.k_scale is None
+            and kv_cache.k.dtype == qkv.dtype == torch.float32
+            and qkv.is_contiguous()
+        )
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
+        if self._fused_decode(qkv, kv_cache, meta):
+            assert self.cpu_decode is not None
+            out = self.cpu_decode.attention(
+                qkv,
+                (self.num_heads, self.num_kv_heads, self.head_dim),
+                positions,
+                (self.rotary.cos_cache, self.rotary.sin_cache),
+                kv_cache.k,
+                kv_cache.v,
+                meta.slot_mapping,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.attn.scale,
+            )
+            projected = self.linear(out, self.o_proj, None)
+            return projected if self.tp is None else self.tp.all_reduce(projected)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)

@@ -10,9 +10,17 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.layers.quant import Int4Weight, Int8Weight, W8A8Weight, quantization_aware
+from engine.config import EngineConfig, kernel_cache_dir
+from engine.layers.quant import (
+    INT8_ROWS,
+    CpuInt8Weight,
+    Int4Weight,
+    Int8Weight,
+    W8A8Weight,
+    quantization_aware,
+)
 from engine.outputs import RequestOutput
+from kernels import cpu_native
 from tests.engine.server_proc import ServerProcess
 
 
@@ -247,3 +255,86 @@ def test_smoothing_moves_outliers_into_the_weights_without_changing_the_model(
     after_act = input_maxima(model, lambda t: runner._prefill_alone(model, t))[id(qkv)]
     assert float(after_act.max() / after_act.median()) < spread  # the inputs' outliers are flatter
     torch.testing.assert_close(prefill_logprobs(llm, tokens), before, atol=1e-4, rtol=0)  # same model
+
+
+_CPU = cpu_native.load(kernel_cache_dir())
+
+
+@pytest.mark.skipif(_CPU is None, reason="no C compiler here")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_the_c_int8_product_matches_the_dequantized_weight_on_float32_activations(rows: int) -> None:
+    assert _CPU is not None
+    gen = torch.Generator().manual_seed(rows)
+    weight, x, bias = (
+        torch.randn(96, 80, generator=gen),
+        torch.randn(rows, 80, generator=gen),
+        torch.randn(96),
+    )
+    plain = Int8Weight.quantize(weight)
+    fast = CpuInt8Weight(plain.qweight, plain.scales, plain.scales.float(), _CPU.gemv)
+    want = x @ plain.dequantize().T + bias
+    got = fast.matmul(x, bias)
+    if rows <= INT8_ROWS:  # float32 activations: closer to the dequantized product than bfloat16's
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # past a decode step's rows: torch's kernel, as the plain weight computes it
+        assert torch.equal(got, plain.matmul(x, bias))
+
+
+@pytest.mark.skipif(_CPU is None, reason="no C compiler here")
+def test_without_batch_invariance_int8_weights_and_the_decode_block_run_on_the_c_kernels(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """The C path: every int8 weight swapped (head included), the attention block fused for decode
+    rows, and greedy tokens and logprobs as the torch path gives them."""
+    path = str(tiny_model_factory("llama"))
+    prompt = [(i * 37) % 400 + 3 for i in range(60)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    fast = LLM(path, enable_prefix_caching=False, quantization="int8", batch_invariant=False)
+    model = fast.engine.runner.model
+    assert isinstance(model.quantized_head, CpuInt8Weight)
+    assert all(isinstance(layer.mlp.down_proj, CpuInt8Weight) for layer in model.layers)
+    fused = []
+    attention = model.layers[0].self_attn
+    real = attention.cpu_decode.attention
+    attention.cpu_decode = _Spy(real, fused)  # type: ignore[assignment]
+    got = fast.generate([prompt], params, use_tqdm=False)[0]
+    assert len(fused) == 11  # every decode step of the request (the prefill stays with torch)
+    invariant = LLM(path, enable_prefix_caching=False, quantization="int8")
+    want = invariant.generate([prompt], params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for mine, theirs in zip(_logprobs(got), _logprobs(want), strict=True):
+        assert [t for t, _ in mine] == [t for t, _ in theirs]
+        # torch's int8 kernel rounds the activations to bfloat16, the C kernel keeps float32
+        assert all(abs(a - b) < 0.05 for (_, a), (_, b) in zip(mine, theirs, strict=True))
+
+
+class _Spy:
+    """A CpuDecode stand-in that notes each fused attention call and passes it on."""
+
+    def __init__(self, attention: Callable[..., torch.Tensor], calls: list[int]) -> None:
+        self._attention, self._calls = attention, calls
+
+    def attention(self, qkv: torch.Tensor, *args: object) -> torch.Tensor:
+        self._calls.append(qkv.shape[0])
+        return self._attention(qkv, *args)
+
+
+@pytest.mark.skipif(_CPU is None, reason="no C compiler here")
+def test_the_c_decode_path_gives_the_torch_paths_tokens_and_logprobs_in_float32(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tiny_model_factory("qwen2"))  # QKV bias, GQA
+    prompts = [[(i * 37) % 400 + 3 for i in range(60)], [5, 9, 11]]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    fast = LLM(path, enable_prefix_caching=False, batch_invariant=False)
+    assert fast.engine.runner.backend.cpu_decode is not None
+    got = fast.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(cpu_native, "load", lambda *args, **kwargs: None)
+    plain = LLM(path, enable_prefix_caching=False, batch_invariant=False)
+    assert plain.engine.runner.backend.cpu_decode is None
+    want = plain.generate(prompts, params, use_tqdm=False)
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(_logprobs(mine), _logprobs(theirs), strict=True):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b, strict=True))

@@ -1,0 +1,198 @@
+/* A decode step's small operations, fused, float32, on the CPU: what surrounds the projections.
+ *
+ * Launchers in kernels/cpu_decode.py; references in kernels/reference.py (rms_norm,
+ * fused_add_rms_norm, silu_and_mul, rotary_embedding + store_kv + paged_decode_attention). One
+ * decode row of a layer is ~40 torch operations of a few microseconds each around four products;
+ * at batch 1 that dispatch costs more than the products themselves (docs/BENCHMARKS.md). Here the
+ * attention block between the QKV and output projections is one call, each norm one call.
+ * Used without batch invariance only: the sums run in another order than the references'.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 splat16(float x) { return (v16){0} + x; }
+
+/* lanes of a where mask (a comparison's all-ones), of b elsewhere */
+static inline v16 select16(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
+
+/* The lanes summed in a fixed order: halves folded 16 -> 8 -> 4 -> 2 -> 1. */
+static inline float fold16(v16 v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v); /* the same halving tree, in registers */
+#endif
+    float a[16];
+    memcpy(a, &v, sizeof a);
+    for (int width = 8; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) a[i] += a[i + width];
+    return a[0];
+}
+
+/* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for 2^f,
+ * f in [-0.5, 0.5] (relative error ~2e-7); 0 below -87, +inf above 88 (as expf). */
+static inline v16 exp16(v16 x) {
+    v16 y = x * 1.44269504088896341f;
+    y = select16(y < -126.0f, splat16(-126.0f), y);
+    y = select16(y > 128.0f, splat16(128.0f), y);
+    v16 half = select16(y >= 0.0f, splat16(0.5f), splat16(-0.5f));
+    v16 n = __builtin_convertvector(__builtin_convertvector(y + half, v16i), v16); /* y rounded */
+    v16 f = (y - n) * 0.693147180559945309f; /* e^f = 2^(y - n) */
+    v16 p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    v16 out = p * scale;
+    out = select16(x < -87.0f, splat16(0.0f), out);
+    return select16(x > 88.0f, splat16(INFINITY), out);
+}
+
+/* out = rms_norm(x) * weight, row by row; with `residual`: residual_out = x + residual first and
+ * the norm is taken of it (fused_add_rms_norm). rows x dim, contiguous. */
+void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float eps, long rows, long dim,
+                      float *out, float *residual_out) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        const float *h = xr;
+        if (residual != NULL) {
+            float *res = residual_out + r * dim;
+            const float *rr = residual + r * dim;
+            for (long i = 0; i < dim; i++) res[i] = xr[i] + rr[i];
+            h = res;
+        }
+        double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+        for (long i = 0; i < dim; i++) sum += (double)h[i] * h[i];
+        float inv = 1.0f / sqrtf((float)(sum / dim) + eps);
+        for (long i = 0; i < dim; i++) o[i] = weight[i] * (h[i] * inv);
+    }
+}
+
+/* out (rows, d) = silu(x[:, :d]) * x[:, d:], x (rows, 2d). */
+void silu_and_mul_f32(const float *x, long rows, long d, float *out) {
+    for (long r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * d, *u = g + d;
+        float *o = out + r * d;
+        long i = 0;
+        for (; i + 16 <= d; i += 16) {
+            v16 gv = load16(g + i);
+            store16(o + i, gv / (1.0f + exp16(-gv)) * load16(u + i));
+        }
+        for (; i < d; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+/* NeoX rotary of one head in place: x * cos + rotate_half(x) * sin (cos, sin: head_dim each). */
+static void rotate(float *x, const float *cos_row, const float *sin_row, long head_dim) {
+    long half = head_dim / 2;
+    for (long i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos_row[i] - b * sin_row[i];
+        x[i + half] = b * cos_row[i + half] + a * sin_row[i + half];
+    }
+}
+
+/* One decode row per sequence: split the QKV projection, rotate q and k at the row's position,
+ * store k and v in the paged cache at the row's slot, then attend over the row's context.
+ *
+ * qkv: (rows, (heads + 2 * kv_heads) * head_dim); positions, slots: (rows,) int64 (slot < 0, or a
+ * position outside the tables: a padding row, nothing stored, output zeros); cos, sin:
+ * (max_positions, head_dim);
+ * k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim); block_tables: (rows, table_width)
+ * int32; context_lens: (rows,) int32, the new token included; out: (rows, heads * head_dim);
+ * scratch: rows * heads * max_context floats (the scores). head_dim a multiple of 16, at most
+ * MAX_HEAD_DIM; heads / kv_heads at most MAX_GROUP (the launcher checks). Each job is one row's KV
+ * head: its keys and values are read once for the group of query heads that share them. */
+void decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads, long head_dim,
+                          const int64_t *positions, long max_positions, const float *cos, const float *sin,
+                          float *k_cache,
+                          float *v_cache, long block_size, const int64_t *slots, const int32_t *block_tables,
+                          long table_width, const int32_t *context_lens, long max_context, float scale, float *out,
+                          float *scratch) {
+    long q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
+    long token_stride = kv_heads * head_dim;
+    /* the new tokens' keys and values, rotated, into the cache first (every head reads them) */
+    for (long r = 0; r < rows; r++) {
+        if (slots[r] < 0 || positions[r] < 0 || positions[r] >= max_positions) continue;
+        const float *row = qkv + r * width;
+        const float *c = cos + positions[r] * head_dim, *s = sin + positions[r] * head_dim;
+        float *k_dst = k_cache + slots[r] * token_stride, *v_dst = v_cache + slots[r] * token_stride;
+        memcpy(k_dst, row + q_size, kv_size * sizeof(float));
+        memcpy(v_dst, row + q_size + kv_size, kv_size * sizeof(float));
+        for (long h = 0; h < kv_heads; h++) rotate(k_dst + h * head_dim, c, s, head_dim);
+    }
+    long group = heads / kv_heads, lanes = head_dim / 16;
+#pragma omp parallel for schedule(static) if (rows * kv_heads * (long)max_context > 65536)
+    for (long job = 0; job < rows * kv_heads; job++) {
+        long r = job / kv_heads, kvh = job % kv_heads;
+        float *o = out + r * q_size + kvh * group * head_dim;
+        long length = context_lens[r] < max_context ? context_lens[r] : max_context;
+        if (slots[r] < 0 || positions[r] < 0 || positions[r] >= max_positions || length <= 0) {
+            memset(o, 0, group * head_dim * sizeof(float));
+            continue;
+        }
+        /* this KV head's queries, rotated: (group, head_dim) */
+        float q[MAX_GROUP * MAX_HEAD_DIM];
+        for (long j = 0; j < group; j++) {
+            memcpy(q + j * head_dim, qkv + r * width + (kvh * group + j) * head_dim, head_dim * sizeof(float));
+            rotate(q + j * head_dim, cos + positions[r] * head_dim, sin + positions[r] * head_dim, head_dim);
+        }
+        const int32_t *table = block_tables + r * table_width;
+        float *scores = scratch + job * group * max_context; /* (group, max_context) */
+        for (long t = 0; t < length; t++) {
+            const float *k = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
+                             + kvh * head_dim;
+            for (long j = 0; j < group; j++) {
+                v16 acc = {0};
+                for (long l = 0; l < lanes; l++) acc += load16(q + j * head_dim + l * 16) * load16(k + l * 16);
+                scores[j * max_context + t] = fold16(acc) * scale;
+            }
+        }
+        for (long j = 0; j < group; j++) { /* softmax numerators, their sum kept for the end */
+            float *sj = scores + j * max_context, top = -INFINITY, total = 0.0f;
+            for (long t = 0; t < length; t++) top = sj[t] > top ? sj[t] : top;
+            long t = 0;
+            v16 sum = {0};
+            for (; t + 16 <= length; t += 16) {
+                v16 e = exp16(load16(sj + t) - top);
+                store16(sj + t, e);
+                sum += e;
+            }
+            total = fold16(sum);
+            for (; t < length; t++) {
+                sj[t] = expf(sj[t] - top);
+                total += sj[t];
+            }
+            q[j * head_dim] = 1.0f / total; /* the query is read no more: its slot holds 1 / sum */
+        }
+        v16 acc[MAX_GROUP * MAX_HEAD_DIM / 16];
+        for (long l = 0; l < group * lanes; l++) acc[l] = (v16){0};
+        for (long t = 0; t < length; t++) {
+            const float *v = v_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
+                             + kvh * head_dim;
+            for (long j = 0; j < group; j++) {
+                float p = scores[j * max_context + t];
+                for (long l = 0; l < lanes; l++) acc[j * lanes + l] += p * load16(v + l * 16);
+            }
+        }
+        for (long j = 0; j < group; j++)
+            for (long l = 0; l < lanes; l++) store16(o + j * head_dim + l * 16, acc[j * lanes + l] * q[j * head_dim]);
+    }
+}

@@ -1,0 +1,179 @@
+"""Launchers of the fused float32 CPU decode operations (cpu_decode.c; built by kernels/cpu_native.py).
+
+Around a decode row's four projections a layer runs ~40 small torch operations (norms, the QKV
+split, rotary, the KV store, the paged attention's gathers and softmax), each a few microseconds
+of dispatch: at batch 1 they cost more than the products. These calls do the same work in one
+pass each. The references are in kernels/reference.py (tests/kernels/test_cpu_decode.py compares):
+`rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, and `rotary_embedding` + `store_kv` +
+`paged_decode_attention` for `attention`. The engine uses them without batch invariance only
+(their sums run in another order), for steps of up to `MAX_ROWS` rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+# Up to this many rows (decode steps of a few sequences) the fused calls replace the torch
+# operations; a prefill's many rows keep torch's threaded, vectorized kernels.
+MAX_ROWS = 8
+MAX_HEAD_DIM = 256  # the C code keeps a KV head's queries and outputs on the stack
+MAX_GROUP = 16  # query heads per KV head, at most
+
+
+def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `attention` takes a model of this shape (head_dim in 16s up to 256, GQA groups <= 16)."""
+    return (
+        heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
+        and head_dim % 16 == 0
+        and head_dim <= MAX_HEAD_DIM
+    )
+
+
+_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+def _contiguous_f32(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
+class CpuDecode:
+    """The fused calls of one loaded library."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._norm = library.add_rms_norm_f32
+        self._norm.argtypes = [_P, _P, _P, _F, _L, _L, _P, _P]
+        self._norm.restype = None
+        self._silu = library.silu_and_mul_f32
+        self._silu.argtypes = [_P, _L, _L, _P]
+        self._silu.restype = None
+        self._attention = library.decode_attention_f32
+        # qkv, rows, heads, kv_heads, head_dim, positions, max_positions, cos, sin, k_cache, v_cache,
+        # block_size, slots, block_tables, table_width, context_lens, max_context, scale, out, scratch
+        self._attention.argtypes = [_P, _L, _L, _L, _L, _P, _L, _P, _P, _P, _P]
+        self._attention.argtypes += [_L, _P, _P, _L, _P, _L, _F, _P, _P]
+        self._attention.restype = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x) * weight over the last dimension; x (rows, dim)."""
+        return self._add_norm(x, None, weight, eps)[0]
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual) * weight, x + residual); new tensors, the inputs untouched."""
+        out, summed = self._add_norm(x, residual, weight, eps)
+        assert summed is not None
+        return out, summed
+
+    def _add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _contiguous_f32("x", x)
+        _contiguous_f32("weight", weight)
+        if x.dim() != 2 or weight.shape != (x.shape[1],):
+            raise ValueError(
+                f"x must be (rows, dim) and weight (dim,), got {tuple(x.shape)}, {tuple(weight.shape)}"
+            )
+        out = torch.empty_like(x)
+        summed = None
+        if residual is not None:
+            _contiguous_f32("residual", residual)
+            if residual.shape != x.shape:
+                raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+            summed = torch.empty_like(x)
+        self._norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            eps,
+            x.shape[0],
+            x.shape[1],
+            out.data_ptr(),
+            None if summed is None else summed.data_ptr(),
+        )
+        return out, summed
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """(rows, 2d) -> silu(x[:, :d]) * x[:, d:]."""
+        _contiguous_f32("x", x)
+        if x.dim() != 2 or x.shape[1] % 2:
+            raise ValueError(f"x must be (rows, 2 * d), got {tuple(x.shape)}")
+        d = x.shape[1] // 2
+        out = x.new_empty((x.shape[0], d))
+        self._silu(x.data_ptr(), x.shape[0], d, out.data_ptr())
+        return out
+
+    def attention(
+        self,
+        qkv: torch.Tensor,
+        shape: tuple[int, int, int],
+        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One decode row per sequence: (rows, (heads + 2 kv_heads) * head_dim) QKV projection ->
+        (rows, heads * head_dim) attention output, the rows' rotated K and V stored in the cache.
+
+        shape: (heads, kv_heads, head_dim); positions, slots: (rows,) int64 (slot < 0 or a position
+        past the tables: padding, output zeros); cos_sin: (max_positions, head_dim) tables; caches (num_blocks, block_size,
+        kv_heads, head_dim) float32; block_tables (rows, width) int32; context_lens (rows,) int32
+        with the new token, at most width * block_size (not checked here: the scheduler's)."""
+        heads, kv_heads, head_dim = shape
+        rows = qkv.shape[0]
+        cos, sin = cos_sin
+        for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+            _contiguous_f32(name, t)
+        if qkv.shape != (rows, (heads + 2 * kv_heads) * head_dim) or not supports(heads, kv_heads, head_dim):
+            raise ValueError(
+                f"qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of {head_dim} "
+                f"(head_dim a multiple of 16 up to {MAX_HEAD_DIM}, at most {MAX_GROUP} heads per KV head)"
+            )
+        if cos.shape[1] != head_dim or sin.shape != cos.shape:
+            raise ValueError(f"rotary tables {tuple(cos.shape)} for head_dim {head_dim}")
+        if k_cache.shape[2:] != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+            raise ValueError(f"caches {tuple(k_cache.shape)} do not hold {kv_heads} heads of {head_dim}")
+        for name, t, dtype in (
+            ("positions", positions, torch.int64),
+            ("slots", slots, torch.int64),
+            ("block_tables", block_tables, torch.int32),
+            ("context_lens", context_lens, torch.int32),
+        ):
+            if t.dtype != dtype or not t.is_contiguous() or t.shape[0] != rows:
+                raise ValueError(
+                    f"{name} must be ({rows}, ...) contiguous {dtype}, got {t.dtype} {tuple(t.shape)}"
+                )
+        block_size, width = k_cache.shape[1], block_tables.shape[1]
+        out = qkv.new_empty((rows, heads * head_dim))
+        scratch = qkv.new_empty((rows * heads * max(width * block_size, 1),))
+        self._attention(
+            qkv.data_ptr(),
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            positions.data_ptr(),
+            cos.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_size,
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            width,
+            context_lens.data_ptr(),
+            width * block_size,
+            scale,
+            out.data_ptr(),
+            scratch.data_ptr(),
+        )
+        return out

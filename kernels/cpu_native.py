@@ -1,0 +1,100 @@
+"""The CPU kernels written in C (cpu_gemv.c, cpu_decode.c), built on this machine on first use.
+
+The sources are compiled by the machine's C compiler (`cc`, else `gcc`) with `-march=native` into
+one library in a cache folder the engine names, under a file name that hashes the sources, the
+flags, the compiler's version and the CPU's feature flags (a home shared with other CPUs gets its
+own build). The build writes a private file and renames it into place, so engines and test workers
+starting together never load half a library. Without a compiler, or when the build or the load
+fails, `load` logs why once and returns None: the engine then keeps the torch operations (correct,
+slower at batch 1). OpenMP comes from torch's own runtime (the library is loaded after torch, which
+already holds libgomp.so.1), so `torch.set_num_threads` sets these kernels' threads too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from kernels.cpu_decode import CpuDecode
+from kernels.cpu_gemv import CpuGemv
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+BUILD_TIMEOUT = 120.0  # seconds; a build takes about one
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded library's launchers."""
+
+    gemv: CpuGemv
+    decode: CpuDecode
+    path: Path
+
+
+def load(cache_dir: Path, compiler: str | None = None) -> CpuKernels | None:
+    """The kernels built for this machine under `cache_dir` (built now if missing), or None."""
+    return _load(Path(cache_dir), compiler)
+
+
+@lru_cache(maxsize=8)
+def _load(cache_dir: Path, compiler: str | None) -> CpuKernels | None:
+    cc = compiler or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or shutil.which(cc) is None:
+        logger.warning(
+            "no C compiler found (cc, gcc): the CPU decode path stays on torch operations (slower)"
+        )
+        return None
+    try:
+        path = _built(cache_dir, cc)
+        library = ctypes.CDLL(str(path))
+        return CpuKernels(CpuGemv(library), CpuDecode(library), path)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        logger.warning("the CPU kernels could not be built or loaded (%s): torch operations stay in use", exc)
+        return None
+
+
+def _built(cache_dir: Path, cc: str) -> Path:
+    """The library's path, compiling it first unless a build for these sources, compiler and CPU exists."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    parts = [source.read_bytes() for source in SOURCES]
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
+    target = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        command = [cc, *FLAGS, *map(str, SOURCES), "-lm", "-o", partial]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    logger.info("built the CPU kernels: %s", target)
+    return target
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags (what -march=native compiles for); empty where /proc has none."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            for line in info:
+                if line.startswith(b"flags"):
+                    return line.strip()
+    except OSError:
+        pass
+    return b""
