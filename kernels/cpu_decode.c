@@ -8,56 +8,29 @@
  * Used without batch invariance only: the sums run in another order than the references'.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-static inline v16 splat16(float x) { return (v16){0} + x; }
+#include "cpu_vec.h"
 
 /* lanes of a where mask (a comparison's all-ones), of b elsewhere */
 static inline v16 select16(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
 
-/* The lanes summed in a fixed order: halves folded 16 -> 8 -> 4 -> 2 -> 1. */
-static inline float fold16(v16 v) {
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v); /* the same halving tree, in registers */
-#endif
-    float a[16];
-    memcpy(a, &v, sizeof a);
-    for (int width = 8; width >= 1; width /= 2)
-        for (int i = 0; i < width; i++) a[i] += a[i + width];
-    return a[0];
-}
-
 /* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for 2^f,
- * f in [-0.5, 0.5] (relative error ~2e-7); 0 below -87, +inf above 88 (as expf). */
+ * f in [-0.5, 0.5] (relative error ~2e-7); 0 below -87 (expf: under 2e-38), +inf past
+ * ln(FLT_MAX). 2^n is built as 2 * 2^(n - 1) so that n = 128 stays finite. */
 static inline v16 exp16(v16 x) {
     v16 y = x * 1.44269504088896341f;
-    y = select16(y < -126.0f, splat16(-126.0f), y);
+    y = select16(y < -125.0f, splat16(-125.0f), y);
     y = select16(y > 128.0f, splat16(128.0f), y);
     v16 half = select16(y >= 0.0f, splat16(0.5f), splat16(-0.5f));
     v16 n = __builtin_convertvector(__builtin_convertvector(y + half, v16i), v16); /* y rounded */
     v16 f = (y - n) * 0.693147180559945309f; /* e^f = 2^(y - n) */
     v16 p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16 scale;
+    v16i bits = (__builtin_convertvector(n, v16i) + 126) << 23;
+    v16 scale; /* 2^(n - 1) */
     memcpy(&scale, &bits, sizeof scale);
-    v16 out = p * scale;
+    v16 out = (p * 2.0f) * scale;
     out = select16(x < -87.0f, splat16(0.0f), out);
-    return select16(x > 88.0f, splat16(INFINITY), out);
+    return select16(x > 88.7228391f, splat16(INFINITY), out);
 }
 
 /* out = rms_norm(x) * weight, row by row; with `residual`: residual_out = x + residual first and

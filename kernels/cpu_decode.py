@@ -124,9 +124,9 @@ class CpuDecode:
         (rows, heads * head_dim) attention output, the rows' rotated K and V stored in the cache.
 
         shape: (heads, kv_heads, head_dim); positions, slots: (rows,) int64 (slot < 0 or a position
-        past the tables: padding, output zeros); cos_sin: (max_positions, head_dim) tables; caches (num_blocks, block_size,
-        kv_heads, head_dim) float32; block_tables (rows, width) int32; context_lens (rows,) int32
-        with the new token, at most width * block_size (not checked here: the scheduler's)."""
+        past the tables: padding, output zeros); cos_sin: (max_positions, head_dim) tables; caches
+        (num_blocks, block_size, kv_heads, head_dim) float32; block_tables (rows, width) int32;
+        context_lens (rows,) int32 with the new token (read up to width * block_size at most)."""
         heads, kv_heads, head_dim = shape
         rows = qkv.shape[0]
         cos, sin = cos_sin

@@ -12,19 +12,8 @@
  * Threads (OpenMP: torch's own runtime, so torch.set_num_threads applies) split the weight rows.
  */
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
-typedef float v16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
+#include "cpu_vec.h"
 
 /* 16 int8 values as floats (GCC's generic vector conversion of int8 is scalar code: intrinsics). */
 static inline v16 load16_i8(const int8_t *p) {
@@ -45,21 +34,20 @@ static inline v16 load16_i8(const int8_t *p) {
 #endif
 }
 
-/* The lanes summed in a fixed order: halves folded 16 -> 8 -> 4 -> 2 -> 1. */
-static inline float fold16(v16 v) {
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v); /* the same halving tree, in registers */
-#endif
-    float a[16];
-    memcpy(a, &v, sizeof a);
-    for (int width = 8; width >= 1; width /= 2)
-        for (int i = 0; i < width; i++) a[i] += a[i + width];
-    return a[0];
+/* Weight row w's elements k..k+15 as floats: float32 weights, or int8 ones (`int8` a constant
+ * where inlined). */
+static inline __attribute__((always_inline)) v16 weights16(const void *w, long k, const int int8) {
+    return int8 ? load16_i8((const int8_t *)w + k) : load16((const float *)w + k);
 }
 
-/* out[i * stride] = dot(xr[i], wn) for R rows of x (R a constant where inlined: 1 to 4). */
-static inline __attribute__((always_inline)) void dots(const float *const xr[4], const float *wn, long k_len,
-                                                       float *out, long stride, const int R) {
+static inline __attribute__((always_inline)) float weight1(const void *w, long k, const int int8) {
+    return int8 ? (float)((const int8_t *)w)[k] : ((const float *)w)[k];
+}
+
+/* out[i * stride] = scale * dot(xr[i], wn) for R rows of x (R a constant where inlined: 1 to 4). */
+static inline __attribute__((always_inline)) void dots(const float *const xr[4], const void *wn, long k_len,
+                                                       float scale, float *out, long stride, const int R,
+                                                       const int int8) {
     v16 a0[4], a1[4];
     for (int i = 0; i < R; i++) {
         a0[i] = (v16){0};
@@ -67,66 +55,42 @@ static inline __attribute__((always_inline)) void dots(const float *const xr[4],
     }
     long k = 0;
     for (; k + 32 <= k_len; k += 32) {
-        v16 w0 = load16(wn + k), w1 = load16(wn + k + 16);
+        v16 w0 = weights16(wn, k, int8), w1 = weights16(wn, k + 16, int8);
         for (int i = 0; i < R; i++) {
             a0[i] += load16(xr[i] + k) * w0;
             a1[i] += load16(xr[i] + k + 16) * w1;
         }
     }
     if (k + 16 <= k_len) {
-        v16 w0 = load16(wn + k);
+        v16 w0 = weights16(wn, k, int8);
         for (int i = 0; i < R; i++) a0[i] += load16(xr[i] + k) * w0;
         k += 16;
     }
     for (int i = 0; i < R; i++) {
         float tail = 0.0f;
-        for (long t = k; t < k_len; t++) tail += xr[i][t] * wn[t];
-        out[i * stride] = fold16(a0[i] + a1[i]) + tail;
+        for (long t = k; t < k_len; t++) tail += xr[i][t] * weight1(wn, t, int8);
+        out[i * stride] = (fold16(a0[i] + a1[i]) + tail) * scale; /* scale 1 for float32: exact */
     }
 }
 
-/* dots() for int8 weights: out[i * stride] = scale * dot(xr[i], wn), the same arithmetic order. */
-static inline __attribute__((always_inline)) void dots_i8(const float *const xr[4], const int8_t *wn, long k_len,
-                                                          float scale, float *out, long stride, const int R) {
-    v16 a0[4], a1[4];
-    for (int i = 0; i < R; i++) {
-        a0[i] = (v16){0};
-        a1[i] = (v16){0};
-    }
-    long k = 0;
-    for (; k + 32 <= k_len; k += 32) {
-        v16 w0 = load16_i8(wn + k), w1 = load16_i8(wn + k + 16);
-        for (int i = 0; i < R; i++) {
-            a0[i] += load16(xr[i] + k) * w0;
-            a1[i] += load16(xr[i] + k + 16) * w1;
-        }
-    }
-    if (k + 16 <= k_len) {
-        v16 w0 = load16_i8(wn + k);
-        for (int i = 0; i < R; i++) a0[i] += load16(xr[i] + k) * w0;
-        k += 16;
-    }
-    for (int i = 0; i < R; i++) {
-        float tail = 0.0f;
-        for (long t = k; t < k_len; t++) tail += xr[i][t] * (float)wn[t];
-        out[i * stride] = (fold16(a0[i] + a1[i]) + tail) * scale;
-    }
-}
-
-/* y (rows, n_out) = x (rows, k_len) @ (w (n_out, k_len) int8 * scales (n_out,)).T, per-channel int8. */
-void gemv_i8(const float *x, long rows, long k_len, const int8_t *w, const float *scales, long n_out, float *y) {
+/* y (rows, n_out) = x (rows, k_len) @ (w (n_out, k_len) * scales (n_out,) or 1).T, row-major. */
+static inline __attribute__((always_inline)) void gemv(const float *x, long rows, long k_len, const void *w,
+                                                       const float *scales, long n_out, float *y,
+                                                       const int int8) {
+    long row_bytes = k_len * (int8 ? (long)sizeof(int8_t) : (long)sizeof(float));
 #pragma omp parallel for schedule(static)
     for (long n = 0; n < n_out; n++) {
-        const int8_t *wn = w + n * k_len;
+        const void *wn = (const char *)w + n * row_bytes;
+        float scale = scales == NULL ? 1.0f : scales[n];
         for (long r0 = 0; r0 < rows; r0 += 4) {
             const float *xr[4];
             for (int i = 0; i < 4; i++) xr[i] = x + (r0 + i < rows ? r0 + i : rows - 1) * k_len;
             float *out = y + r0 * n_out + n;
             switch (rows - r0 < 4 ? rows - r0 : 4) {
-            case 1: dots_i8(xr, wn, k_len, scales[n], out, n_out, 1); break;
-            case 2: dots_i8(xr, wn, k_len, scales[n], out, n_out, 2); break;
-            case 3: dots_i8(xr, wn, k_len, scales[n], out, n_out, 3); break;
-            default: dots_i8(xr, wn, k_len, scales[n], out, n_out, 4);
+            case 1: dots(xr, wn, k_len, scale, out, n_out, 1, int8); break;
+            case 2: dots(xr, wn, k_len, scale, out, n_out, 2, int8); break;
+            case 3: dots(xr, wn, k_len, scale, out, n_out, 3, int8); break;
+            default: dots(xr, wn, k_len, scale, out, n_out, 4, int8);
             }
         }
     }
@@ -134,21 +98,12 @@ void gemv_i8(const float *x, long rows, long k_len, const int8_t *w, const float
 
 /* y (rows, n_out) = x (rows, k_len) @ w (n_out, k_len).T; all three contiguous, row-major. */
 void gemv_f32(const float *x, long rows, long k_len, const float *w, long n_out, float *y) {
-#pragma omp parallel for schedule(static)
-    for (long n = 0; n < n_out; n++) {
-        const float *wn = w + n * k_len;
-        for (long r0 = 0; r0 < rows; r0 += 4) {
-            const float *xr[4];
-            for (int i = 0; i < 4; i++) xr[i] = x + (r0 + i < rows ? r0 + i : rows - 1) * k_len;
-            float *out = y + r0 * n_out + n;
-            switch (rows - r0 < 4 ? rows - r0 : 4) {
-            case 1: dots(xr, wn, k_len, out, n_out, 1); break;
-            case 2: dots(xr, wn, k_len, out, n_out, 2); break;
-            case 3: dots(xr, wn, k_len, out, n_out, 3); break;
-            default: dots(xr, wn, k_len, out, n_out, 4);
-            }
-        }
-    }
+    gemv(x, rows, k_len, w, NULL, n_out, y, 0);
+}
+
+/* y (rows, n_out) = x (rows, k_len) @ (w (n_out, k_len) int8 * scales (n_out,)).T, per-channel int8. */
+void gemv_i8(const float *x, long rows, long k_len, const int8_t *w, const float *scales, long n_out, float *y) {
+    gemv(x, rows, k_len, w, scales, n_out, y, 1);
 }
 
 /* The OpenMP threads a parallel region here gets (tests check it follows torch.set_num_threads). */

@@ -1,4 +1,4 @@
-"""The CPU kernels written in C (cpu_gemv.c, cpu_decode.c), built on this machine on first use.
+"""The CPU kernels written in C (cpu_gemv.c, cpu_decode.c; cpu_vec.h), built on this machine on first use.
 
 The sources are compiled by the machine's C compiler (`cc`, else `gcc`) with `-march=native` into
 one library in a cache folder the engine names, under a file name that hashes the sources, the
@@ -29,6 +29,7 @@ from kernels.cpu_gemv import CpuGemv
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode.c"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT = 120.0  # seconds; a build takes about one
 
@@ -67,7 +68,7 @@ def _load(cache_dir: Path, compiler: str | None) -> CpuKernels | None:
 def _built(cache_dir: Path, cc: str) -> Path:
     """The library's path, compiling it first unless a build for these sources, compiler and CPU exists."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    parts = [source.read_bytes() for source in SOURCES]
+    parts = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
     target = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -37,6 +37,8 @@ def test_norms_equal_the_reference(rows: int, dim: int) -> None:
 def test_silu_and_mul_equals_the_reference() -> None:
     x = torch.randn(3, 2 * 1536) * 4
     torch.testing.assert_close(_decode().silu_and_mul(x), reference.silu_and_mul(x))
+    x = torch.linspace(-30, 30, 2 * 4096).reshape(2, 4096)  # the vectorized exp across its range
+    torch.testing.assert_close(_decode().silu_and_mul(x), reference.silu_and_mul(x), rtol=2e-6, atol=1e-6)
     # the vectorized exp at its edges (underflow, overflow) and a scalar tail (d = 37)
     edges = torch.tensor([-200.0, -100.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.0, 88.5, 100.0])
     x = torch.cat((edges.repeat(4)[:37], torch.ones(37))).reshape(1, 74)
@@ -137,30 +139,30 @@ def test_attention_equals_rotary_store_and_paged_attention(
     assert torch.equal(fused["v"], case["v"])
 
 
+def _attend(
+    case: dict[str, torch.Tensor],
+    shape: tuple[int, int, int],
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    return _decode().attention(
+        case["qkv"], shape, case["positions"], cos_sin, case["k"], case["v"], case["slots"], case["tables"],
+        case["lens"], scale,
+    )  # fmt: skip
+
+
 def test_a_padding_row_stores_nothing_and_answers_zeros() -> None:
     case = _paged_case(4, 2, 16, [6, 9], seed=3)
     case["slots"][1] = -1
     cos, sin = torch.ones(16, 16), torch.zeros(16, 16)
     kept_k = case["k"].clone()
-    out = _decode().attention(
-        case["qkv"],
-        (4, 2, 16),
-        case["positions"],
-        (cos, sin),
-        case["k"],
-        case["v"],
-        case["slots"],
-        case["tables"],
-        case["lens"],
-        0.25,
-    )
+    out = _attend(case, (4, 2, 16), (cos, sin), 0.25)
     assert torch.equal(out[1], torch.zeros(64)) and out[0].abs().sum() > 0
     changed = (case["k"] != kept_k).any(dim=(2, 3))
     assert int(changed.sum()) == 1  # one slot written: row 0's
     case["positions"][0] = 16  # past the rotary tables (16 positions): never read out of bounds
     kept_k = case["k"].clone()
-    out = _decode().attention(case["qkv"], (4, 2, 16), case["positions"], (cos, sin), case["k"], case["v"],
-                              case["slots"], case["tables"], case["lens"], 0.25)  # fmt: skip
+    out = _attend(case, (4, 2, 16), (cos, sin), 0.25)
     assert torch.equal(out, torch.zeros(2, 64)) and torch.equal(case["k"], kept_k)
 
 
