@@ -101,7 +101,7 @@ class CpuInt8Weight(Int8Weight):
         return super().matmul(x, bias)
 
 
-INT8_ROWS = 8  # past this torch's int8 kernel is the faster (docs/BENCHMARKS.md)
+INT8_ROWS = 32  # measured faster than torch's int8 kernel up to here (docs/BENCHMARKS.md)
 
 
 def use_cpu_int8(model: nn.Module, gemv: CpuGemv) -> int:

@@ -261,7 +261,7 @@ _CPU = cpu_native.load(kernel_cache_dir())
 
 
 @pytest.mark.skipif(_CPU is None, reason="no C compiler here")
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 33])
 def test_the_c_int8_product_matches_the_dequantized_weight_on_float32_activations(rows: int) -> None:
     assert _CPU is not None
     gen = torch.Generator().manual_seed(rows)
