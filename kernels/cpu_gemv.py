@@ -1,9 +1,11 @@
-"""Launcher of the float32 CPU matrix-vector kernel (cpu_gemv.c; built by kernels/cpu_native.py).
+"""Launchers of the CPU matrix-vector kernels, float32 and per-channel int8 weights (cpu_gemv.c;
+built by kernels/cpu_native.py).
 
 A decode step of one sequence reads every weight once for one row; MKL does that at a third of the
 memory bandwidth that a plain streamed dot product reaches on our VMs (docs/BENCHMARKS.md), so
-the torch backend without batch invariance sends projections of up to `MAX_ROWS` rows here. The
-reference is `F.linear` (tests/kernels/test_cpu_gemv.py).
+the torch backend without batch invariance sends float32 projections of up to `MAX_ROWS` rows
+here, and int8 weights' products of up to engine.layers.quant.INT8_ROWS (`int8`). The reference is
+`F.linear` (tests/kernels/test_cpu_gemv.py; the int8 one in tests/engine/test_quant.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
+_P, _L = ctypes.c_void_p, ctypes.c_long
 
 # Up to this many rows the kernel beats MKL (1-2 rows: 2-3x; at 4 rows they are even, past it MKL
 # is faster): a step of one or two decoding sequences.
@@ -21,26 +25,11 @@ class CpuGemv:
     """`gemv(x, w)` is `x @ w.T` for contiguous float32 CPU tensors."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._gemv = library.gemv_f32
-        self._gemv.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_void_p,
-        ]
+        self._gemv = library.gemv_f32  # (x, rows, k, w, n, y)
+        self._gemv.argtypes = [_P, _L, _L, _P, _L, _P]
         self._gemv.restype = None
-        self._gemv_i8 = library.gemv_i8
-        self._gemv_i8.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_void_p,
-        ]
+        self._gemv_i8 = library.gemv_i8  # (x, rows, k, w, scales, n, y)
+        self._gemv_i8.argtypes = [_P, _L, _L, _P, _P, _L, _P]
         self._gemv_i8.restype = None
         self._threads = library.gemv_max_threads
         self._threads.restype = ctypes.c_int
