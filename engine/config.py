@@ -167,7 +167,7 @@ def _parse_env_value(name: str, raw: str, type_name: str) -> Any:
 
 def kernel_cache_dir() -> Path:
     """Where CPU kernels built on this machine live: $SWITCHBOARD_KERNEL_CACHE, else
-    ~/.cache/switchboard/kernels (kernels/cpu_gemv.py)."""
+    ~/.cache/switchboard/kernels (kernels/cpu_native.py)."""
     override = os.environ.get("SWITCHBOARD_KERNEL_CACHE")
     if override:
         return Path(override).expanduser()

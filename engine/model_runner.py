@@ -17,7 +17,7 @@ from engine.layers import kv_cache
 from engine.layers.attention import AttentionMetadata
 from engine.layers.backend import load_backend, resolve_backend_name
 from engine.layers.cpu_blas import batch_invariant_linear
-from engine.layers.quant import use_cpu_int8
+from engine.layers.packed import use_packed_int8, use_packed_weights
 from engine.layers.weight_loading import load_weights
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
@@ -148,7 +148,8 @@ class ModelRunner:
         if self.batch_invariant and self.device.type == "cpu":
             self.batch_invariant = batch_invariant_linear(self.dtype, model_config.hidden_size, ROW_MULTIPLE)
         invariant = self.batch_invariant or self.device.type != "cpu"
-        cpu = None if invariant or self.dtype != torch.float32 else cpu_native.load(kernel_cache_dir())
+        on_cpu = self.device.type == "cpu" and backend_name == "torch" and self.dtype == torch.float32
+        cpu = cpu_native.load(kernel_cache_dir()) if on_cpu else None
         self.backend = load_backend(backend_name, invariant, cpu)
         self._pad_rows = self.batch_invariant or self.device.type != "cpu"
         self.model_config = model_config
@@ -169,8 +170,13 @@ class ModelRunner:
         else:
             calibrate = lambda tokens: self._prefill_alone(model, tokens)  # noqa: E731 - w8a8's smoothing
             self.quantization = load_weights(model, model_dir, config, self.backend.is_triton, calibrate)
-            if cpu is not None:  # int8 products of a decode step's rows on the C kernel too
-                use_cpu_int8(model, cpu.gemv)
+            if cpu is not None and cpu.gemm.vectorized:  # float32 and int8 products on the C kernel
+                if self.quantization is None:
+                    use_packed_weights(model, cpu.gemm)
+                else:
+                    use_packed_int8(model, cpu.gemm)
+                # each row of those products alone: no padding to MKL's row multiple needed
+                self._pad_rows = self._pad_rows and self.quantization not in (None, "int8")
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
@@ -317,9 +323,11 @@ class ModelRunner:
             sample_idx.extend(range(len(input_ids) - s.num_sampled_rows, len(input_ids)))
         dev = self.device
         num_actual = len(input_ids)
-        # Batch-invariant: round the batch up to a multiple of 4 rows (where MKL's strict mode is not
-        # on, GEMMs with such row counts give each row the same bits whatever the batch). Otherwise
-        # a CPU step computes its own rows only: a 4-row product costs 1.8x a 1-row one on AVX-512.
+        # Batch-invariant on MKL's products (no C product here, or int4/w8a8 weights): round the
+        # batch up to a multiple of 4 rows (where MKL's strict mode is not on, GEMMs with such row
+        # counts give each row the same bits whatever the batch). The C product over packed weights
+        # computes each row alone, and otherwise a CPU step computes its own rows only: a 4-row
+        # product costs 1.8x a 1-row one.
         padding = -num_actual % ROW_MULTIPLE if self._pad_rows else 0
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)

@@ -12,25 +12,25 @@
 #include "cpu_vec.h"
 
 /* lanes of a where mask (a comparison's all-ones), of b elsewhere */
-static inline v16 select16(v16i mask, v16 a, v16 b) { return (v16)((mask & (v16i)a) | (~mask & (v16i)b)); }
+static inline vf selectv(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
-/* exp(x) for 16 lanes: 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for 2^f,
+/* exp(x) for VL lanes: 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for 2^f,
  * f in [-0.5, 0.5] (relative error ~2e-7); 0 below -87 (expf: under 2e-38), +inf past
  * ln(FLT_MAX). 2^n is built as 2 * 2^(n - 1) so that n = 128 stays finite. */
-static inline v16 exp16(v16 x) {
-    v16 y = x * 1.44269504088896341f;
-    y = select16(y < -125.0f, splat16(-125.0f), y);
-    y = select16(y > 128.0f, splat16(128.0f), y);
-    v16 half = select16(y >= 0.0f, splat16(0.5f), splat16(-0.5f));
-    v16 n = __builtin_convertvector(__builtin_convertvector(y + half, v16i), v16); /* y rounded */
-    v16 f = (y - n) * 0.693147180559945309f; /* e^f = 2^(y - n) */
-    v16 p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
-    v16i bits = (__builtin_convertvector(n, v16i) + 126) << 23;
-    v16 scale; /* 2^(n - 1) */
+static inline vf expv(vf x) {
+    vf y = x * 1.44269504088896341f;
+    y = selectv(y < -125.0f, splatv(-125.0f), y);
+    y = selectv(y > 128.0f, splatv(128.0f), y);
+    vf half = selectv(y >= 0.0f, splatv(0.5f), splatv(-0.5f));
+    vf n = __builtin_convertvector(__builtin_convertvector(y + half, vi), vf); /* y rounded */
+    vf f = (y - n) * 0.693147180559945309f; /* e^f = 2^(y - n) */
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+    vi bits = (__builtin_convertvector(n, vi) + 126) << 23;
+    vf scale; /* 2^(n - 1) */
     memcpy(&scale, &bits, sizeof scale);
-    v16 out = (p * 2.0f) * scale;
-    out = select16(x < -87.0f, splat16(0.0f), out);
-    return select16(x > 88.7228391f, splat16(INFINITY), out);
+    vf out = (p * 2.0f) * scale;
+    out = selectv(x < -87.0f, splatv(0.0f), out);
+    return selectv(x > 88.7228391f, splatv(INFINITY), out);
 }
 
 /* out = rms_norm(x) * weight, row by row; with `residual`: residual_out = x + residual first and
@@ -61,9 +61,9 @@ void silu_and_mul_f32(const float *x, long rows, long d, float *out) {
         const float *g = x + r * 2 * d, *u = g + d;
         float *o = out + r * d;
         long i = 0;
-        for (; i + 16 <= d; i += 16) {
-            v16 gv = load16(g + i);
-            store16(o + i, gv / (1.0f + exp16(-gv)) * load16(u + i));
+        for (; i + VL <= d; i += VL) {
+            vf gv = loadv(g + i);
+            storev(o + i, gv / (1.0f + expv(-gv)) * loadv(u + i));
         }
         for (; i < d; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -111,7 +111,7 @@ void decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads
         memcpy(v_dst, row + q_size + kv_size, kv_size * sizeof(float));
         for (long h = 0; h < kv_heads; h++) rotate(k_dst + h * head_dim, c, s, head_dim);
     }
-    long group = heads / kv_heads, lanes = head_dim / 16;
+    long group = heads / kv_heads, lanes = head_dim / VL;
 #pragma omp parallel for schedule(static) if (rows * kv_heads * (long)max_context > 65536)
     for (long job = 0; job < rows * kv_heads; job++) {
         long r = job / kv_heads, kvh = job % kv_heads;
@@ -133,39 +133,39 @@ void decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads
             const float *k = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
                              + kvh * head_dim;
             for (long j = 0; j < group; j++) {
-                v16 acc = {0};
-                for (long l = 0; l < lanes; l++) acc += load16(q + j * head_dim + l * 16) * load16(k + l * 16);
-                scores[j * max_context + t] = fold16(acc) * scale;
+                vf acc = {0};
+                for (long l = 0; l < lanes; l++) acc += loadv(q + j * head_dim + l * VL) * loadv(k + l * VL);
+                scores[j * max_context + t] = foldv(acc) * scale;
             }
         }
         for (long j = 0; j < group; j++) { /* softmax numerators, their sum kept for the end */
             float *sj = scores + j * max_context, top = -INFINITY, total = 0.0f;
             for (long t = 0; t < length; t++) top = sj[t] > top ? sj[t] : top;
             long t = 0;
-            v16 sum = {0};
-            for (; t + 16 <= length; t += 16) {
-                v16 e = exp16(load16(sj + t) - top);
-                store16(sj + t, e);
+            vf sum = {0};
+            for (; t + VL <= length; t += VL) {
+                vf e = expv(loadv(sj + t) - top);
+                storev(sj + t, e);
                 sum += e;
             }
-            total = fold16(sum);
+            total = foldv(sum);
             for (; t < length; t++) {
                 sj[t] = expf(sj[t] - top);
                 total += sj[t];
             }
             q[j * head_dim] = 1.0f / total; /* the query is read no more: its slot holds 1 / sum */
         }
-        v16 acc[MAX_GROUP * MAX_HEAD_DIM / 16];
-        for (long l = 0; l < group * lanes; l++) acc[l] = (v16){0};
+        vf acc[MAX_GROUP * MAX_HEAD_DIM / VL];
+        for (long l = 0; l < group * lanes; l++) acc[l] = (vf){0};
         for (long t = 0; t < length; t++) {
             const float *v = v_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
                              + kvh * head_dim;
             for (long j = 0; j < group; j++) {
                 float p = scores[j * max_context + t];
-                for (long l = 0; l < lanes; l++) acc[j * lanes + l] += p * load16(v + l * 16);
+                for (long l = 0; l < lanes; l++) acc[j * lanes + l] += p * loadv(v + l * VL);
             }
         }
         for (long j = 0; j < group; j++)
-            for (long l = 0; l < lanes; l++) store16(o + j * head_dim + l * 16, acc[j * lanes + l] * q[j * head_dim]);
+            for (long l = 0; l < lanes; l++) storev(o + j * head_dim + l * VL, acc[j * lanes + l] * q[j * head_dim]);
     }
 }

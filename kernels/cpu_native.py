@@ -1,4 +1,4 @@
-"""The CPU kernels written in C (cpu_gemv.c, cpu_decode.c; cpu_vec.h), built on this machine on first use.
+"""The CPU kernels written in C (cpu_gemm.c, cpu_decode.c; cpu_vec.h), built on this machine on first use.
 
 The sources are compiled by the machine's C compiler (`cc`, else `gcc`) with `-march=native` into
 one library in a cache folder the engine names, under a file name that hashes the sources, the
@@ -24,11 +24,11 @@ from functools import lru_cache
 from pathlib import Path
 
 from kernels.cpu_decode import CpuDecode
-from kernels.cpu_gemv import CpuGemv
+from kernels.cpu_gemm import CpuGemm
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.c", "cpu_decode.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_decode.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT = 120.0  # seconds; a build takes about one
@@ -38,7 +38,7 @@ BUILD_TIMEOUT = 120.0  # seconds; a build takes about one
 class CpuKernels:
     """The loaded library's launchers."""
 
-    gemv: CpuGemv
+    gemm: CpuGemm
     decode: CpuDecode
     path: Path
 
@@ -59,7 +59,7 @@ def _load(cache_dir: Path, compiler: str | None) -> CpuKernels | None:
     try:
         path = _built(cache_dir, cc)
         library = ctypes.CDLL(str(path))
-        return CpuKernels(CpuGemv(library), CpuDecode(library), path)
+        return CpuKernels(CpuGemm(library), CpuDecode(library), path)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         logger.warning("the CPU kernels could not be built or loaded (%s): torch operations stay in use", exc)
         return None

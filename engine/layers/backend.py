@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from kernels import cpu_decode, reference
 from kernels.checks import interpreting
 from kernels.cpu_decode import CpuDecode
-from kernels.cpu_gemv import MAX_ROWS as GEMV_ROWS
-from kernels.cpu_gemv import CpuGemv
 from kernels.cpu_native import CpuKernels
 
 Tensor = torch.Tensor
@@ -79,8 +77,9 @@ def _few_f32_rows(x: Tensor) -> bool:
 
 
 def cpu_kernel_backend(kernels: CpuKernels) -> KernelBackend:
-    """The torch backend without batch invariance, with the C kernels for a decode step's few rows
-    (kernels/cpu_gemv.py, kernels/cpu_decode.py); every other case goes to the torch operations."""
+    """The torch backend without batch invariance, with the fused C kernels for a decode step's few
+    rows (kernels/cpu_decode.py); every other case goes to the torch operations. (A float32 or int8
+    model's products go to the C product over packed weights in both modes: engine/layers/packed.py.)"""
     decode = kernels.decode
 
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -101,28 +100,10 @@ def cpu_kernel_backend(kernels: CpuKernels) -> KernelBackend:
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
         silu_and_mul=silu_and_mul,
-        linear=gemv_linear(kernels.gemv),
+        linear=small_batch_linear,
         chunked_logits=False,
         cpu_decode=decode,
     )
-
-
-def gemv_linear(gemv: CpuGemv) -> Callable[[Tensor, Tensor, Tensor | None], Tensor]:
-    """`small_batch_linear`, with float32 products of up to GEMV_ROWS rows on the C kernel
-    (kernels/cpu_gemv.py: 2-3x MKL's speed at one row; a row's bits do not depend on the others)."""
-
-    def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        if (
-            x.dim() == 2
-            and x.shape[0] <= GEMV_ROWS
-            and x.dtype == w.dtype == torch.float32
-            and w.is_contiguous()
-        ):
-            out = gemv(x.contiguous(), w)
-            return out if b is None else out + b
-        return small_batch_linear(x, w, b)
-
-    return linear
 
 
 def resolve_backend_name(requested: str, device: torch.device) -> str:

@@ -11,13 +11,12 @@ Decode reads every weight once per step, so fewer bytes are most of the speed. E
   as a 4-bit GGUF, so int4 gives it back its own values.
 The LM head is int8 in both (every logit of the vocabulary reads it). Both kernels take bfloat16
 activations (their float32-activation variants are ~10x slower here; bfloat16 moves perplexity by
-0.01%) and compute each row on its own, so a quantized engine stays batch-invariant. The default
-model's figures (batch-1 step ~28 ms int8, ~25 ms int4, against 51–80 ms in float32; perplexity
-+0.15% and +0.21%) are in docs/quantization.md.
+0.01%) and compute each row on its own, so a quantized engine stays batch-invariant.
 
-Without batch invariance, int8 products of a decode step's few rows (the head's above all) go to
-the C kernel instead (`CpuInt8Weight`, kernels/cpu_gemv.c: float32 activations, ~2x torch's
-kernel at one row); `use_cpu_int8` swaps them in after loading.
+Where the C product over packed weights builds (x86 with AVX2 and FMA: kernels/cpu_gemm.c), the
+engine then moves every Int8Weight to it after loading (engine/layers/packed.py's
+`PackedInt8Weight`: float32 activations, each row on its own, 1.5-3x torch's int8 kernel), in
+both modes. The default model's figures are in docs/quantization.md.
 
 - w8a8 (`W8A8Weight`, QKV and gate/up only): int8 weights times int8 activations with one scale per
   row, through torch's integer matmul; several times faster for batches (see the class).
@@ -30,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,7 +37,6 @@ from torch import nn
 from engine.config import QUANTIZATIONS
 from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
 from kernels import reference_quant
-from kernels.cpu_gemv import CpuGemv
 
 Tensor = torch.Tensor
 _QMAX = 127
@@ -83,36 +81,6 @@ class Int8Weight:
         out: Tensor = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
-
-
-@dataclass(frozen=True)
-class CpuInt8Weight(Int8Weight):
-    """An Int8Weight whose products of up to INT8_ROWS float32 rows run on the C kernel (float32
-    activations, the sum in another order: not batch-invariant); more rows take torch's."""
-
-    scales_f32: Tensor  # (out,) float32, the same scales
-    gemv: CpuGemv
-
-    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x @ w.T (+ bias); a few float32 rows through the C kernel."""
-        if x.dim() == 2 and x.shape[0] <= INT8_ROWS and x.dtype == torch.float32:
-            out = self.gemv.int8(x.contiguous(), self.qweight, self.scales_f32)
-            return out if bias is None else out + bias
-        return super().matmul(x, bias)
-
-
-INT8_ROWS = 32  # measured faster than torch's int8 kernel up to here (docs/BENCHMARKS.md)
-
-
-def use_cpu_int8(model: nn.Module, gemv: CpuGemv) -> int:
-    """Every Int8Weight of the model (projections, LM head) becomes a CpuInt8Weight; returns how many."""
-    swapped = 0
-    for module in model.modules():
-        for name, value in list(vars(module).items()):
-            if type(value) is Int8Weight:
-                setattr(module, name, CpuInt8Weight(value.qweight, value.scales, value.scales.float(), gemv))
-                swapped += 1
-    return swapped
 
 
 @dataclass(frozen=True)
@@ -246,10 +214,22 @@ QuantizedWeight = Int8Weight | W8A8Weight | Int4Weight | TritonInt8Weight | Trit
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
-def quantization_aware(linear: Linear) -> Callable[[Tensor, Tensor | QuantizedWeight, Tensor | None], Tensor]:
-    """`linear`, except that a quantized weight does its own product."""
+class Projection(Protocol):
+    """A weight that does its own product: a quantized one, or a float one packed for a kernel
+    (engine/layers/packed.py)."""
 
-    def project(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight takes."""
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ w.T (+ bias)."""
+
+
+def quantization_aware(linear: Linear) -> Callable[[Tensor, Tensor | Projection, Tensor | None], Tensor]:
+    """`linear`, except that a quantized (or packed) weight does its own product."""
+
+    def project(x: Tensor, weight: Tensor | Projection, bias: Tensor | None = None) -> Tensor:
         if isinstance(weight, Tensor):
             return linear(x, weight, bias)
         return weight.matmul(x, bias)
@@ -261,7 +241,7 @@ def quantization_aware(linear: Linear) -> Callable[[Tensor, Tensor | QuantizedWe
 _PROJECTIONS = {"Attention": ("qkv_proj", "o_proj"), "MLP": ("gate_up_proj", "down_proj")}
 
 
-def replace_projections(model: nn.Module, form: Callable[[str, Tensor], QuantizedWeight]) -> int:
+def replace_projections(model: nn.Module, form: Callable[[str, Tensor], Projection]) -> int:
     """Every projection weight `name` of `prefix` becomes form(f"{prefix}.{name}", weight), in place;
     returns the bytes they now take."""
     total = 0
@@ -299,5 +279,5 @@ def quantize_model(model: nn.Module, method: str, triton: bool = False) -> int:
     if llama.lm_head is not None:  # untied: the head's float weight is no longer read
         del llama.lm_head
         llama.lm_head = None
-    llama.quantized_head = head
+    llama.head_weight = head
     return total + head.nbytes

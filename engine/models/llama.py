@@ -12,7 +12,8 @@ from engine.layers.attention import AttentionMetadata, PagedAttention
 from engine.layers.backend import TORCH_BACKEND, KernelBackend
 from engine.layers.kv_cache import LayerKVCache
 from engine.layers.norm import RMSNorm
-from engine.layers.quant import Int8Weight
+from engine.layers.packed import PackedWeight
+from engine.layers.quant import Projection
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.parallel.group import TensorParallelGroup
@@ -183,7 +184,11 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.full_vocab = full_vocab or cfg.vocab_size
         self.vocab_start = 0 if tp is None else tp.rank * cfg.vocab_size
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        # None once engine/layers/packed.py packs a tied table as the LM head (`head_weight` then
+        # serves the lookups too)
+        self.embed_tokens: nn.Parameter | None = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False
+        )
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, backend)
         self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_layers))
@@ -193,7 +198,9 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         )
-        self.quantized_head: Int8Weight | None = None  # set by engine.layers.quant.quantize_model
+        # the LM head as a weight that does its own product: quantized (engine.layers.quant's
+        # quantize_model) or packed for the CPU kernel (engine.layers.packed)
+        self.head_weight: Projection | None = None
 
     def forward(
         self,
@@ -215,11 +222,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.embedding(input_ids, self.embed_tokens)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start  # this rank's rows; other ids are another rank's
         mine = (local >= 0) & (local < self.cfg.vocab_size)
-        h = F.embedding(local.clamp(0, self.cfg.vocab_size - 1), self.embed_tokens)
+        h = self._lookup(local.clamp(0, self.cfg.vocab_size - 1))
         return self.tp.all_reduce(h * mine[:, None].to(h.dtype))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:  # packed as the tied LM head
+            assert isinstance(self.head_weight, PackedWeight)
+            return self.head_weight.rows(ids)
+        return F.embedding(ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits (every rank's share, joined)."""
@@ -229,9 +242,10 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.gather_last_dim(logits)[:, : self.full_vocab]
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quantized_head is not None:
-            return self.quantized_head.matmul(hidden).float()
+        if self.head_weight is not None:
+            return self.head_weight.matmul(hidden).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        assert weight is not None
         vocab = weight.shape[0]
         if not self.backend.chunked_logits or hidden.device.type != "cpu" or vocab <= 2 * _LOGITS_CHUNK:
             return self.backend.linear(hidden, weight, None).float().contiguous()

@@ -16,17 +16,14 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig, kernel_cache_dir
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
 from engine.layers.backend import (
-    GEMV_ROWS,
     SMALL_BATCH_ROWS,
     TORCH_BACKEND,
-    gemv_linear,
     load_backend,
     resolve_backend_name,
     small_batch_linear,
 )
 from engine.model_runner import gpu_kv_budget
 from kernels import cpu_native
-from kernels.cpu_gemv import CpuGemv
 
 CUDA = torch.cuda.is_available()
 
@@ -207,38 +204,6 @@ def test_only_the_torch_backend_without_batch_invariance_takes_the_fast_projecti
 
 
 _CPU = cpu_native.load(kernel_cache_dir())
-_GEMV = None if _CPU is None else _CPU.gemv
-
-
-@pytest.mark.skipif(_GEMV is None, reason="no C compiler here")
-@pytest.mark.parametrize("rows", [1, 2, 3, 9])
-def test_the_gemv_projection_takes_one_or_two_float32_rows_and_equals_f_linear(rows: int) -> None:
-    assert _GEMV is not None
-    gen = torch.Generator().manual_seed(rows)
-    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((rows, 100), (70, 100), (70,)))
-    calls = []
-    linear = gemv_linear(_Counting(_GEMV, calls))  # type: ignore[arg-type]
-    for bias in (None, b):
-        torch.testing.assert_close(
-            linear(x, w, bias), torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5
-        )
-        torch.testing.assert_close(
-            linear(x.t().contiguous().t(), w, bias), x @ w.T if bias is None else x @ w.T + b
-        )
-    assert len(calls) == (4 if rows <= GEMV_ROWS else 0)  # past two rows: MKL
-    assert linear(x.bfloat16(), w.bfloat16(), None).dtype == torch.bfloat16  # other dtypes: MKL
-    assert len(calls) == (4 if rows <= GEMV_ROWS else 0)
-
-
-class _Counting:
-    """A CpuGemv that notes its calls."""
-
-    def __init__(self, gemv: CpuGemv, calls: list[int]) -> None:
-        self.gemv, self.calls = gemv, calls
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        self.calls.append(x.shape[0])
-        return self.gemv(x, w)
 
 
 @pytest.mark.skipif(CUDA, reason="CPU projections")

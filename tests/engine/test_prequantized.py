@@ -14,10 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.layers.packed import PackedInt8Weight
 from engine.layers.quant import Int4Weight, Int8Weight
 from engine.prequantized import CheckpointFormatError, iter_prequantized, read_checkpoint_quant
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i holds column order[i]
+# per-channel int8 as loaded, or moved to the C product after loading (engine/layers/packed.py)
+INT8 = (Int8Weight, PackedInt8Weight)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -162,7 +165,7 @@ def test_awq_and_gptq_checkpoints_unpack_to_their_exact_weights_and_serve_them(
     llm = LLM(str(folder), enable_prefix_caching=False)
     assert llm.engine.runner.precision()["quantization"] == method
     qkv = _served(llm)["qkv"]
-    assert isinstance(qkv, Int4Weight if bits == 4 else Int8Weight)
+    assert isinstance(qkv, Int4Weight if bits == 4 else INT8)
     assert (qkv.input_perm is not None) == act_order if isinstance(qkv, Int4Weight) else True
     names = [f"model.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
     want = torch.cat([exact[n] for n in names])
@@ -257,7 +260,7 @@ def test_fp8_checkpoints_read_their_scales(
     assert not any(n.endswith("input_scale") for n in loaded)
     llm = LLM(str(folder), enable_prefix_caching=False)
     assert llm.engine.runner.precision()["quantization"] == config["quant_method"]
-    assert isinstance(_served(llm)["down"], Int8Weight)
+    assert isinstance(_served(llm)["down"], INT8)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
 

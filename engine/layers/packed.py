@@ -1,0 +1,136 @@
+"""Float32 weights packed for the C matrix product (kernels/cpu_gemm.c): a CPU model's projections
+and LM head, in batch-invariant mode and without it.
+
+A float32 model on the CPU spends most of a step in its products. MKL's sgemm reaches 90-150
+GFLOP/s on our 2-core VMs (less at few rows, and a third of the memory bandwidth at one row); the
+C kernel over weights laid out in 16-column panels reaches 150-175 from 16 rows on and the memory's
+bandwidth at one row, and gives every row the same bits whatever the batch beside it, which is
+what batch-invariant mode needs (MKL needs its strict mode and rows padded to a multiple of 4 for
+that). `use_packed_weights` packs them once, after loading: each projection becomes a
+`PackedWeight` (the same bytes, another order) that does its own product, as quantized weights do.
+The LM head gets one too; a head tied to the embedding table is packed once and the token lookups
+read their rows from the panels, so the table is not kept twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.layers.quant import Int8Weight, replace_projections
+from kernels.cpu_gemm import CpuGemm
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An (out, in) float32 weight as kernels/cpu_gemm.py packs it: (ceil(out / 16), in, 16) panels."""
+
+    packed: Tensor
+    out_features: int
+    gemm: CpuGemm
+
+    @classmethod
+    def pack(cls, weight: Tensor, gemm: CpuGemm) -> PackedWeight:
+        """The weight's panels (the float weight itself is no longer needed)."""
+        return cls(gemm.pack(weight.detach()), weight.shape[0], gemm)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The weight's shape (out, in)."""
+        return torch.Size((self.out_features, self.packed.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the panels (the weight's, plus the last panel's padding)."""
+        return self.packed.numel() * self.packed.element_size()
+
+    def dequantize(self) -> Tensor:
+        """The (out, in) float32 weight, unpacked (exact: packing only reorders)."""
+        panels, width, panel = self.packed.shape
+        return self.packed.transpose(1, 2).reshape(panels * panel, width)[: self.out_features]
+
+    def rows(self, index: Tensor) -> Tensor:
+        """Rows `index` of the weight (an embedding lookup in a table packed as the tied LM head)."""
+        panel = self.packed.shape[2]
+        return self.packed[index // panel, :, index % panel]
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (..., in) float32 @ w.T (+ bias) -> (..., out)."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.gemm(flat if flat.is_contiguous() else flat.contiguous(), self.packed, self.out_features)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if bias is None else out + bias
+
+
+@dataclass(frozen=True)
+class PackedInt8Weight:
+    """A per-channel int8 weight (engine/layers/quant.py's Int8Weight) as int8 panels and float32
+    scales for the same kernel: float32 activations, each row on its own (batch-invariant), from
+    1.5x (prefill) to 3x (the LM head) torch's int8 kernel here (docs/BENCHMARKS.md)."""
+
+    packed: Tensor  # (ceil(out / 16), in, 16) int8
+    scales: Tensor  # (ceil(out / 16) * 16,) float32, zeros past out
+    out_features: int
+    gemm: CpuGemm
+
+    @classmethod
+    def of(cls, weight: Int8Weight, gemm: CpuGemm) -> PackedInt8Weight:
+        """The same codes and scales, packed."""
+        return cls(gemm.pack(weight.qweight), gemm.pack_scales(weight.scales), weight.shape[0], gemm)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The float weight's shape (out, in)."""
+        return torch.Size((self.out_features, self.packed.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the codes and scales."""
+        return self.packed.numel() + 4 * self.scales.numel()
+
+    def dequantize(self) -> Tensor:
+        """The float32 weight these codes stand for."""
+        panels, width, panel = self.packed.shape
+        codes = self.packed.transpose(1, 2).reshape(panels * panel, width)
+        return (codes.float() * self.scales[:, None])[: self.out_features]
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (..., in) @ w.T (+ bias) -> (..., out) float32 (float32 activations; others converted)."""
+        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+        out = self.gemm.int8(flat, self.packed, self.scales, self.out_features)
+        out = out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if bias is None else out + bias
+
+
+def use_packed_int8(model: nn.Module, gemm: CpuGemm) -> int:
+    """Every Int8Weight of the model (int8's projections and LM head, w8a8's output and down
+    projections, int4's head) becomes a PackedInt8Weight; returns how many."""
+    swapped = 0
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if type(value) is Int8Weight:
+                setattr(module, name, PackedInt8Weight.of(value, gemm))
+                swapped += 1
+    return swapped
+
+
+def use_packed_weights(model: nn.Module, gemm: CpuGemm) -> int:
+    """Pack a float32 model's projections and LM head in place (engine/models/llama.py's
+    LlamaForCausalLM); returns the bytes they take."""
+    total = replace_projections(model, lambda _name, weight: PackedWeight.pack(weight, gemm))
+    llama: Any = model
+    if llama.lm_head is not None:  # untied: the head's float weight is no longer read
+        head = PackedWeight.pack(llama.lm_head, gemm)
+        del llama.lm_head
+        llama.lm_head = None
+    else:  # tied: the lookups read the head's panels instead of a second copy of the table
+        head = PackedWeight.pack(llama.embed_tokens, gemm)
+        del llama.embed_tokens
+        llama.embed_tokens = None
+    llama.head_weight = head
+    return total + head.nbytes
