@@ -1,44 +1,46 @@
-/* y = x @ w.T on the CPU, float32, for any number of rows: the projections and LM head of a float32
- * model, over weights packed once at load time (kernels/cpu_gemm.py packs; F.linear is the reference).
+/* y = x @ w.T on the CPU for any number of rows: the projections and LM head of a float32 model
+ * (float32 weights) or of an int8 one (per-channel int8 weights), over weights packed once at load
+ * time (kernels/cpu_gemm.py packs; F.linear and reference_int8_gemm there are the references).
  *
- * The weights are stored in panels of PANEL output columns, each panel as (k, PANEL): one k step of
- * a panel is one contiguous 64-byte line. A tile of up to TILE_ROWS rows of x and one panel keeps
- * its 6 x 16 outputs in twelve AVX2 registers and, for each k, loads the panel's line once and
- * multiplies-adds it with each row's x[k] (broadcast). One to three rows take two panels at a time
- * (more independent sums in flight). On the 2-core EPYC VMs this reaches 150-175 GFLOP/s from 16
- * rows on, against 90-150 for MKL's sgemm, and what the memory gives at one row (docs/BENCHMARKS.md).
+ * The weights are stored in panels of PANEL output columns. A float32 panel is (k, PANEL): one k step
+ * is one contiguous 64-byte line. A tile of up to TILE_ROWS rows of x and one panel keeps its 6 x 16
+ * outputs in twelve AVX2 registers and, for each k, loads the panel's line once and multiplies-adds
+ * it with each row's x[k] (broadcast). One to three rows take two panels at a time (more independent
+ * sums in flight).
  *
- * Every output y[i][j] is one chain of fused multiply-adds over k = 0, 1, ..., k_len - 1 from zero,
- * whatever the number of rows, the tile a row lands in and the threads: a row's result is
- * bit-identical alone, in a batch, or in a prefill of any length (batch invariance by construction).
- * Threads (OpenMP: torch's runtime, so torch.set_num_threads applies) split the panels.
+ * int8 panels are (ceil(k / 2), PANEL, 2): one line holds two consecutive k of the 16 columns. Each
+ * row of x is first rounded to int16 codes with its own scale (max |x_row| / 32767: a relative step
+ * of 3e-5 of the row's largest value, finer than the bfloat16 activations of torch's int8 kernel),
+ * and a line is multiplied with a row's pair of codes by VNNI's dpwssd (or AVX2's madd): two exact
+ * integer products per 32-bit lane and instruction, twice the float FMA's work, with no int8 ->
+ * float conversion in the loop. The int32 sums of CHUNK_PAIRS pairs (at most 256 x 2 x 128 x 32767
+ * < 2^31) are added to float32 sums before they could overflow; each output is then that sum times
+ * its row's scale times its column's scale.
+ *
+ * Every output y[i][j] is computed in one fixed order from its own row of x, whatever the number of
+ * rows, the tile a row lands in and the threads: float32, one chain of fused multiply-adds over
+ * k = 0, 1, ..., k - 1 from zero; int8, exact integer sums per chunk, added in chunk order. So a row's
+ * result is bit-identical alone, in a batch, or in a prefill of any length (batch invariance by
+ * construction). Threads (OpenMP: torch's runtime, so torch.set_num_threads applies) split the panels.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PANEL 16
 #define TILE_ROWS 6
 #define CHUNK_BYTES (512L * 1024) /* rows of x taken per pass over the weights: ~half an L2 */
+#define QMAX 32767.0f             /* int16 activation codes: -32767..32767 */
+#define CHUNK_PAIRS 256L          /* int32 sums of at most 256 pairs of products, then float32 */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTORIZED 1
 typedef __m256 v8;
-
-/* A panel's line k as two 8-float halves: float32 panels, or int8 ones (`I8` a constant where
- * inlined) widened to floats exactly. */
-static inline __attribute__((always_inline)) void line(const void *panel, long k, v8 *lo, v8 *hi, const int I8) {
-    if (I8) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)((const int8_t *)panel + k * PANEL));
-        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
-    } else {
-        *lo = _mm256_loadu_ps((const float *)panel + k * PANEL);
-        *hi = _mm256_loadu_ps((const float *)panel + k * PANEL + 8);
-    }
-}
+typedef __m256i v8i;
 
 /* Named accumulators: GCC keeps arrays of vectors in memory, which halves the speed. */
 #define DECLARE(i) v8 c##i##a = _mm256_setzero_ps(), c##i##b = c##i##a, c##i##c = c##i##a, c##i##d = c##i##a;
@@ -55,37 +57,111 @@ static inline __attribute__((always_inline)) void line(const void *panel, long k
 #define STORE(i)                                                                                             \
     if (R > i) {                                                                                             \
         float *o = out + i * ldo;                                                                            \
-        _mm256_storeu_ps(o, I8 ? _mm256_mul_ps(c##i##a, s0) : c##i##a);                                      \
-        _mm256_storeu_ps(o + 8, I8 ? _mm256_mul_ps(c##i##b, s1) : c##i##b);                                  \
+        _mm256_storeu_ps(o, c##i##a);                                                                        \
+        _mm256_storeu_ps(o + 8, c##i##b);                                                                    \
         if (P == 2) {                                                                                        \
-            _mm256_storeu_ps(o + PANEL, I8 ? _mm256_mul_ps(c##i##c, s2) : c##i##c);                          \
-            _mm256_storeu_ps(o + PANEL + 8, I8 ? _mm256_mul_ps(c##i##d, s3) : c##i##d);                      \
+            _mm256_storeu_ps(o + PANEL, c##i##c);                                                            \
+            _mm256_storeu_ps(o + PANEL + 8, c##i##d);                                                        \
         }                                                                                                    \
     }
 
-/* out[i][j] for R rows of x (R <= TILE_ROWS) and P consecutive panels (P = 1, or 2 with R <= 3);
- * R, P and I8 are constants where inlined. int8 panels: each sum times its column's scale. */
-static inline __attribute__((always_inline)) void tile(const float *x, long k_len, const void *panel,
-                                                       const float *scales, float *out, long ldo, const int R,
-                                                       const int P, const int I8) {
+/* out[i][j] for R rows of x (R <= TILE_ROWS) and P consecutive float32 panels (P = 1, or 2 with
+ * R <= 3); R and P are constants where inlined. */
+static inline __attribute__((always_inline)) void tile_f32(const float *x, long k_len, const float *panel,
+                                                           float *out, long ldo, const int R, const int P) {
     DECLARE(0) DECLARE(1) DECLARE(2) DECLARE(3) DECLARE(4) DECLARE(5)
-    const void *next = (const char *)panel + k_len * PANEL * (I8 ? 1 : (long)sizeof(float));
+    const float *next = panel + k_len * PANEL;
     for (long k = 0; k < k_len; k++) {
-        v8 b0, b1, b2 = _mm256_setzero_ps(), b3 = b2;
-        line(panel, k, &b0, &b1, I8);
-        if (P == 2) line(next, k, &b2, &b3, I8);
+        v8 b0 = _mm256_loadu_ps(panel + k * PANEL), b1 = _mm256_loadu_ps(panel + k * PANEL + 8);
+        v8 b2 = _mm256_setzero_ps(), b3 = b2;
+        if (P == 2) {
+            b2 = _mm256_loadu_ps(next + k * PANEL);
+            b3 = _mm256_loadu_ps(next + k * PANEL + 8);
+        }
         STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
     }
-    v8 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    if (I8) {
-        s0 = _mm256_loadu_ps(scales);
-        s1 = _mm256_loadu_ps(scales + 8);
-        if (P == 2) {
-            s2 = _mm256_loadu_ps(scales + PANEL);
-            s3 = _mm256_loadu_ps(scales + PANEL + 8);
-        }
-    }
     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+}
+
+/* acc's eight int32 lanes += a.w pairwise (int16 pairs): VNNI's dpwssd where the CPU has it. No
+ * product pair overflows (|w| <= 128, |a| <= 32767), so dpwssd and madd + add agree bit for bit. */
+static inline __attribute__((always_inline)) v8i dot_pairs(v8i acc, v8i a, v8i w) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, w);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, w);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, w));
+#endif
+}
+
+/* Line t of an int8 panel (16 columns x 2 k) widened to int16: columns 0-7 and 8-15. */
+static inline __attribute__((always_inline)) void line_i8(const int8_t *panel, long t, v8i *lo, v8i *hi) {
+    const int8_t *at = panel + t * 2 * PANEL;
+    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at));
+    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + PANEL)));
+}
+
+#define IDECLARE(i)                                                                                          \
+    v8i n##i##a = _mm256_setzero_si256(), n##i##b = n##i##a, n##i##c = n##i##a, n##i##d = n##i##a;           \
+    v8 f##i##a = _mm256_setzero_ps(), f##i##b = f##i##a, f##i##c = f##i##a, f##i##d = f##i##a;
+#define ISTEP(i)                                                                                             \
+    if (R > i) {                                                                                             \
+        int32_t pair;                                                                                        \
+        memcpy(&pair, xq + i * ldx + 2 * t, sizeof pair);                                                    \
+        v8i a = _mm256_set1_epi32(pair);                                                                     \
+        n##i##a = dot_pairs(n##i##a, a, b0);                                                                 \
+        n##i##b = dot_pairs(n##i##b, a, b1);                                                                 \
+        if (P == 2) {                                                                                        \
+            n##i##c = dot_pairs(n##i##c, a, b2);                                                             \
+            n##i##d = dot_pairs(n##i##d, a, b3);                                                             \
+        }                                                                                                    \
+    }
+#define FOLD(i)                                                                                              \
+    if (R > i) {                                                                                             \
+        f##i##a = _mm256_add_ps(f##i##a, _mm256_cvtepi32_ps(n##i##a));                                       \
+        f##i##b = _mm256_add_ps(f##i##b, _mm256_cvtepi32_ps(n##i##b));                                       \
+        n##i##a = n##i##b = _mm256_setzero_si256();                                                          \
+        if (P == 2) {                                                                                        \
+            f##i##c = _mm256_add_ps(f##i##c, _mm256_cvtepi32_ps(n##i##c));                                   \
+            f##i##d = _mm256_add_ps(f##i##d, _mm256_cvtepi32_ps(n##i##d));                                   \
+            n##i##c = n##i##d = _mm256_setzero_si256();                                                      \
+        }                                                                                                    \
+    }
+#define ISTORE(i)                                                                                            \
+    if (R > i) {                                                                                             \
+        v8 r = _mm256_set1_ps(row_scales[i]);                                                                \
+        float *o = out + i * ldo;                                                                            \
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(f##i##a, r), s0));                                   \
+        _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_mul_ps(f##i##b, r), s1));                               \
+        if (P == 2) {                                                                                        \
+            _mm256_storeu_ps(o + PANEL, _mm256_mul_ps(_mm256_mul_ps(f##i##c, r), s2));                       \
+            _mm256_storeu_ps(o + PANEL + 8, _mm256_mul_ps(_mm256_mul_ps(f##i##d, r), s3));                   \
+        }                                                                                                    \
+    }
+
+/* out[i][j] for R rows of int16 codes (row stride ldx, `pairs` pairs each) and P int8 panels. */
+static inline __attribute__((always_inline)) void tile_i8(const int16_t *xq, long ldx, const float *row_scales,
+                                                          long pairs, const int8_t *panel, const float *scales,
+                                                          float *out, long ldo, const int R, const int P) {
+    IDECLARE(0) IDECLARE(1) IDECLARE(2) IDECLARE(3) IDECLARE(4) IDECLARE(5)
+    const int8_t *next = panel + pairs * 2 * PANEL;
+    for (long t0 = 0; t0 < pairs; t0 += CHUNK_PAIRS) {
+        long t1 = t0 + CHUNK_PAIRS < pairs ? t0 + CHUNK_PAIRS : pairs;
+        for (long t = t0; t < t1; t++) {
+            v8i b0, b1, b2 = _mm256_setzero_si256(), b3 = b2;
+            line_i8(panel, t, &b0, &b1);
+            if (P == 2) line_i8(next, t, &b2, &b3);
+            ISTEP(0) ISTEP(1) ISTEP(2) ISTEP(3) ISTEP(4) ISTEP(5)
+        }
+        FOLD(0) FOLD(1) FOLD(2) FOLD(3) FOLD(4) FOLD(5)
+    }
+    v8 s0 = _mm256_loadu_ps(scales), s1 = _mm256_loadu_ps(scales + 8), s2 = s0, s3 = s1;
+    if (P == 2) {
+        s2 = _mm256_loadu_ps(scales + PANEL);
+        s3 = _mm256_loadu_ps(scales + PANEL + 8);
+    }
+    ISTORE(0) ISTORE(1) ISTORE(2) ISTORE(3) ISTORE(4) ISTORE(5)
 }
 
 #else
@@ -93,98 +169,188 @@ static inline __attribute__((always_inline)) void tile(const float *x, long k_le
 
 /* The same sums one output at a time (compiled where AVX2 and FMA are missing; the engine does
  * not pack weights there, see gemm_vectorized). */
-static void tile(const float *x, long k_len, const void *panel, const float *scales, float *out, long ldo,
-                 const int R, const int P, const int I8) {
+static void tile_f32(const float *x, long k_len, const float *panel, float *out, long ldo, const int R,
+                     const int P) {
     for (int i = 0; i < R; i++)
         for (int j = 0; j < P * PANEL; j++) {
-            long first = (j / PANEL) * k_len * PANEL + j % PANEL;
+            const float *w = panel + (j / PANEL) * k_len * PANEL + j % PANEL;
             float sum = 0.0f;
-            for (long k = 0; k < k_len; k++) {
-                long at = first + k * PANEL;
-                float w = I8 ? (float)((const int8_t *)panel)[at] : ((const float *)panel)[at];
-                sum = fmaf(x[i * k_len + k], w, sum);
+            for (long k = 0; k < k_len; k++) sum = fmaf(x[i * k_len + k], w[k * PANEL], sum);
+            out[i * ldo + j] = sum;
+        }
+}
+
+static void tile_i8(const int16_t *xq, long ldx, const float *row_scales, long pairs, const int8_t *panel,
+                    const float *scales, float *out, long ldo, const int R, const int P) {
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < P * PANEL; j++) {
+            const int8_t *w = panel + (j / PANEL) * pairs * 2 * PANEL + (j % PANEL) * 2;
+            float sum = 0.0f;
+            for (long t0 = 0; t0 < pairs; t0 += CHUNK_PAIRS) {
+                int32_t chunk = 0;
+                for (long t = t0; t < t0 + CHUNK_PAIRS && t < pairs; t++)
+                    chunk += xq[i * ldx + 2 * t] * w[t * 2 * PANEL] + xq[i * ldx + 2 * t + 1] * w[t * 2 * PANEL + 1];
+                sum += (float)chunk;
             }
-            out[i * ldo + j] = I8 ? sum * scales[j] : sum;
+            out[i * ldo + j] = sum * row_scales[i] * scales[j];
         }
 }
 #endif
 
-/* R rows (1 to TILE_ROWS) by one panel, or by two when `pair` (R <= 3): the constant-shape tiles. */
-static inline __attribute__((always_inline)) void rows_by_panels(const float *x, long rows, long k_len,
-                                                                 const void *panel, const float *scales,
-                                                                 float *out, long ldo, int pair, const int I8) {
+/* R rows (1 to TILE_ROWS) by P panels (1, or 2 with R <= 3) as a constant-shape tile. `x` is float32
+ * (depth = k) or int16 pairs with `row_scales` (I8, depth = the pairs); a row takes depth * 4 bytes. */
+static inline __attribute__((always_inline)) void tile(const void *x, const float *row_scales, long depth,
+                                                       const void *panel, const float *scales, float *out,
+                                                       long ldo, const int R, const int P, const int I8) {
+    if (I8)
+        tile_i8((const int16_t *)x, 2 * depth, row_scales, depth, (const int8_t *)panel, scales, out, ldo, R, P);
+    else
+        tile_f32((const float *)x, depth, (const float *)panel, out, ldo, R, P);
+}
+
+static inline __attribute__((always_inline)) void rows_by_panels(const void *x, const float *row_scales,
+                                                                 long rows, long depth, const void *panel,
+                                                                 const float *scales, float *out, long ldo,
+                                                                 int pair, const int I8) {
+#define TILE(r, p) tile(x, row_scales, depth, panel, scales, out, ldo, r, p, I8)
     if (pair) {
         switch (rows) {
-        case 1: tile(x, k_len, panel, scales, out, ldo, 1, 2, I8); return;
-        case 2: tile(x, k_len, panel, scales, out, ldo, 2, 2, I8); return;
-        default: tile(x, k_len, panel, scales, out, ldo, 3, 2, I8); return;
+        case 1: TILE(1, 2); return;
+        case 2: TILE(2, 2); return;
+        default: TILE(3, 2); return;
         }
     }
     switch (rows) {
-    case 1: tile(x, k_len, panel, scales, out, ldo, 1, 1, I8); return;
-    case 2: tile(x, k_len, panel, scales, out, ldo, 2, 1, I8); return;
-    case 3: tile(x, k_len, panel, scales, out, ldo, 3, 1, I8); return;
-    case 4: tile(x, k_len, panel, scales, out, ldo, 4, 1, I8); return;
-    case 5: tile(x, k_len, panel, scales, out, ldo, 5, 1, I8); return;
-    default: tile(x, k_len, panel, scales, out, ldo, 6, 1, I8); return;
+    case 1: TILE(1, 1); return;
+    case 2: TILE(2, 1); return;
+    case 3: TILE(3, 1); return;
+    case 4: TILE(4, 1); return;
+    case 5: TILE(5, 1); return;
+    default: TILE(6, 1); return;
     }
+#undef TILE
 }
 
 /* Rows [r0, r1) of y for panel p (and p + 1 when `pair`); a panel past n_out's end goes through a
  * buffer so that only y's own columns are written. */
-static inline __attribute__((always_inline)) void panel_rows(const float *x, long r0, long r1, long k_len,
-                                                             const void *packed, const float *scales, long p,
-                                                             long n_out, float *y, int pair, const int I8) {
-    const void *panel = (const char *)packed + p * k_len * PANEL * (I8 ? 1 : (long)sizeof(float));
+static inline __attribute__((always_inline)) void panel_rows(const void *x, const float *row_scales, long r0,
+                                                             long r1, long depth, const void *packed,
+                                                             const float *scales, long p, long n_out, float *y,
+                                                             int pair, const int I8) {
+    const void *panel = (const char *)packed + p * depth * PANEL * (I8 ? 2 : (long)sizeof(float));
     const float *panel_scales = I8 ? scales + p * PANEL : NULL;
     long col = p * PANEL, width = (pair ? 2 : 1) * PANEL;
     for (long i = r0; i < r1; i += TILE_ROWS) {
         long rows = r1 - i < TILE_ROWS ? r1 - i : TILE_ROWS; /* <= 3 when `pair` (gemm) */
+        const void *xi = (const char *)x + i * depth * 4;
+        const float *si = I8 ? row_scales + i : NULL;
         if (col + width <= n_out) {
-            rows_by_panels(x + i * k_len, rows, k_len, panel, panel_scales, y + i * n_out + col, n_out, pair, I8);
+            rows_by_panels(xi, si, rows, depth, panel, panel_scales, y + i * n_out + col, n_out, pair, I8);
         } else {
             float buffer[TILE_ROWS * 2 * PANEL];
-            rows_by_panels(x + i * k_len, rows, k_len, panel, panel_scales, buffer, width, pair, I8);
+            rows_by_panels(xi, si, rows, depth, panel, panel_scales, buffer, width, pair, I8);
             for (long r = 0; r < rows; r++)
                 memcpy(y + (i + r) * n_out + col, buffer + r * width, (size_t)(n_out - col) * sizeof(float));
         }
     }
 }
 
-/* y (rows, n_out) = x (rows, k_len) @ w.T over the packed w (float32 panels, or int8 ones with
- * `scales` per column when I8). */
-static inline __attribute__((always_inline)) void gemm(const float *x, long rows, long k_len, const void *packed,
-                                                       const float *scales, long n_out, float *y, const int I8) {
+/* y (rows, n_out) = x @ w.T over the packed w: float32 x and panels (depth = k), or int16 codes of
+ * x with `row_scales` and int8 panels with `scales` per column (I8, depth = pairs of k). */
+static inline __attribute__((always_inline)) void gemm(const void *x, const float *row_scales, long rows,
+                                                       long depth, const void *packed, const float *scales,
+                                                       long n_out, float *y, const int I8) {
     long panels = (n_out + PANEL - 1) / PANEL;
     if (rows <= 3) { /* a decode step's few rows: two panels per tile, one pass over the weights */
         long pairs = (panels + 1) / 2;
 #pragma omp parallel for schedule(static)
         for (long q = 0; q < pairs; q++) {
             long p = 2 * q;
-            panel_rows(x, 0, rows, k_len, packed, scales, p, n_out, y, p + 1 < panels, I8);
+            panel_rows(x, row_scales, 0, rows, depth, packed, scales, p, n_out, y, p + 1 < panels, I8);
         }
         return;
     }
-    long chunk = CHUNK_BYTES / (k_len * (long)sizeof(float)) / TILE_ROWS * TILE_ROWS;
+    long chunk = CHUNK_BYTES / (depth * 4) / TILE_ROWS * TILE_ROWS;
     if (chunk < TILE_ROWS) chunk = TILE_ROWS;
     for (long r0 = 0; r0 < rows; r0 += chunk) { /* x's chunk stays in cache while the panels stream by */
         long r1 = r0 + chunk < rows ? r0 + chunk : rows;
 #pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++) panel_rows(x, r0, r1, k_len, packed, scales, p, n_out, y, 0, I8);
+        for (long p = 0; p < panels; p++)
+            panel_rows(x, row_scales, r0, r1, depth, packed, scales, p, n_out, y, 0, I8);
+    }
+}
+
+/* Row r of x (rows, k_len) as int16 codes round(x / s_r) with s_r = max(max |x_r|, FLT_MIN) / 32767,
+ * rounded half to even (torch.round's rule), 2 * pairs codes a row (a zero past k_len). A row holding
+ * a NaN or an infinity gets zero codes and the scale NaN: its outputs are NaN, as a float product's. */
+static void quantize_rows(const float *x, long rows, long k_len, long pairs, int16_t *xq, float *row_scales) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * k_len;
+        int16_t *q = xq + r * 2 * pairs;
+        float amax = 0.0f;
+        int finite = 1;
+        long k = 0;
+#if VECTORIZED
+        v8 top = _mm256_setzero_ps(), odd = top;
+        const v8 sign = _mm256_set1_ps(-0.0f);
+        for (; k + 8 <= k_len; k += 8) {
+            v8 v = _mm256_loadu_ps(xr + k);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+            odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, top);
+        for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+        finite = _mm256_movemask_ps(odd) == 0;
+#endif
+        for (; k < k_len; k++) {
+            finite = finite && !isnan(xr[k]);
+            amax = fmaxf(amax, fabsf(xr[k]));
+        }
+        memset(q, 0, (size_t)(2 * pairs) * sizeof(int16_t));
+        if (!finite || isinf(amax)) {
+            row_scales[r] = NAN;
+            continue;
+        }
+        float scale = fmaxf(amax, FLT_MIN) / QMAX;
+        row_scales[r] = scale;
+        k = 0;
+#if VECTORIZED
+        const v8 step = _mm256_set1_ps(scale);
+        for (; k + 8 <= k_len; k += 8) { /* |x / scale| <= 32767.002: in int16's range once rounded */
+            v8i c = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xr + k), step)); /* half to even */
+            __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+            _mm_storeu_si128((__m128i *)(q + k), packed);
+        }
+#endif
+        for (; k < k_len; k++) q[k] = (int16_t)nearbyintf(xr[k] / scale);
     }
 }
 
 /* y (rows, n_out) = x (rows, k_len) @ w.T, where `packed` holds w (n_out, k_len) as
  * ceil(n_out / PANEL) panels of (k_len, PANEL), zero past n_out. x and y contiguous, row-major. */
 void gemm_f32(const float *x, long rows, long k_len, const float *packed, long n_out, float *y) {
-    gemm(x, rows, k_len, packed, NULL, n_out, y, 0);
+    gemm(x, NULL, rows, k_len, packed, NULL, n_out, y, 0);
 }
 
-/* The same for per-channel int8 weights: packed int8 panels, w[j] = codes[j] * scales[j] (scales
- * padded to the panels' width). Each output is its float32 sum of x * code, times its scale. */
-void gemm_i8(const float *x, long rows, long k_len, const int8_t *packed, const float *scales, long n_out,
-             float *y) {
-    gemm(x, rows, k_len, packed, scales, n_out, y, 1);
+/* The same for per-channel int8 weights, w[j] = codes[j] * scales[j]: `packed` holds the codes as
+ * ceil(n_out / PANEL) panels of (ceil(k_len / 2), PANEL, 2), zero past n_out and k_len, `scales`
+ * is padded to the panels' width. Returns 0, or -1 when the activations' codes cannot be allocated. */
+int gemm_i8(const float *x, long rows, long k_len, const int8_t *packed, const float *scales, long n_out,
+            float *y) {
+    long pairs = (k_len + 1) / 2;
+    int16_t *xq = malloc((size_t)(rows * 2 * pairs) * sizeof(int16_t));
+    float *row_scales = malloc((size_t)rows * sizeof(float));
+    if (xq == NULL || row_scales == NULL) {
+        free(xq);
+        free(row_scales);
+        return -1;
+    }
+    quantize_rows(x, rows, k_len, pairs, xq, row_scales);
+    gemm(xq, row_scales, rows, pairs, packed, scales, n_out, y, 1);
+    free(xq);
+    free(row_scales);
+    return 0;
 }
 
 /* The OpenMP threads a parallel region here gets (tests check it follows torch.set_num_threads). */

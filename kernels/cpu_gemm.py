@@ -1,11 +1,15 @@
-"""Launcher of the CPU float32 matrix product over panel-packed weights (cpu_gemm.c; built by
-kernels/cpu_native.py).
+"""Launchers of the CPU matrix products over panel-packed weights (cpu_gemm.c; built by
+kernels/cpu_native.py): float32 weights, and per-channel int8 weights.
 
-`pack` lays a weight (n, k) out once, at load time, as ceil(n / 16) panels of (k, 16) (zeros past
-n); `CpuGemm(x, packed, n)` is then `x @ w.T` for any number of rows, each row's bits the same
-whatever the rows beside it (every output one chain of multiply-adds over k in order). Faster than
-MKL's sgemm at every row count on the VMs we measure on (1.1-1.2x for prefills, 1.4-2.3x at 16-32
-rows, 2-7x at 1-4: docs/BENCHMARKS.md). The reference is `F.linear` (tests/kernels/test_cpu_gemm.py).
+`pack` lays a float32 weight (n, k) out once, at load time, as ceil(n / 16) panels of (k, 16)
+(zeros past n); `CpuGemm(x, packed, n)` is then `x @ w.T` for any number of rows, each row's bits
+the same whatever the rows beside it (every output one chain of multiply-adds over k in order).
+The reference is `F.linear` (tests/kernels/test_cpu_gemm.py).
+
+`pack_int8` lays int8 codes (n, k) out as panels of (ceil(k / 2), 16, 2); `int8(x, packed, scales,
+n)` rounds each row of x to int16 codes with its own scale and multiplies them with the weight's
+codes in exact integer sums (two products per instruction and lane: twice float32's work per
+instruction), also each row on its own. Its exact reference is `reference_int8_gemm` below.
 """
 
 from __future__ import annotations
@@ -26,27 +30,39 @@ class CpuGemm:
         self._gemm.restype = None
         self._gemm_i8 = library.gemm_i8  # (x, rows, k, packed, scales, n, y)
         self._gemm_i8.argtypes = [_P, _L, _L, _P, _P, _L, _P]
-        self._gemm_i8.restype = None
+        self._gemm_i8.restype = ctypes.c_int
         self._threads = library.gemm_max_threads
         self._threads.restype = ctypes.c_int
         self.panel = int(library.gemm_panel_width())
         self.vectorized = bool(library.gemm_vectorized())  # False: correct scalar sums, too slow to use
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """(n, k) float32 or int8 -> (ceil(n / panel), k, panel), contiguous, zero past row n."""
-        if (
-            weight.dtype not in (torch.float32, torch.int8)
-            or weight.dim() != 2
-            or weight.device.type != "cpu"
-        ):
-            raise ValueError(
-                f"packs a 2-D float32 or int8 CPU weight, got {tuple(weight.shape)} {weight.dtype}"
-            )
+        """(n, k) float32 -> (ceil(n / panel), k, panel), contiguous, zero past row n."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"packs a 2-D float32 CPU weight, got {tuple(weight.shape)} {weight.dtype}")
         n, k = weight.shape
         panels = -(-n // self.panel)
         padded = weight.new_zeros(panels * self.panel, k)
         padded[:n] = weight
         return padded.view(panels, self.panel, k).transpose(1, 2).contiguous()
+
+    def pack_int8(self, codes: torch.Tensor) -> torch.Tensor:
+        """(n, k) int8 codes -> (ceil(n / panel), ceil(k / 2), 2 * panel): each line two consecutive
+        inputs of the panel's columns, zero past row n and column k."""
+        if codes.dtype != torch.int8 or codes.dim() != 2 or codes.device.type != "cpu":
+            raise ValueError(f"packs 2-D int8 CPU codes, got {tuple(codes.shape)} {codes.dtype}")
+        n, k = codes.shape
+        panels, pairs = -(-n // self.panel), -(-k // 2)
+        padded = codes.new_zeros(panels * self.panel, 2 * pairs)
+        padded[:n, :k] = codes
+        lines = padded.view(panels, self.panel, pairs, 2).permute(0, 2, 1, 3)
+        return lines.reshape(panels, pairs, 2 * self.panel).contiguous()
+
+    def unpack_int8(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """The (n, k) codes `pack_int8` laid out (exact: packing only reorders)."""
+        panels, pairs, _ = packed.shape
+        lines = packed.view(panels, pairs, self.panel, 2).permute(0, 2, 1, 3)
+        return lines.reshape(panels * self.panel, 2 * pairs)[:n, :k]
 
     def pack_scales(self, scales: torch.Tensor) -> torch.Tensor:
         """Per-channel scales (n,) as float32, padded to the panels' width (zeros past n)."""
@@ -59,22 +75,38 @@ class CpuGemm:
         """x (rows, k) @ w.T -> (rows, n) float32, `packed` = pack(w) of a float32 w with n rows."""
         if packed.dtype != torch.float32:
             raise ValueError(f"the CPU gemm takes float32 panels, got {packed.dtype}")
-        return self._run(x, packed, None, n)
+        self._check(x, packed, n, self.panel, x.shape[-1])
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        if x.shape[0] and n and x.shape[1]:
+            self._gemm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, y.data_ptr())
+        elif x.shape[0] and n:
+            y.zero_()
+        return y
 
     def int8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-        """x (rows, k) @ (codes * scales[:, None]).T -> (rows, n) float32, `packed` = pack(codes) of
-        int8 codes (n, k) and `scales` = pack_scales(per-channel scales)."""
+        """x (rows, k) @ (codes * scales[:, None]).T -> (rows, n) float32, `packed` = pack_int8(codes)
+        of int8 codes (n, k) and `scales` = pack_scales(per-channel scales); x rounded to int16 per row
+        (`reference_int8_gemm` gives the same bits)."""
         if packed.dtype != torch.int8 or scales.dtype != torch.float32:
             raise ValueError(
                 f"the int8 gemm takes int8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
             )
         if scales.dim() != 1 or scales.shape[0] != packed.shape[0] * self.panel or not scales.is_contiguous():
             raise ValueError(f"scales {tuple(scales.shape)} do not fit panels {tuple(packed.shape)}")
-        return self._run(x, packed, scales, n)
+        self._check(x, packed, n, 2 * self.panel, -(-x.shape[-1] // 2))
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        if x.shape[0] and n and x.shape[1]:
+            failed = self._gemm_i8(
+                x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(), n, y.data_ptr()
+            )
+            if failed:
+                raise MemoryError(f"no memory for the int16 codes of a ({x.shape[0]}, {x.shape[1]}) input")
+        elif x.shape[0] and n:
+            y.zero_()
+        return y
 
-    def _run(
-        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None, n: int
-    ) -> torch.Tensor:
+    def _check(self, x: torch.Tensor, packed: torch.Tensor, n: int, line: int, depth: int) -> None:
+        """x (rows, k) float32 fits panels (ceil(n / panel), depth, line), all contiguous CPU tensors."""
         if x.dtype != torch.float32:
             raise ValueError(f"the CPU gemm takes float32 activations, got {x.dtype}")
         if x.device.type != "cpu" or packed.device.type != "cpu":
@@ -82,8 +114,8 @@ class CpuGemm:
         if (
             x.dim() != 2
             or packed.dim() != 3
-            or packed.shape[2] != self.panel
-            or packed.shape[1] != x.shape[1]
+            or packed.shape[2] != line
+            or packed.shape[1] != depth
             or not 0 <= n <= packed.shape[0] * self.panel
             or n <= (packed.shape[0] - 1) * self.panel
         ):
@@ -92,18 +124,25 @@ class CpuGemm:
             )
         if not (x.is_contiguous() and packed.is_contiguous()):
             raise ValueError("the CPU gemm takes contiguous tensors")
-        rows = x.shape[0]
-        y = torch.empty((rows, n), dtype=torch.float32)
-        if rows and n and x.shape[1] and scales is not None:
-            self._gemm_i8(
-                x.data_ptr(), rows, x.shape[1], packed.data_ptr(), scales.data_ptr(), n, y.data_ptr()
-            )
-        elif rows and n and x.shape[1]:
-            self._gemm(x.data_ptr(), rows, x.shape[1], packed.data_ptr(), n, y.data_ptr())
-        elif rows and n:
-            y.zero_()
-        return y
 
     def max_threads(self) -> int:
         """The threads one call runs on (torch's OpenMP runtime: torch.set_num_threads)."""
         return int(self._threads())
+
+
+def reference_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What `CpuGemm.int8` computes, bit for bit, in torch: x (rows, k) float32 rounded per row to
+    int16 codes (scale max(max |x_row|, tiny) / 32767, half to even), exact integer sums with the
+    (n, k) codes over chunks of 512 inputs, each chunk's sum added in float32 in order, then times the
+    row's scale and the column's (n,) float32 scale. Rows holding a NaN or an infinity give NaN."""
+    rows = x.float()
+    row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 32767
+    x_codes = torch.round(rows / row_scale).to(torch.int64)
+    w_codes = codes.to(torch.int64)
+    sums = torch.zeros(x.shape[0], codes.shape[0], dtype=torch.float32)
+    for start in range(0, x.shape[1], 512):
+        sums += (x_codes[:, start : start + 512] @ w_codes[:, start : start + 512].T).float()
+    out = sums * row_scale * scales.float()
+    bad = ~torch.isfinite(rows).all(dim=1)
+    out[bad] = float("nan")
+    return out

@@ -70,37 +70,44 @@ class PackedWeight:
 @dataclass(frozen=True)
 class PackedInt8Weight:
     """A per-channel int8 weight (engine/layers/quant.py's Int8Weight) as int8 panels and float32
-    scales for the same kernel: float32 activations, each row on its own (batch-invariant), from
-    1.5x (prefill) to 3x (the LM head) torch's int8 kernel here (docs/BENCHMARKS.md)."""
+    scales for the same kernel: each row of activations rounded to int16 codes with its own scale
+    and multiplied in exact integer sums (twice float32's products per instruction: the int8 model
+    outruns the float32 one where products are compute-bound, from ~8 rows on), each row on its own
+    (batch-invariant). kernels/cpu_gemm.py's `reference_int8_gemm` is its exact reference."""
 
-    packed: Tensor  # (ceil(out / 16), in, 16) int8
+    packed: Tensor  # (ceil(out / 16), ceil(in / 2), 32) int8
     scales: Tensor  # (ceil(out / 16) * 16,) float32, zeros past out
     out_features: int
+    in_features: int
     gemm: CpuGemm
 
     @classmethod
     def of(cls, weight: Int8Weight, gemm: CpuGemm) -> PackedInt8Weight:
         """The same codes and scales, packed."""
-        return cls(gemm.pack(weight.qweight), gemm.pack_scales(weight.scales), weight.shape[0], gemm)
+        out_features, in_features = weight.shape
+        packed = gemm.pack_int8(weight.qweight)
+        return cls(packed, gemm.pack_scales(weight.scales), out_features, in_features, gemm)
 
     @property
     def shape(self) -> torch.Size:
         """The float weight's shape (out, in)."""
-        return torch.Size((self.out_features, self.packed.shape[1]))
+        return torch.Size((self.out_features, self.in_features))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the codes and scales."""
         return self.packed.numel() + 4 * self.scales.numel()
 
+    def codes(self) -> Tensor:
+        """The (out, in) int8 codes, unpacked."""
+        return self.gemm.unpack_int8(self.packed, self.out_features, self.in_features)
+
     def dequantize(self) -> Tensor:
         """The float32 weight these codes stand for."""
-        panels, width, panel = self.packed.shape
-        codes = self.packed.transpose(1, 2).reshape(panels * panel, width)
-        return (codes.float() * self.scales[:, None])[: self.out_features]
+        return self.codes().float() * self.scales[: self.out_features, None]
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x (..., in) @ w.T (+ bias) -> (..., out) float32 (float32 activations; others converted)."""
+        """x (..., in) @ w.T (+ bias) -> (..., out) in x's dtype (computed from float32 activations)."""
         flat = x.reshape(-1, x.shape[-1]).float().contiguous()
         out = self.gemm.int8(flat, self.packed, self.scales, self.out_features)
         out = out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -1,5 +1,5 @@
-"""The C float32 product over packed weights (kernels/cpu_gemm.c) against F.linear, its row
-invariance, its packing, and what it refuses."""
+"""The C products over packed weights (kernels/cpu_gemm.c): float32 against F.linear, int8 against
+its exact reference; their row invariance, their packing, and what they refuse."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from engine.config import kernel_cache_dir
 from kernels import cpu_native
+from kernels.cpu_gemm import reference_int8_gemm
 
 KERNELS = cpu_native.load(kernel_cache_dir())
 GEMM = None if KERNELS is None else KERNELS.gemm
@@ -104,3 +105,105 @@ def test_gemm_refuses_what_it_cannot_read() -> None:
         GEMM.pack(torch.randn(4, 4, dtype=torch.float16))
     assert GEMM(torch.randn(0, 8), packed, 20).shape == (0, 20)
     assert torch.equal(GEMM(torch.randn(3, 0), GEMM.pack(torch.randn(5, 0)), 5), torch.zeros(3, 5))
+
+
+def _int8_case(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    return x, codes, torch.rand(n, generator=gen) + 0.01
+
+
+@needs_gemm
+@pytest.mark.parametrize(
+    ("rows", "k", "n"),
+    [
+        (1, 576, 960),  # one row: two panels per tile
+        (2, 64, 17),  # a pair whose second panel is partial
+        (3, 7, 16),  # odd k: the last pair padded with a zero
+        (4, 100, 33),
+        (13, 1537, 130),  # three chunks of 512 inputs, the last one short
+        (300, 20, 40),  # several row chunks
+        (1, 1, 1),
+        (40, 1536, 576),
+    ],
+)
+def test_int8_gemm_is_its_reference_bit_for_bit(rows: int, k: int, n: int) -> None:
+    assert GEMM is not None
+    x, codes, scales = _int8_case(rows, k, n, rows * 1000 + k + n)
+    packed = GEMM.pack_int8(codes)
+    assert packed.shape == (-(-n // 16), -(-k // 2), 32)
+    assert torch.equal(GEMM.unpack_int8(packed, n, k), codes)
+    got = GEMM.int8(x, packed, GEMM.pack_scales(scales), n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.equal(got, reference_int8_gemm(x, codes, scales))
+    exact = x.double() @ (codes.double() * scales.double()[:, None]).T
+    assert (got.double() - exact).norm() / exact.norm() < 1e-4  # int16 activations: ~3e-5
+
+
+@needs_gemm
+def test_int8_sums_of_the_largest_codes_do_not_overflow() -> None:
+    """Every product at its largest (|x| at the row's maximum, codes -128) over 4,096 inputs: the
+    int32 sums of 512 inputs stay below 2^31 and the total is exact."""
+    assert GEMM is not None
+    x = torch.full((2, 4096), 3.0)
+    x[1] = -3.0
+    codes = torch.full((16, 4096), -128, dtype=torch.int8)
+    scales = torch.ones(16)
+    got = GEMM.int8(x, GEMM.pack_int8(codes), GEMM.pack_scales(scales), 16)
+    want = torch.tensor([-4096 * 128 * 3.0, 4096 * 128 * 3.0])[:, None].expand(2, 16)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.equal(got, reference_int8_gemm(x, codes, scales))
+
+
+@needs_gemm
+def test_an_int8_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads() -> None:
+    assert GEMM is not None
+    x, codes, scales = _int8_case(200, 130, 301, 11)
+    packed, padded = GEMM.pack_int8(codes), GEMM.pack_scales(scales)
+    alone = torch.cat([GEMM.int8(x[i : i + 1].contiguous(), packed, padded, 301) for i in range(200)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start, rows in ((0, 2), (0, 3), (0, 4), (5, 7), (0, 13), (17, 64), (0, 200)):
+                got = GEMM.int8(x[start : start + rows].contiguous(), packed, padded, 301)
+                assert torch.equal(got, alone[start : start + rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_gemm
+def test_an_int8_row_holding_a_nan_or_an_infinity_gives_nan_and_leaves_the_others() -> None:
+    assert GEMM is not None
+    x, codes, scales = _int8_case(4, 37, 20, 5)
+    x[1, 36] = float("nan")  # in the scalar tail
+    x[2, 3] = float("inf")  # in the vectorized part
+    got = GEMM.int8(x, GEMM.pack_int8(codes), GEMM.pack_scales(scales), 20)
+    assert got[1].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[[0, 3]], reference_int8_gemm(x[[0, 3]], codes, scales))
+    zeros = GEMM.int8(torch.zeros(1, 37), GEMM.pack_int8(codes), GEMM.pack_scales(scales), 20)
+    assert torch.equal(zeros, torch.zeros(1, 20))  # an all-zero row: scale clamped, codes zero
+
+
+@needs_gemm
+def test_int8_gemm_refuses_what_it_cannot_read() -> None:
+    assert GEMM is not None
+    codes = torch.randint(-127, 128, (20, 9), dtype=torch.int8)
+    packed, scales = GEMM.pack_int8(codes), GEMM.pack_scales(torch.rand(20))
+    with pytest.raises(ValueError, match="int8 panels"):
+        GEMM.int8(torch.randn(2, 9), packed.float(), scales, 20)
+    with pytest.raises(ValueError, match="scales"):
+        GEMM.int8(torch.randn(2, 9), packed, scales[:16], 20)
+    with pytest.raises(ValueError, match="shapes"):
+        GEMM.int8(torch.randn(2, 11), packed, scales, 20)  # 6 pairs of inputs, the panels hold 5
+    with pytest.raises(ValueError, match="float32 activations"):
+        GEMM.int8(torch.randn(2, 9, dtype=torch.bfloat16), packed, scales, 20)
+    with pytest.raises(ValueError, match="2-D int8"):
+        GEMM.pack_int8(codes.float())
+    with pytest.raises(ValueError, match="2-D float32"):
+        GEMM.pack(codes)
+    assert GEMM.int8(torch.randn(0, 9), packed, scales, 20).shape == (0, 20)
+    empty = GEMM.pack_int8(torch.zeros(5, 0, dtype=torch.int8))
+    got = GEMM.int8(torch.randn(3, 0), empty, GEMM.pack_scales(torch.rand(5)), 5)
+    assert torch.equal(got, torch.zeros(3, 5))
