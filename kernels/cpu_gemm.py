@@ -15,6 +15,7 @@ instruction), also each row on its own. Its exact reference is `reference_int8_g
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -73,61 +74,83 @@ class CpuGemm:
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """x (rows, k) @ w.T -> (rows, n) float32, `packed` = pack(w) of a float32 w with n rows."""
-        if packed.dtype != torch.float32:
-            raise ValueError(f"the CPU gemm takes float32 panels, got {packed.dtype}")
-        self._check(x, packed, n, self.panel, x.shape[-1])
-        y = torch.empty((x.shape[0], n), dtype=torch.float32)
-        if x.shape[0] and n and x.shape[1]:
-            self._gemm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, y.data_ptr())
-        elif x.shape[0] and n:
-            y.zero_()
-        return y
+        return self.bind(packed, n)(x)
 
     def int8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
         """x (rows, k) @ (codes * scales[:, None]).T -> (rows, n) float32, `packed` = pack_int8(codes)
         of int8 codes (n, k) and `scales` = pack_scales(per-channel scales); x rounded to int16 per row
         (`reference_int8_gemm` gives the same bits)."""
+        return self.bind_int8(packed, scales, n, x.shape[-1])(x)
+
+    def bind(self, packed: torch.Tensor, n: int) -> PanelProduct:
+        """The product with one float32 packed weight, checked now (its calls check only x)."""
+        if packed.dtype != torch.float32:
+            raise ValueError(f"the CPU gemm takes float32 panels, got {packed.dtype}")
+        self._check_panels(packed, n, self.panel)
+        return PanelProduct(self._gemm, (packed,), packed.shape[1], n)
+
+    def bind_int8(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> PanelProduct:
+        """The product with one int8 packed weight of k inputs and its padded scales, checked now."""
         if packed.dtype != torch.int8 or scales.dtype != torch.float32:
             raise ValueError(
                 f"the int8 gemm takes int8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
             )
         if scales.dim() != 1 or scales.shape[0] != packed.shape[0] * self.panel or not scales.is_contiguous():
             raise ValueError(f"scales {tuple(scales.shape)} do not fit panels {tuple(packed.shape)}")
-        self._check(x, packed, n, 2 * self.panel, -(-x.shape[-1] // 2))
-        y = torch.empty((x.shape[0], n), dtype=torch.float32)
-        if x.shape[0] and n and x.shape[1]:
-            failed = self._gemm_i8(
-                x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(), n, y.data_ptr()
-            )
-            if failed:
-                raise MemoryError(f"no memory for the int16 codes of a ({x.shape[0]}, {x.shape[1]}) input")
-        elif x.shape[0] and n:
-            y.zero_()
-        return y
+        self._check_panels(packed, n, 2 * self.panel)
+        if packed.shape[1] != -(-k // 2):
+            raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs")
+        return PanelProduct(self._gemm_i8, (packed, scales), k, n)
 
-    def _check(self, x: torch.Tensor, packed: torch.Tensor, n: int, line: int, depth: int) -> None:
-        """x (rows, k) float32 fits panels (ceil(n / panel), depth, line), all contiguous CPU tensors."""
-        if x.dtype != torch.float32:
-            raise ValueError(f"the CPU gemm takes float32 activations, got {x.dtype}")
-        if x.device.type != "cpu" or packed.device.type != "cpu":
+    def _check_panels(self, packed: torch.Tensor, n: int, line: int) -> None:
+        """Panels (ceil(n / panel), depth, line), contiguous, on the CPU."""
+        if packed.device.type != "cpu":
             raise ValueError("the CPU gemm takes CPU tensors")
         if (
-            x.dim() != 2
-            or packed.dim() != 3
+            packed.dim() != 3
             or packed.shape[2] != line
-            or packed.shape[1] != depth
             or not 0 <= n <= packed.shape[0] * self.panel
             or n <= (packed.shape[0] - 1) * self.panel
         ):
-            raise ValueError(
-                f"shapes do not multiply: x {tuple(x.shape)} @ packed {tuple(packed.shape)} for {n} outputs"
-            )
-        if not (x.is_contiguous() and packed.is_contiguous()):
+            raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {n} outputs")
+        if not packed.is_contiguous():
             raise ValueError("the CPU gemm takes contiguous tensors")
 
     def max_threads(self) -> int:
         """The threads one call runs on (torch's OpenMP runtime: torch.set_num_threads)."""
         return int(self._threads())
+
+
+class PanelProduct:
+    """`x @ w.T` for one packed weight whose panels were checked once (CpuGemm.bind / bind_int8): a
+    call checks only x, which must be (rows, k) float32, contiguous, on the CPU. A decode step makes
+    ~120 of these calls: the weight's checks cost more than the product of a small one."""
+
+    __slots__ = ("_kernel", "_pointers", "_weight", "k", "n")
+
+    def __init__(self, kernel: Any, weight: tuple[torch.Tensor, ...], k: int, n: int) -> None:
+        # gemm_f32 (x, rows, k, packed, n, y) or gemm_i8 (x, rows, k, packed, scales, n, y)
+        self._kernel = kernel
+        self._weight = weight  # kept alive: the kernel reads them by address
+        self._pointers = tuple(t.data_ptr() for t in weight)
+        self.k, self.n = k, n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, k) -> (rows, n) float32."""
+        if x.dtype != torch.float32:
+            raise ValueError(f"the CPU gemm takes float32 activations, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"shapes do not multiply: x {tuple(x.shape)} @ a weight of {self.k} inputs")
+        if not x.is_contiguous() or not x.is_cpu:
+            raise ValueError("the CPU gemm takes contiguous CPU tensors")
+        rows, k = x.shape
+        y = torch.empty((rows, self.n), dtype=torch.float32)
+        if rows and self.n and k:
+            if self._kernel(x.data_ptr(), rows, k, *self._pointers, self.n, y.data_ptr()):
+                raise MemoryError(f"no memory for the int16 codes of a ({rows}, {k}) input")
+        elif rows and self.n:
+            y.zero_()
+        return y
 
 
 def reference_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

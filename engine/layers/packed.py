@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.layers.quant import Int8Weight, replace_projections
-from kernels.cpu_gemm import CpuGemm
+from kernels.cpu_gemm import CpuGemm, PanelProduct
 
 Tensor = torch.Tensor
 
@@ -33,11 +33,13 @@ class PackedWeight:
     packed: Tensor
     out_features: int
     gemm: CpuGemm
+    product: PanelProduct  # the kernel's call for these panels, checked once
 
     @classmethod
     def pack(cls, weight: Tensor, gemm: CpuGemm) -> PackedWeight:
         """The weight's panels (the float weight itself is no longer needed)."""
-        return cls(gemm.pack(weight.detach()), weight.shape[0], gemm)
+        packed = gemm.pack(weight.detach())
+        return cls(packed, weight.shape[0], gemm, gemm.bind(packed, weight.shape[0]))
 
     @property
     def shape(self) -> torch.Size:
@@ -61,10 +63,7 @@ class PackedWeight:
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x (..., in) float32 @ w.T (+ bias) -> (..., out)."""
-        flat = x.reshape(-1, x.shape[-1])
-        out = self.gemm(flat if flat.is_contiguous() else flat.contiguous(), self.packed, self.out_features)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if bias is None else out + bias
+        return _product(self.product, x, bias)
 
 
 @dataclass(frozen=True)
@@ -80,13 +79,15 @@ class PackedInt8Weight:
     out_features: int
     in_features: int
     gemm: CpuGemm
+    product: PanelProduct  # the kernel's call for these panels and scales, checked once
 
     @classmethod
     def of(cls, weight: Int8Weight, gemm: CpuGemm) -> PackedInt8Weight:
         """The same codes and scales, packed."""
         out_features, in_features = weight.shape
-        packed = gemm.pack_int8(weight.qweight)
-        return cls(packed, gemm.pack_scales(weight.scales), out_features, in_features, gemm)
+        packed, scales = gemm.pack_int8(weight.qweight), gemm.pack_scales(weight.scales)
+        product = gemm.bind_int8(packed, scales, out_features, in_features)
+        return cls(packed, scales, out_features, in_features, gemm, product)
 
     @property
     def shape(self) -> torch.Size:
@@ -108,10 +109,23 @@ class PackedInt8Weight:
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x (..., in) @ w.T (+ bias) -> (..., out) in x's dtype (computed from float32 activations)."""
-        flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-        out = self.gemm.int8(flat, self.packed, self.scales, self.out_features)
-        out = out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return out if bias is None else out + bias
+        return _product(self.product, x, bias)
+
+
+def _product(product: PanelProduct, x: Tensor, bias: Tensor | None) -> Tensor:
+    """product(x) over x's last dimension, in x's dtype (+ bias). A decode step makes ~120 of these
+    calls: the common case (2-D contiguous float32) takes no reshape, conversion or copy."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out = product(flat)
+    if x.dim() != 2:
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out if bias is None else out + bias
 
 
 def use_packed_int8(model: nn.Module, gemm: CpuGemm) -> int:

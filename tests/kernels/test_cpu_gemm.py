@@ -199,6 +199,12 @@ def test_int8_gemm_refuses_what_it_cannot_read() -> None:
         GEMM.int8(torch.randn(2, 11), packed, scales, 20)  # 6 pairs of inputs, the panels hold 5
     with pytest.raises(ValueError, match="float32 activations"):
         GEMM.int8(torch.randn(2, 9, dtype=torch.bfloat16), packed, scales, 20)
+    product = GEMM.bind_int8(packed, scales, 20, 9)  # checked once; its calls check x alone
+    with pytest.raises(ValueError, match="shapes"):
+        product(torch.randn(2, 10))  # 10 inputs fill the 5 pairs, but the weight has 9
+    with pytest.raises(ValueError, match="contiguous"):
+        product(torch.randn(9, 2).t())
+    assert torch.equal(product(x := torch.randn(2, 9)), reference_int8_gemm(x, codes, scales[:20]))
     with pytest.raises(ValueError, match="2-D int8"):
         GEMM.pack_int8(codes.float())
     with pytest.raises(ValueError, match="2-D float32"):
