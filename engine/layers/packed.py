@@ -70,8 +70,8 @@ class PackedWeight:
 class PackedInt8Weight:
     """A per-channel int8 weight (engine/layers/quant.py's Int8Weight) as int8 panels and float32
     scales for the same kernel: each row of activations rounded to int16 codes with its own scale
-    and multiplied in exact integer sums (twice float32's products per instruction: the int8 model
-    outruns the float32 one where products are compute-bound, from ~8 rows on), each row on its own
+    and multiplied in exact integer sums (a quarter of float32's bytes at a few rows, twice its
+    products per instruction where products are compute-bound), each row on its own
     (batch-invariant). kernels/cpu_gemm.py's `reference_int8_gemm` is its exact reference."""
 
     packed: Tensor  # (ceil(out / 16), ceil(in / 2), 32) int8

@@ -3,6 +3,8 @@ its exact reference; their row invariance, their packing, and what they refuse."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,24 +51,28 @@ def test_the_chunks_of_a_long_prefill_cover_every_row() -> None:
     torch.testing.assert_close(GEMM(x, GEMM.pack(w), 40), F.linear(x, w), rtol=1e-4, atol=1e-3)
 
 
+def _rows_keep_their_bits(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """Each window of x's rows, on 1 and 2 threads, gives the rows' bits when computed one by one."""
+    assert GEMM is not None
+    alone = torch.cat([product(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert GEMM.max_threads() == count  # torch's OpenMP runtime, shared
+            for start, rows in ((0, 2), (0, 3), (0, 4), (5, 7), (0, 13), (17, 64), (0, x.shape[0])):
+                assert torch.equal(product(x[start : start + rows].contiguous()), alone[start : start + rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_gemm
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads() -> None:
     """Batch invariance by construction: every output is one chain of multiply-adds over k."""
     assert GEMM is not None
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(260, 200, generator=gen), torch.randn(301, 200, generator=gen)
-    packed = GEMM.pack(w)
-    alone = torch.cat([GEMM(x[i : i + 1].contiguous(), packed, 301) for i in range(260)])
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            assert GEMM.max_threads() == count  # torch's OpenMP runtime, shared
-            for start, rows in ((0, 2), (0, 3), (0, 4), (5, 7), (0, 13), (17, 64), (0, 260)):
-                got = GEMM(x[start : start + rows].contiguous(), packed, 301)
-                assert torch.equal(got, alone[start : start + rows])
-    finally:
-        torch.set_num_threads(threads)
+    _rows_keep_their_bits(GEMM.bind(GEMM.pack(w), 301), x)
 
 
 @needs_gemm
@@ -158,19 +164,10 @@ def test_int8_sums_of_the_largest_codes_do_not_overflow() -> None:
 
 @needs_gemm
 def test_an_int8_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads() -> None:
+    """Exact integer sums per chunk, added in chunk order: the same bits in any batch."""
     assert GEMM is not None
     x, codes, scales = _int8_case(200, 130, 301, 11)
-    packed, padded = GEMM.pack_int8(codes), GEMM.pack_scales(scales)
-    alone = torch.cat([GEMM.int8(x[i : i + 1].contiguous(), packed, padded, 301) for i in range(200)])
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            for start, rows in ((0, 2), (0, 3), (0, 4), (5, 7), (0, 13), (17, 64), (0, 200)):
-                got = GEMM.int8(x[start : start + rows].contiguous(), packed, padded, 301)
-                assert torch.equal(got, alone[start : start + rows])
-    finally:
-        torch.set_num_threads(threads)
+    _rows_keep_their_bits(GEMM.bind_int8(GEMM.pack_int8(codes), GEMM.pack_scales(scales), 301, 130), x)
 
 
 @needs_gemm
