@@ -289,8 +289,8 @@ static void quantize_rows(const float *x, long rows, long k_len, long pairs, int
             finite = finite && !isnan(xr[k]);
             amax = fmaxf(amax, fabsf(xr[k]));
         }
-        memset(q, 0, (size_t)(2 * pairs) * sizeof(int16_t));
         if (!finite || isinf(amax)) {
+            memset(q, 0, (size_t)(2 * pairs) * sizeof(int16_t));
             row_scales[r] = NAN;
             continue;
         }
@@ -306,6 +306,7 @@ static void quantize_rows(const float *x, long rows, long k_len, long pairs, int
         }
 #endif
         for (; k < k_len; k++) q[k] = (int16_t)nearbyintf(xr[k] / scale);
+        if (k_len < 2 * pairs) q[k_len] = 0; /* an odd k's last pair */
     }
 }
 
