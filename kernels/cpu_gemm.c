@@ -35,6 +35,8 @@
 #define CHUNK_BYTES (512L * 1024) /* rows of x taken per pass over the weights: ~half an L2 */
 #define QMAX 32767.0f             /* int16 activation codes: -32767..32767 */
 #define CHUNK_PAIRS 256L          /* int32 sums of at most 256 pairs of products, then float32 */
+#define W8A8_MAX_K 65536L         /* w8a8: 255 x 127 x 65,536 < 2^31, one int32 sum per output */
+enum { F32 = 0, I16 = 1, W8 = 2 }; /* float32 x and w; int16 x, int8 w; int8 x and w (w8a8) */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -145,8 +147,59 @@ static inline __attribute__((always_inline)) void tile_i8(const int16_t *xq, lon
     ISTORE(0) ISTORE(1) ISTORE(2) ISTORE(3) ISTORE(4) ISTORE(5)
 }
 
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define VNNI 1
+
+/* acc's eight int32 lanes += the four products of each lane's bytes, w unsigned, a signed. */
+static inline __attribute__((always_inline)) v8i dot_quads(v8i acc, v8i w, v8i a) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, a);
+#else
+    return _mm256_dpbusd_epi32(acc, w, a);
+#endif
+}
+
+#define QDECLARE(i) v8i m##i##a = _mm256_setzero_si256(), m##i##b = m##i##a;
+#define QSTEP(i)                                                                                             \
+    if (R > i) {                                                                                             \
+        int32_t quad;                                                                                        \
+        memcpy(&quad, xq + i * ldx + 4 * t, sizeof quad);                                                    \
+        v8i a = _mm256_set1_epi32(quad);                                                                     \
+        m##i##a = dot_quads(m##i##a, b0, a);                                                                 \
+        m##i##b = dot_quads(m##i##b, b1, a);                                                                 \
+    }
+#define QSTORE(i)                                                                                            \
+    if (R > i) {                                                                                             \
+        v8i c = _mm256_set1_epi32(128 * row_sums[i]);                                                        \
+        v8 r = _mm256_set1_ps(row_scales[i]);                                                                \
+        v8 da = _mm256_cvtepi32_ps(_mm256_sub_epi32(m##i##a, c)), db = _mm256_cvtepi32_ps(_mm256_sub_epi32(m##i##b, c)); \
+        _mm256_storeu_ps(out + i * ldo, _mm256_mul_ps(_mm256_mul_ps(da, r), s0));                            \
+        _mm256_storeu_ps(out + i * ldo + 8, _mm256_mul_ps(_mm256_mul_ps(db, r), s1));                        \
+    }
+
+/* out[i][j] for R rows of int8 codes (row stride ldx, `quads` groups of 4) and one w8a8 panel: its
+ * codes stored + 128 (unsigned, as dpbusd takes them), so each sum holds 128 x the row's code sum
+ * too, taken off before the scales. */
+static inline __attribute__((always_inline)) void tile_w8(const int8_t *xq, long ldx, const float *row_scales,
+                                                          const int32_t *row_sums, long quads,
+                                                          const uint8_t *panel, const float *scales, float *out,
+                                                          long ldo, const int R) {
+    QDECLARE(0) QDECLARE(1) QDECLARE(2) QDECLARE(3) QDECLARE(4) QDECLARE(5)
+    for (long t = 0; t < quads; t++) {
+        v8i b0 = _mm256_loadu_si256((const __m256i *)(panel + t * 4 * PANEL));
+        v8i b1 = _mm256_loadu_si256((const __m256i *)(panel + t * 4 * PANEL + 32));
+        QSTEP(0) QSTEP(1) QSTEP(2) QSTEP(3) QSTEP(4) QSTEP(5)
+    }
+    v8 s0 = _mm256_loadu_ps(scales), s1 = _mm256_loadu_ps(scales + 8);
+    QSTORE(0) QSTORE(1) QSTORE(2) QSTORE(3) QSTORE(4) QSTORE(5)
+}
+#else
+#define VNNI 0 /* no dpbusd: gemm_w8a8 refuses, the engine keeps torch's integer product */
+#endif
+
 #else
 #define VECTORIZED 0
+#define VNNI 0
 
 /* The same sums one output at a time (compiled where AVX2 and FMA are missing; the engine does
  * not pack weights there, see gemm_vectorized). */
@@ -178,23 +231,36 @@ static void tile_i8(const int16_t *xq, long ldx, const float *row_scales, long p
 }
 #endif
 
+/* Per row of x after quantization (I16, W8): its scale, and (W8) the sum of its codes. */
+typedef struct {
+    const float *scales;
+    const int32_t *sums;
+} RowCodes;
+
+static inline RowCodes rows_from(RowCodes q, long i) {
+    return (RowCodes){q.scales ? q.scales + i : NULL, q.sums ? q.sums + i : NULL};
+}
+
 /* R rows (1 to TILE_ROWS) by P panels (1, or 2 with R <= 3: float32 only) as a constant-shape tile.
- * `x` is float32 (depth = k) or int16 pairs with `row_scales` (I8, depth = the pairs); a row takes
- * depth * 4 bytes. */
-static inline __attribute__((always_inline)) void tile(const void *x, const float *row_scales, long depth,
-                                                       const void *panel, const float *scales, float *out,
-                                                       long ldo, const int R, const int P, const int I8) {
-    if (I8)
-        tile_i8((const int16_t *)x, 2 * depth, row_scales, depth, (const int8_t *)panel, scales, out, ldo, R);
-    else
+ * `x` is float32 (F32, depth = k), int16 pairs (I16, depth = the pairs) or int8 quads (W8, depth =
+ * the quads), the latter two with `q`; a row of x takes depth * 4 bytes in each. */
+static inline __attribute__((always_inline)) void tile(const void *x, RowCodes q, long depth, const void *panel,
+                                                       const float *scales, float *out, long ldo, const int R,
+                                                       const int P, const int MODE) {
+    if (MODE == I16)
+        tile_i8((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R);
+#if VNNI
+    else if (MODE == W8)
+        tile_w8((const int8_t *)x, 4 * depth, q.scales, q.sums, depth, (const uint8_t *)panel, scales, out, ldo, R);
+#endif
+    else if (MODE == F32)
         tile_f32((const float *)x, depth, (const float *)panel, out, ldo, R, P);
 }
 
-static inline __attribute__((always_inline)) void rows_by_panels(const void *x, const float *row_scales,
-                                                                 long rows, long depth, const void *panel,
-                                                                 const float *scales, float *out, long ldo,
-                                                                 int pair, const int I8) {
-#define TILE(r, p) tile(x, row_scales, depth, panel, scales, out, ldo, r, p, I8)
+static inline __attribute__((always_inline)) void rows_by_panels(const void *x, RowCodes q, long rows, long depth,
+                                                                 const void *panel, const float *scales,
+                                                                 float *out, long ldo, int pair, const int MODE) {
+#define TILE(r, p) tile(x, q, depth, panel, scales, out, ldo, r, p, MODE)
     if (pair) {
         switch (rows) {
         case 1: TILE(1, 2); return;
@@ -215,40 +281,40 @@ static inline __attribute__((always_inline)) void rows_by_panels(const void *x, 
 
 /* Rows [r0, r1) of y for panel p (and p + 1 when `pair`); a panel past n_out's end goes through a
  * buffer so that only y's own columns are written. */
-static inline __attribute__((always_inline)) void panel_rows(const void *x, const float *row_scales, long r0,
-                                                             long r1, long depth, const void *packed,
-                                                             const float *scales, long p, long n_out, float *y,
-                                                             int pair, const int I8) {
-    const void *panel = (const char *)packed + p * depth * PANEL * (I8 ? 2 : (long)sizeof(float));
-    const float *panel_scales = I8 ? scales + p * PANEL : NULL;
+static inline __attribute__((always_inline)) void panel_rows(const void *x, RowCodes q, long r0, long r1, long depth,
+                                                             const void *packed, const float *scales, long p,
+                                                             long n_out, float *y, int pair, const int MODE) {
+    /* a line of a panel: 16 floats (F32), 16 x 2 int8 (I16), 16 x 4 int8 (W8) */
+    const void *panel = (const char *)packed + p * depth * PANEL * (MODE == I16 ? 2 : 4);
+    const float *panel_scales = MODE == F32 ? NULL : scales + p * PANEL;
     long col = p * PANEL, width = (pair ? 2 : 1) * PANEL;
     for (long i = r0; i < r1; i += TILE_ROWS) {
         long rows = r1 - i < TILE_ROWS ? r1 - i : TILE_ROWS; /* <= 3 when `pair` (gemm) */
         const void *xi = (const char *)x + i * depth * 4;
-        const float *si = I8 ? row_scales + i : NULL;
+        RowCodes qi = rows_from(q, i);
         if (col + width <= n_out) {
-            rows_by_panels(xi, si, rows, depth, panel, panel_scales, y + i * n_out + col, n_out, pair, I8);
+            rows_by_panels(xi, qi, rows, depth, panel, panel_scales, y + i * n_out + col, n_out, pair, MODE);
         } else {
             float buffer[TILE_ROWS * 2 * PANEL];
-            rows_by_panels(xi, si, rows, depth, panel, panel_scales, buffer, width, pair, I8);
+            rows_by_panels(xi, qi, rows, depth, panel, panel_scales, buffer, width, pair, MODE);
             for (long r = 0; r < rows; r++)
                 memcpy(y + (i + r) * n_out + col, buffer + r * width, (size_t)(n_out - col) * sizeof(float));
         }
     }
 }
 
-/* y (rows, n_out) = x @ w.T over the packed w: float32 x and panels (depth = k), or int16 codes of
- * x with `row_scales` and int8 panels with `scales` per column (I8, depth = pairs of k). */
-static inline __attribute__((always_inline)) void gemm(const void *x, const float *row_scales, long rows,
-                                                       long depth, const void *packed, const float *scales,
-                                                       long n_out, float *y, const int I8) {
+/* y (rows, n_out) = x @ w.T over the packed w: float32 x and panels (F32, depth = k), or codes of x
+ * with `q` and int8 panels with `scales` per column (I16: depth = pairs of k; W8: quads of k). */
+static inline __attribute__((always_inline)) void gemm(const void *x, RowCodes q, long rows, long depth,
+                                                       const void *packed, const float *scales, long n_out,
+                                                       float *y, const int MODE) {
     long panels = (n_out + PANEL - 1) / PANEL;
-    if (rows <= 3 && !I8) { /* a float32 decode step's few rows: two panels per tile, one pass */
+    if (rows <= 3 && MODE == F32) { /* a float32 decode step's few rows: two panels per tile, one pass */
         long pairs = (panels + 1) / 2;
 #pragma omp parallel for schedule(static)
-        for (long q = 0; q < pairs; q++) {
-            long p = 2 * q;
-            panel_rows(x, row_scales, 0, rows, depth, packed, scales, p, n_out, y, p + 1 < panels, I8);
+        for (long t = 0; t < pairs; t++) {
+            long p = 2 * t;
+            panel_rows(x, q, 0, rows, depth, packed, scales, p, n_out, y, p + 1 < panels, MODE);
         }
         return;
     }
@@ -257,18 +323,22 @@ static inline __attribute__((always_inline)) void gemm(const void *x, const floa
     for (long r0 = 0; r0 < rows; r0 += chunk) { /* x's chunk stays in cache while the panels stream by */
         long r1 = r0 + chunk < rows ? r0 + chunk : rows;
 #pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++)
-            panel_rows(x, row_scales, r0, r1, depth, packed, scales, p, n_out, y, 0, I8);
+        for (long p = 0; p < panels; p++) panel_rows(x, q, r0, r1, depth, packed, scales, p, n_out, y, 0, MODE);
     }
 }
 
-/* Row r of x (rows, k_len) as int16 codes round(x / s_r) with s_r = max(max |x_r|, FLT_MIN) / 32767,
- * rounded half to even (torch.round's rule), 2 * pairs codes a row (a zero past k_len). A row holding
- * a NaN or an infinity gets zero codes and the scale NaN: its outputs are NaN, as a float product's. */
-static void quantize_rows(const float *x, long rows, long k_len, long pairs, int16_t *xq, float *row_scales) {
+/* Row r of x (rows, k_len) as integer codes round(x / s_r) with s_r = max(max |x_r|, FLT_MIN) / qmax,
+ * rounded half to even (torch.round's rule): int16 codes, qmax 32767 (I16), or int8 codes, qmax 127,
+ * and their sum (W8); `width` codes a row, zeros past k_len. A row holding a NaN or an infinity gets
+ * zero codes and the scale NaN: its outputs are NaN, as a float product's. */
+static inline __attribute__((always_inline)) void quantize_rows(const float *x, long rows, long k_len, long width,
+                                                                void *codes, float *row_scales,
+                                                                int32_t *row_sums, const int MODE) {
+    const float qmax = MODE == W8 ? 127.0f : QMAX;
+    const size_t code_bytes = MODE == W8 ? 1 : 2;
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * k_len;
-        int16_t *q = xq + r * 2 * pairs;
+        char *row = (char *)codes + r * width * code_bytes;
         float amax = 0.0f;
         int finite = 1;
         long k = 0;
@@ -289,31 +359,51 @@ static void quantize_rows(const float *x, long rows, long k_len, long pairs, int
             finite = finite && !isnan(xr[k]);
             amax = fmaxf(amax, fabsf(xr[k]));
         }
+        memset(row + k_len * code_bytes, 0, (size_t)(width - k_len) * code_bytes); /* padding */
         if (!finite || isinf(amax)) {
-            memset(q, 0, (size_t)(2 * pairs) * sizeof(int16_t));
+            memset(row, 0, (size_t)k_len * code_bytes);
             row_scales[r] = NAN;
+            if (MODE == W8) row_sums[r] = 0;
             continue;
         }
-        float scale = fmaxf(amax, FLT_MIN) / QMAX;
+        float scale = fmaxf(amax, FLT_MIN) / qmax;
         row_scales[r] = scale;
+        int32_t sum = 0;
         k = 0;
 #if VECTORIZED
         const v8 step = _mm256_set1_ps(scale);
-        for (; k + 8 <= k_len; k += 8) { /* |x / scale| <= 32767.002: in int16's range once rounded */
+        v8i sums = _mm256_setzero_si256();
+        for (; k + 8 <= k_len; k += 8) { /* |x / scale| <= qmax + 0.002: in range once rounded */
             v8i c = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xr + k), step)); /* half to even */
-            __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-            _mm_storeu_si128((__m128i *)(q + k), packed);
+            __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+            if (MODE == W8) {
+                _mm_storel_epi64((__m128i *)(row + k), _mm_packs_epi16(halves, halves));
+                sums = _mm256_add_epi32(sums, c);
+            } else {
+                _mm_storeu_si128((__m128i *)(row + 2 * k), halves);
+            }
         }
+        int32_t lane_sums[8];
+        _mm256_storeu_si256((__m256i *)lane_sums, sums);
+        for (int l = 0; l < 8; l++) sum += lane_sums[l];
 #endif
-        for (; k < k_len; k++) q[k] = (int16_t)nearbyintf(xr[k] / scale);
-        if (k_len < 2 * pairs) q[k_len] = 0; /* an odd k's last pair */
+        for (; k < k_len; k++) {
+            int32_t c = (int32_t)nearbyintf(xr[k] / scale);
+            if (MODE == W8) {
+                ((int8_t *)row)[k] = (int8_t)c;
+                sum += c;
+            } else {
+                ((int16_t *)row)[k] = (int16_t)c;
+            }
+        }
+        if (MODE == W8) row_sums[r] = sum;
     }
 }
 
 /* y (rows, n_out) = x (rows, k_len) @ w.T, where `packed` holds w (n_out, k_len) as
  * ceil(n_out / PANEL) panels of (k_len, PANEL), zero past n_out. x and y contiguous, row-major. */
 void gemm_f32(const float *x, long rows, long k_len, const float *packed, long n_out, float *y) {
-    gemm(x, NULL, rows, k_len, packed, NULL, n_out, y, 0);
+    gemm(x, (RowCodes){NULL, NULL}, rows, k_len, packed, NULL, n_out, y, F32);
 }
 
 /* The same for per-channel int8 weights, w[j] = codes[j] * scales[j]: `packed` holds the codes as
@@ -329,12 +419,44 @@ int gemm_i8(const float *x, long rows, long k_len, const int8_t *packed, const f
         free(row_scales);
         return -1;
     }
-    quantize_rows(x, rows, k_len, pairs, xq, row_scales);
-    gemm(xq, row_scales, rows, pairs, packed, scales, n_out, y, 1);
+    quantize_rows(x, rows, k_len, 2 * pairs, xq, row_scales, NULL, I16);
+    gemm(xq, (RowCodes){row_scales, NULL}, rows, pairs, packed, scales, n_out, y, I16);
     free(xq);
     free(row_scales);
     return 0;
 }
+
+/* w8a8: x's rows rounded to int8 codes (one scale a row, max |x| / 127) times int8 weight codes, in
+ * exact int32 sums (VNNI's dpbusd: four products per lane and instruction), each output
+ * float(sum) * row scale * column scale: torch._int_mm's answer on the same codes, bit for bit.
+ * `packed` holds the codes + 128 as unsigned bytes in ceil(n_out / PANEL) panels of
+ * (ceil(k_len / 4), PANEL, 4) (128 past n_out and k_len). Returns 0; -1 when the codes cannot be
+ * allocated; -2 where this CPU has no VNNI or k_len is past W8A8_MAX_K (the sums could overflow). */
+int gemm_w8a8(const float *x, long rows, long k_len, const uint8_t *packed, const float *scales, long n_out,
+              float *y) {
+#if VNNI
+    if (k_len > W8A8_MAX_K) return -2;
+    long quads = (k_len + 3) / 4;
+    int8_t *xq = malloc((size_t)(rows * 4 * quads));
+    float *row_scales = malloc((size_t)rows * sizeof(float));
+    int32_t *row_sums = malloc((size_t)rows * sizeof(int32_t));
+    int failed = xq == NULL || row_scales == NULL || row_sums == NULL;
+    if (!failed) {
+        quantize_rows(x, rows, k_len, 4 * quads, xq, row_scales, row_sums, W8);
+        gemm(xq, (RowCodes){row_scales, row_sums}, rows, quads, packed, scales, n_out, y, W8);
+    }
+    free(xq);
+    free(row_scales);
+    free(row_sums);
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)rows, (void)k_len, (void)packed, (void)scales, (void)n_out, (void)y;
+    return -2;
+#endif
+}
+
+/* 1 where gemm_w8a8 runs (VNNI's dpbusd: AVX-VNNI, or AVX-512 VNNI with VL). */
+int gemm_vnni(void) { return VNNI; }
 
 /* The OpenMP threads a parallel region here gets (tests check it follows torch.set_num_threads). */
 int gemm_max_threads(void) {

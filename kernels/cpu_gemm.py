@@ -10,6 +10,10 @@ The reference is `F.linear` (tests/kernels/test_cpu_gemm.py).
 n)` rounds each row of x to int16 codes with its own scale and multiplies them with the weight's
 codes in exact integer sums (two products per instruction and lane: twice float32's work per
 instruction), also each row on its own. Its exact reference is `reference_int8_gemm` below.
+
+`pack_w8a8` and `bind_w8a8` are w8a8's product where the CPU has VNNI: each row of x rounded to
+int8 codes (max |x| / 127) times int8 codes, four products per lane and instruction, in exact int32
+sums: bit for bit what torch._int_mm gives on the same codes (engine/layers/quant.py's W8A8Weight).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
+W8A8_MAX_K = 65536  # cpu_gemm.c's: one int32 sum per output stays below 2^31 up to it
 
 
 class CpuGemm:
@@ -32,10 +37,14 @@ class CpuGemm:
         self._gemm_i8 = library.gemm_i8  # (x, rows, k, packed, scales, n, y)
         self._gemm_i8.argtypes = [_P, _L, _L, _P, _P, _L, _P]
         self._gemm_i8.restype = ctypes.c_int
+        self._gemm_w8a8 = library.gemm_w8a8  # (x, rows, k, packed, scales, n, y)
+        self._gemm_w8a8.argtypes = [_P, _L, _L, _P, _P, _L, _P]
+        self._gemm_w8a8.restype = ctypes.c_int
         self._threads = library.gemm_max_threads
         self._threads.restype = ctypes.c_int
         self.panel = int(library.gemm_panel_width())
         self.vectorized = bool(library.gemm_vectorized())  # False: correct scalar sums, too slow to use
+        self.vnni = bool(library.gemm_vnni())  # False: no w8a8 product here (torch._int_mm stays)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """(n, k) float32 -> (ceil(n / panel), k, panel), contiguous, zero past row n."""
@@ -64,6 +73,18 @@ class CpuGemm:
         panels, pairs, _ = packed.shape
         lines = packed.view(panels, pairs, self.panel, 2).permute(0, 2, 1, 3)
         return lines.reshape(panels * self.panel, 2 * pairs)[:n, :k]
+
+    def pack_w8a8(self, codes: torch.Tensor) -> torch.Tensor:
+        """(n, k) int8 codes -> (ceil(n / panel), ceil(k / 4), 4 * panel) uint8 codes + 128: each line
+        four consecutive inputs of the panel's columns, 128 (code 0) past row n and column k."""
+        if codes.dtype != torch.int8 or codes.dim() != 2 or codes.device.type != "cpu":
+            raise ValueError(f"packs 2-D int8 CPU codes, got {tuple(codes.shape)} {codes.dtype}")
+        n, k = codes.shape
+        panels, quads = -(-n // self.panel), -(-k // 4)
+        padded = codes.new_zeros(panels * self.panel, 4 * quads)
+        padded[:n, :k] = codes
+        lines = padded.view(panels, self.panel, quads, 4).permute(0, 2, 1, 3)
+        return (lines.reshape(panels, quads, 4 * self.panel).view(torch.uint8) ^ 0x80).contiguous()
 
     def pack_scales(self, scales: torch.Tensor) -> torch.Tensor:
         """Per-channel scales (n,) as float32, padded to the panels' width (zeros past n)."""
@@ -101,6 +122,24 @@ class CpuGemm:
         if packed.shape[1] != -(-k // 2):
             raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs")
         return PanelProduct(self._gemm_i8, (packed, scales), k, n)
+
+    def bind_w8a8(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> PanelProduct:
+        """The w8a8 product with one pack_w8a8 weight of k inputs and its padded scales, checked now;
+        refused where this CPU has no VNNI or past W8A8_MAX_K inputs."""
+        if not self.vnni:
+            raise ValueError("the w8a8 product needs VNNI (AVX-VNNI or AVX-512 VNNI) on this CPU")
+        if k > W8A8_MAX_K:
+            raise ValueError(f"the w8a8 product takes at most {W8A8_MAX_K} inputs, got {k}")
+        if packed.dtype != torch.uint8 or scales.dtype != torch.float32:
+            raise ValueError(
+                f"the w8a8 gemm takes uint8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
+            )
+        if scales.dim() != 1 or scales.shape[0] != packed.shape[0] * self.panel or not scales.is_contiguous():
+            raise ValueError(f"scales {tuple(scales.shape)} do not fit panels {tuple(packed.shape)}")
+        self._check_panels(packed, n, 4 * self.panel)
+        if packed.shape[1] != -(-k // 4):
+            raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs")
+        return PanelProduct(self._gemm_w8a8, (packed, scales), k, n)
 
     def _check_panels(self, packed: torch.Tensor, n: int, line: int) -> None:
         """Panels (ceil(n / panel), depth, line), contiguous, on the CPU."""
@@ -146,8 +185,11 @@ class PanelProduct:
         rows, k = x.shape
         y = torch.empty((rows, self.n), dtype=torch.float32)
         if rows and self.n and k:
-            if self._kernel(x.data_ptr(), rows, k, *self._pointers, self.n, y.data_ptr()):
-                raise MemoryError(f"no memory for the int16 codes of a ({rows}, {k}) input")
+            failed = self._kernel(x.data_ptr(), rows, k, *self._pointers, self.n, y.data_ptr())
+            if failed == -1:
+                raise MemoryError(f"no memory for the integer codes of a ({rows}, {k}) input")
+            if failed:  # -2: w8a8 without VNNI, refused by bind_w8a8 already
+                raise RuntimeError("the w8a8 product does not run on this CPU")
         elif rows and self.n:
             y.zero_()
         return y

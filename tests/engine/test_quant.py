@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, kernel_cache_dir
-from engine.layers.packed import PackedInt8Weight, PackedWeight
+from engine.layers.packed import PackedInt8Weight, PackedW8A8Weight, PackedWeight
 from engine.layers.quant import (
     Int4Weight,
     Int8Weight,
@@ -26,6 +26,7 @@ from tests.engine.server_proc import ServerProcess
 _CPU = cpu_native.load(kernel_cache_dir())
 # where the C product builds, the engine moves every int8 weight to it (engine/layers/packed.py)
 INT8_KIND = PackedInt8Weight if _CPU is not None and _CPU.gemm.vectorized else Int8Weight
+W8A8_KIND = PackedW8A8Weight if _CPU is not None and _CPU.gemm.vectorized and _CPU.gemm.vnni else W8A8Weight
 
 
 def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -154,7 +155,7 @@ def test_a_quantized_engine_keeps_batch_invariance_and_close_logprobs(
         "kv_cache_dtype": "float32",
         "batch_invariant": True,
     }
-    kind = {"int8": INT8_KIND, "int4": Int4Weight, "w8a8": W8A8Weight}[quantization]
+    kind = {"int8": INT8_KIND, "int4": Int4Weight, "w8a8": W8A8_KIND}[quantization]
     assert isinstance(runner.model.layers[0].mlp.gate_up_proj, kind)
     assert isinstance(runner.model.layers[0].mlp.down_proj, INT8_KIND if quantization == "w8a8" else kind)
     assert runner.model.lm_head is None and runner.model.head_weight is not None
@@ -359,3 +360,22 @@ def test_the_c_decode_path_gives_the_torch_paths_tokens_and_logprobs_in_float32(
         for a, b in zip(_logprobs(mine), _logprobs(theirs), strict=True):
             assert [t for t, _ in a] == [t for t, _ in b]
             assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b, strict=True))
+
+
+@pytest.mark.skipif(_CPU is None or not _CPU.gemm.vnni, reason="no VNNI (dpbusd) on this CPU")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_the_packed_w8a8_product_gives_torch_int_mms_bits_at_every_row_count(rows: int) -> None:
+    """C's dpbusd up to 16 rows, torch._int_mm past them: the same exact sums, the same bits."""
+    assert _CPU is not None
+    gen = torch.Generator().manual_seed(rows)
+    weight, x, bias = (
+        torch.randn(99, 70, generator=gen),
+        torch.randn(rows, 70, generator=gen),
+        torch.randn(99),
+    )
+    plain = W8A8Weight.quantize(weight)
+    packed = PackedW8A8Weight.of(plain, _CPU.gemm)
+    assert packed.shape == plain.shape and torch.equal(packed.dequantize(), plain.dequantize())
+    got = packed.matmul(x, bias)
+    assert got.shape == (rows, 99)
+    assert torch.equal(got, plain.matmul(x, bias))

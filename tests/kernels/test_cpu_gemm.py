@@ -3,6 +3,7 @@ its exact reference; their row invariance, their packing, and what they refuse."
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import pytest
@@ -210,3 +211,66 @@ def test_int8_gemm_refuses_what_it_cannot_read() -> None:
     empty = GEMM.pack_int8(torch.zeros(5, 0, dtype=torch.int8))
     got = GEMM.int8(torch.randn(3, 0), empty, GEMM.pack_scales(torch.rand(5)), 5)
     assert torch.equal(got, torch.zeros(3, 5))
+
+
+needs_vnni = pytest.mark.skipif(GEMM is None or not GEMM.vnni, reason="no VNNI (dpbusd) on this CPU")
+
+
+def _int_mm_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w8a8 in torch: rows to int8 by their own maximum, torch._int_mm, then row and column scales."""
+    row_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    x_codes = torch.round(x / row_scale).to(torch.int8)
+    return torch._int_mm(x_codes, codes.t().contiguous()).float().mul_(row_scale).mul_(scales)
+
+
+@needs_vnni
+@pytest.mark.parametrize(
+    ("rows", "k", "n"),
+    [(1, 576, 960), (2, 64, 17), (3, 7, 16), (4, 101, 33), (13, 1537, 130), (300, 20, 40), (40, 1536, 576)],
+)
+def test_w8a8_gemm_is_torch_int_mm_bit_for_bit(rows: int, k: int, n: int) -> None:
+    assert GEMM is not None
+    gen = torch.Generator().manual_seed(rows + k + n)
+    x = torch.randn(rows, k, generator=gen) * 3
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) + 0.01
+    packed = GEMM.pack_w8a8(codes)
+    assert packed.shape == (-(-n // 16), -(-k // 4), 64) and packed.dtype == torch.uint8
+    got = GEMM.bind_w8a8(packed, GEMM.pack_scales(scales), n, k)(x)
+    assert torch.equal(got, _int_mm_reference(x, codes, scales))
+
+
+@needs_vnni
+def test_w8a8_rows_keep_their_bits_and_a_non_finite_row_gives_nan() -> None:
+    assert GEMM is not None
+    x, codes, scales = _int8_case(200, 130, 301, 13)
+    codes = codes.clamp(min=-127)
+    product = GEMM.bind_w8a8(GEMM.pack_w8a8(codes), GEMM.pack_scales(scales), 301, 130)
+    _rows_keep_their_bits(product, x)
+    x[3, 129] = float("nan")
+    x[4, 0] = float("-inf")
+    got = product(x[:6].contiguous())
+    assert got[3].isnan().all() and got[4].isnan().all()
+    assert torch.equal(got[[0, 1, 2, 5]], _int_mm_reference(x[[0, 1, 2, 5]], codes, scales))
+
+
+@needs_vnni
+def test_w8a8_gemm_refuses_what_it_cannot_run() -> None:
+    from kernels.cpu_gemm import W8A8_MAX_K, CpuGemm
+
+    assert GEMM is not None and KERNELS is not None
+    codes = torch.randint(-127, 128, (20, 9), dtype=torch.int8)
+    packed, scales = GEMM.pack_w8a8(codes), GEMM.pack_scales(torch.rand(20))
+    with pytest.raises(ValueError, match="shapes"):
+        GEMM.bind_w8a8(packed, scales, 20, 13)  # 4 quads of inputs, the panels hold 3
+    with pytest.raises(ValueError, match="uint8 panels"):
+        GEMM.bind_w8a8(packed.view(torch.int8), scales, 20, 9)
+    with pytest.raises(ValueError, match="at most"):
+        GEMM.bind_w8a8(packed, scales, 20, W8A8_MAX_K + 1)  # its int32 sums could overflow
+    without_vnni = CpuGemm(ctypes.CDLL(str(KERNELS.path)))
+    without_vnni.vnni = False
+    with pytest.raises(ValueError, match="VNNI"):
+        without_vnni.bind_w8a8(packed, scales, 20, 9)
+    product = GEMM.bind_w8a8(packed, scales, 20, 9)
+    with pytest.raises(ValueError, match="shapes"):
+        product(torch.randn(2, 12))
