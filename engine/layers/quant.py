@@ -20,7 +20,9 @@ faster than torch's int8 kernel at every row count and than the float32 product 
 on), in both modes. The default model's figures are in docs/quantization.md.
 
 - w8a8 (`W8A8Weight`, QKV and gate/up only): int8 weights times int8 activations with one scale per
-  row, through torch's integer matmul; several times faster for batches (see the class).
+  row, through torch's integer matmul; several times faster for batches (see the class). Where the
+  CPU has VNNI, decode steps' few rows take the C kernel's product instead (packed.py's
+  `PackedW8A8Weight`, the same bits).
 
 The embedding table stays in the model's dtype for the lookups (tied to the LM head, the head gets
 its own int8 copy).
