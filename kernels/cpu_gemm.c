@@ -36,7 +36,8 @@
 #define QMAX 32767.0f             /* int16 activation codes: -32767..32767 */
 #define CHUNK_PAIRS 256L          /* int32 sums of at most 256 pairs of products, then float32 */
 #define W8A8_MAX_K 65536L         /* w8a8: 255 x 127 x 65,536 < 2^31, one int32 sum per output */
-enum { F32 = 0, I16 = 1, W8 = 2 }; /* float32 x and w; int16 x, int8 w; int8 x and w (w8a8) */
+#define Q4_MAX_GROUP 4096L        /* int4: 4,096 x 15 x 32767 < 2^31, one int32 sum per group */
+enum { F32 = 0, I16 = 1, W8 = 2, Q4 = 3 }; /* float32 x, w; int16 x, int8 w; int8 x, w (w8a8); int16 x, int4 w */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -147,6 +148,53 @@ static inline __attribute__((always_inline)) void tile_i8(const int16_t *xq, lon
     ISTORE(0) ISTORE(1) ISTORE(2) ISTORE(3) ISTORE(4) ISTORE(5)
 }
 
+#define Q4FOLD(i)                                                                                            \
+    if (R > i) {                                                                                             \
+        v8 sum = _mm256_set1_ps(group_sums[i * groups + g]);                                                 \
+        f##i##a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(n##i##a), d0, f##i##a);                                 \
+        f##i##b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(n##i##b), d1, f##i##b);                                 \
+        f##i##a = _mm256_fmadd_ps(m0, sum, f##i##a);                                                         \
+        f##i##b = _mm256_fmadd_ps(m1, sum, f##i##b);                                                         \
+        n##i##a = n##i##b = _mm256_setzero_si256();                                                          \
+    }
+#define Q4STORE(i)                                                                                           \
+    if (R > i) {                                                                                             \
+        v8 r = _mm256_set1_ps(row_scales[i]);                                                                \
+        _mm256_storeu_ps(out + i * ldo, _mm256_mul_ps(f##i##a, r));                                          \
+        _mm256_storeu_ps(out + i * ldo + 8, _mm256_mul_ps(f##i##b, r));                                      \
+    }
+
+/* out[i][j] for R rows of int16 codes (row stride ldx) and one int4 panel: per group of inputs, the
+ * group's nibbles (a quad of inputs of the 16 columns in 32 bytes: byte 2j + u holds column j's
+ * input 4s + u in its low nibble and 4s + 2 + u in its high one), then its 16 float32 scales d and
+ * 16 float32 offsets m (w = q * d + m, q in 0..15). Each group's exact int32 sum of q times the codes
+ * is added as sum * d, then m times the group's sum of codes (`group_sums`, float32), in order. */
+static inline __attribute__((always_inline)) void tile_q4(const int16_t *xq, long ldx, const float *row_scales,
+                                                          const float *group_sums, long groups,
+                                                          long group_quads, const uint8_t *panel, float *out,
+                                                          long ldo, const int R) {
+    IDECLARE(0) IDECLARE(1) IDECLARE(2) IDECLARE(3) IDECLARE(4) IDECLARE(5)
+    const v8i nibble = _mm256_set1_epi16(0x0F);
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *at = panel + g * (group_quads * 2 * PANEL + 2 * PANEL * (long)sizeof(float));
+        for (long s = 0; s < group_quads; s++) {
+            v8i wa = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + s * 2 * PANEL)));
+            v8i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + s * 2 * PANEL + PANEL)));
+            long t = 2 * (g * group_quads + s);
+            v8i b0 = _mm256_and_si256(wa, nibble), b1 = _mm256_and_si256(wb, nibble);
+            ISTEP(0) ISTEP(1) ISTEP(2) ISTEP(3) ISTEP(4) ISTEP(5)
+            t += 1;
+            b0 = _mm256_srli_epi16(wa, 4), b1 = _mm256_srli_epi16(wb, 4);
+            ISTEP(0) ISTEP(1) ISTEP(2) ISTEP(3) ISTEP(4) ISTEP(5)
+        }
+        const float *d = (const float *)(at + group_quads * 2 * PANEL);
+        v8 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+        v8 m0 = _mm256_loadu_ps(d + PANEL), m1 = _mm256_loadu_ps(d + PANEL + 8);
+        Q4FOLD(0) Q4FOLD(1) Q4FOLD(2) Q4FOLD(3) Q4FOLD(4) Q4FOLD(5)
+    }
+    Q4STORE(0) Q4STORE(1) Q4STORE(2) Q4STORE(3) Q4STORE(4) Q4STORE(5)
+}
+
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define VNNI 1
 
@@ -229,16 +277,45 @@ static void tile_i8(const int16_t *xq, long ldx, const float *row_scales, long p
             out[i * ldo + j] = sum * row_scales[i] * scales[j];
         }
 }
+
+static void tile_q4(const int16_t *xq, long ldx, const float *row_scales, const float *group_sums, long groups,
+                    long group_quads, const uint8_t *panel, float *out, long ldo, const int R) {
+    long group_bytes = group_quads * 2 * PANEL + 2 * PANEL * (long)sizeof(float);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < PANEL; j++) {
+            float sum = 0.0f;
+            for (long g = 0; g < groups; g++) {
+                const uint8_t *at = panel + g * group_bytes;
+                int32_t chunk = 0;
+                for (long s = 0; s < group_quads; s++)
+                    for (int u = 0; u < 2; u++) {
+                        uint8_t b = at[s * 2 * PANEL + 2 * j + u];
+                        const int16_t *xs = xq + i * ldx + 4 * (g * group_quads + s);
+                        chunk += xs[u] * (b & 15) + xs[2 + u] * (b >> 4);
+                    }
+                float d, m;
+                memcpy(&d, at + group_quads * 2 * PANEL + 4 * j, sizeof d);
+                memcpy(&m, at + group_quads * 2 * PANEL + 4 * (PANEL + j), sizeof m);
+                sum = fmaf((float)chunk, d, sum);
+                sum = fmaf(m, group_sums[i * groups + g], sum);
+            }
+            out[i * ldo + j] = sum * row_scales[i];
+        }
+}
 #endif
 
-/* Per row of x after quantization (I16, W8): its scale, and (W8) the sum of its codes. */
+/* Per row of x after quantization (I16, W8, Q4): its scale, (W8) the sum of its codes, (Q4) the
+ * sum of its codes in each of the weight's `groups` groups of inputs, and their size. */
 typedef struct {
     const float *scales;
     const int32_t *sums;
+    const float *group_sums;
+    long groups, group;
 } RowCodes;
 
 static inline RowCodes rows_from(RowCodes q, long i) {
-    return (RowCodes){q.scales ? q.scales + i : NULL, q.sums ? q.sums + i : NULL};
+    return (RowCodes){q.scales ? q.scales + i : NULL, q.sums ? q.sums + i : NULL,
+                      q.group_sums ? q.group_sums + i * q.groups : NULL, q.groups, q.group};
 }
 
 /* R rows (1 to TILE_ROWS) by P panels (1, or 2 with R <= 3: float32 only) as a constant-shape tile.
@@ -249,6 +326,9 @@ static inline __attribute__((always_inline)) void tile(const void *x, RowCodes q
                                                        const int P, const int MODE) {
     if (MODE == I16)
         tile_i8((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R);
+    else if (MODE == Q4)
+        tile_q4((const int16_t *)x, 2 * depth, q.scales, q.group_sums, q.groups, q.group / 4,
+                (const uint8_t *)panel, out, ldo, R);
 #if VNNI
     else if (MODE == W8)
         tile_w8((const int8_t *)x, 4 * depth, q.scales, q.sums, depth, (const uint8_t *)panel, scales, out, ldo, R);
@@ -284,9 +364,12 @@ static inline __attribute__((always_inline)) void rows_by_panels(const void *x, 
 static inline __attribute__((always_inline)) void panel_rows(const void *x, RowCodes q, long r0, long r1, long depth,
                                                              const void *packed, const float *scales, long p,
                                                              long n_out, float *y, int pair, const int MODE) {
-    /* a line of a panel: 16 floats (F32), 16 x 2 int8 (I16), 16 x 4 int8 (W8) */
-    const void *panel = (const char *)packed + p * depth * PANEL * (MODE == I16 ? 2 : 4);
-    const float *panel_scales = MODE == F32 ? NULL : scales + p * PANEL;
+    /* a line of a panel: 16 floats (F32), 16 x 2 int8 (I16), 16 x 4 int8 (W8); Q4: a group of
+     * inputs takes 16 x group / 2 bytes of nibbles and 16 x 2 floats */
+    long panel_bytes = MODE == Q4 ? q.groups * (PANEL * q.group / 2 + 2 * PANEL * (long)sizeof(float))
+                                  : depth * PANEL * (MODE == I16 ? 2 : 4);
+    const void *panel = (const char *)packed + p * panel_bytes;
+    const float *panel_scales = MODE == F32 || MODE == Q4 ? NULL : scales + p * PANEL;
     long col = p * PANEL, width = (pair ? 2 : 1) * PANEL;
     for (long i = r0; i < r1; i += TILE_ROWS) {
         long rows = r1 - i < TILE_ROWS ? r1 - i : TILE_ROWS; /* <= 3 when `pair` (gemm) */
@@ -403,7 +486,7 @@ static inline __attribute__((always_inline)) void quantize_rows(const float *x, 
 /* y (rows, n_out) = x (rows, k_len) @ w.T, where `packed` holds w (n_out, k_len) as
  * ceil(n_out / PANEL) panels of (k_len, PANEL), zero past n_out. x and y contiguous, row-major. */
 void gemm_f32(const float *x, long rows, long k_len, const float *packed, long n_out, float *y) {
-    gemm(x, (RowCodes){NULL, NULL}, rows, k_len, packed, NULL, n_out, y, F32);
+    gemm(x, (RowCodes){NULL, NULL, NULL, 0, 0}, rows, k_len, packed, NULL, n_out, y, F32);
 }
 
 /* The same for per-channel int8 weights, w[j] = codes[j] * scales[j]: `packed` holds the codes as
@@ -420,7 +503,7 @@ int gemm_i8(const float *x, long rows, long k_len, const int8_t *packed, const f
         return -1;
     }
     quantize_rows(x, rows, k_len, 2 * pairs, xq, row_scales, NULL, I16);
-    gemm(xq, (RowCodes){row_scales, NULL}, rows, pairs, packed, scales, n_out, y, I16);
+    gemm(xq, (RowCodes){row_scales, NULL, NULL, 0, 0}, rows, pairs, packed, scales, n_out, y, I16);
     free(xq);
     free(row_scales);
     return 0;
@@ -443,7 +526,7 @@ int gemm_w8a8(const float *x, long rows, long k_len, const uint8_t *packed, cons
     int failed = xq == NULL || row_scales == NULL || row_sums == NULL;
     if (!failed) {
         quantize_rows(x, rows, k_len, 4 * quads, xq, row_scales, row_sums, W8);
-        gemm(xq, (RowCodes){row_scales, row_sums}, rows, quads, packed, scales, n_out, y, W8);
+        gemm(xq, (RowCodes){row_scales, row_sums, NULL, 0, 0}, rows, quads, packed, scales, n_out, y, W8);
     }
     free(xq);
     free(row_scales);
@@ -453,6 +536,38 @@ int gemm_w8a8(const float *x, long rows, long k_len, const uint8_t *packed, cons
     (void)x, (void)rows, (void)k_len, (void)packed, (void)scales, (void)n_out, (void)y;
     return -2;
 #endif
+}
+
+/* int4 weights in groups, w[j][i] = q * d + m with q in 0..15 and float32 (d, m) per column and group
+ * of `group` consecutive inputs: x's rows rounded to int16 codes (as gemm_i8), each group's exact
+ * int32 sum of q times the codes, then per group y += sum * d + m * (the group's sum of codes), in
+ * group order, and y times the row's scale. `packed` holds ceil(n_out / PANEL) panels, each the
+ * k_len / group groups in order: group / 4 quads of 32 bytes of nibbles (see tile_q4), 16 scales d,
+ * 16 offsets m (zeros past n_out). Returns 0; -1 when the codes cannot be allocated; -2 when k_len
+ * is not a multiple of `group` or `group` is not a multiple of 4 up to Q4_MAX_GROUP. */
+int gemm_q4(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y) {
+    if (group <= 0 || group % 4 || group > Q4_MAX_GROUP || k_len % group) return -2;
+    long groups = k_len / group;
+    int16_t *xq = malloc((size_t)(rows * k_len) * sizeof(int16_t));
+    float *row_scales = malloc((size_t)rows * sizeof(float));
+    float *group_sums = malloc((size_t)(rows * groups) * sizeof(float));
+    int failed = xq == NULL || row_scales == NULL || group_sums == NULL;
+    if (!failed) {
+        quantize_rows(x, rows, k_len, k_len, xq, row_scales, NULL, I16);
+        for (long r = 0; r < rows; r++)
+            for (long g = 0; g < groups; g++) {
+                const int16_t *codes = xq + r * k_len + g * group;
+                int32_t sum = 0;
+                for (long i = 0; i < group; i++) sum += codes[i];
+                group_sums[r * groups + g] = (float)sum;
+            }
+        gemm(xq, (RowCodes){row_scales, NULL, group_sums, groups, group}, rows, k_len / 2, packed, NULL, n_out,
+             y, Q4);
+    }
+    free(xq);
+    free(row_scales);
+    free(group_sums);
+    return failed ? -1 : 0;
 }
 
 /* 1 where gemm_w8a8 runs (VNNI's dpbusd: AVX-VNNI, or AVX-512 VNNI with VL). */

@@ -14,6 +14,12 @@ instruction), also each row on its own. Its exact reference is `reference_int8_g
 `pack_w8a8` and `bind_w8a8` are w8a8's product where the CPU has VNNI: each row of x rounded to
 int8 codes (max |x| / 127) times int8 codes, four products per lane and instruction, in exact int32
 sums: bit for bit what torch._int_mm gives on the same codes (engine/layers/quant.py's W8A8Weight).
+
+`pack_int4` lays 4-bit weights in groups out (w = q * d + m per column and group of inputs, q in
+0..15, float32 d and m: GGUF Q4_1's form, and any asymmetric or symmetric 4-bit grid's); `bind_int4`
+rounds each row of x to int16 codes as the int8 product does, takes each group's exact integer sum
+and adds sum * d + m * (the group's sum of codes) in float32, group after group: again each row on
+its own. Its exact reference is `reference_int4_gemm`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
 W8A8_MAX_K = 65536  # cpu_gemm.c's: one int32 sum per output stays below 2^31 up to it
+INT4_MAX_GROUP = 4096  # cpu_gemm.c's Q4_MAX_GROUP: one group's int32 sum stays below 2^31 up to it
 
 
 class CpuGemm:
@@ -40,6 +47,9 @@ class CpuGemm:
         self._gemm_w8a8 = library.gemm_w8a8  # (x, rows, k, packed, scales, n, y)
         self._gemm_w8a8.argtypes = [_P, _L, _L, _P, _P, _L, _P]
         self._gemm_w8a8.restype = ctypes.c_int
+        self._gemm_q4 = library.gemm_q4  # (x, rows, k, packed, group, n, y)
+        self._gemm_q4.argtypes = [_P, _L, _L, _P, _L, _L, _P]
+        self._gemm_q4.restype = ctypes.c_int
         self._threads = library.gemm_max_threads
         self._threads.restype = ctypes.c_int
         self.panel = int(library.gemm_panel_width())
@@ -85,6 +95,55 @@ class CpuGemm:
         padded[:n, :k] = codes
         lines = padded.view(panels, self.panel, quads, 4).permute(0, 2, 1, 3)
         return (lines.reshape(panels, quads, 4 * self.panel).view(torch.uint8) ^ 0x80).contiguous()
+
+    def pack_int4(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int) -> torch.Tensor:
+        """(n, k) 4-bit values q (0..15, any integer dtype) with float32 scales d and offsets m (n,
+        k / group) -> (ceil(n / panel), k / group, 8 * group + 8 * panel) uint8: per panel and group,
+        the nibbles (a quad of inputs of the panel's columns in 32 bytes: byte 2j + u holds column j's
+        input 4s + u low and 4s + 2 + u high), then the panel's 16 d and 16 m as float32 bytes."""
+        n, k = q.shape
+        if q.dim() != 2 or q.device.type != "cpu" or q.dtype.is_floating_point:
+            raise ValueError(f"packs 2-D integer CPU values, got {tuple(q.shape)} {q.dtype}")
+        if group <= 0 or group % 4 or group > INT4_MAX_GROUP or k % group:
+            raise ValueError(
+                f"int4 groups must be a multiple of 4 up to {INT4_MAX_GROUP} dividing {k}, got {group}"
+            )
+        groups = k // group
+        if d.shape != (n, groups) or m.shape != (n, groups):
+            raise ValueError(
+                f"scales {tuple(d.shape)} and offsets {tuple(m.shape)} do not fit {n} x {groups} groups"
+            )
+        if int(q.min()) < 0 or int(q.max()) > 15:
+            raise ValueError("4-bit values must lie in 0..15")
+        panels = -(-n // self.panel)
+        values = torch.zeros(panels * self.panel, k, dtype=torch.uint8)
+        values[:n] = q.to(torch.uint8)
+        # (panels, column, group, quad, half, u): half 0 -> low nibble, 1 -> high nibble
+        split = values.view(panels, self.panel, groups, group // 4, 2, 2)
+        nibbles = split[..., 0, :] | (split[..., 1, :] << 4)  # (panels, column, group, quad, u)
+        nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(panels, groups, group // 4 * 2 * self.panel)
+        floats = torch.zeros(2, panels * self.panel, groups, dtype=torch.float32)
+        floats[0, :n], floats[1, :n] = d.float(), m.float()
+        # (2, panels, column, group) -> (panels, group, 2, column) as bytes
+        tail = floats.view(2, panels, self.panel, groups).permute(1, 3, 0, 2).contiguous()
+        return torch.cat((nibbles, tail.view(panels, groups, 2 * self.panel).view(torch.uint8)), dim=2)
+
+    def unpack_int4(
+        self, packed: torch.Tensor, n: int, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (n, k) values (uint8) and (n, k / group) float32 d and m `pack_int4` laid out."""
+        panels, groups, _ = packed.shape
+        quads = group // 4
+        nibbles = packed[..., : quads * 2 * self.panel].reshape(panels, groups, quads, self.panel, 2)
+        halves = torch.stack((nibbles & 15, nibbles >> 4), dim=4)  # (panels, group, quad, column, half, u)
+        q = halves.permute(0, 3, 1, 2, 4, 5).reshape(panels * self.panel, groups * group)[:n]
+        tail = packed[..., quads * 2 * self.panel :].contiguous().view(torch.float32)
+        floats = (
+            tail.view(panels, groups, 2, self.panel)
+            .permute(2, 0, 3, 1)
+            .reshape(2, panels * self.panel, groups)
+        )
+        return q.contiguous(), floats[0, :n].contiguous(), floats[1, :n].contiguous()
 
     def pack_scales(self, scales: torch.Tensor) -> torch.Tensor:
         """Per-channel scales (n,) as float32, padded to the panels' width (zeros past n)."""
@@ -141,6 +200,23 @@ class CpuGemm:
             raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs")
         return PanelProduct(self._gemm_w8a8, (packed, scales), k, n)
 
+    def bind_int4(self, packed: torch.Tensor, n: int, k: int, group: int) -> PanelProduct:
+        """The product with one pack_int4 weight of k inputs in groups of `group`, checked now."""
+        if packed.dtype != torch.uint8:
+            raise ValueError(f"the int4 gemm takes uint8 panels, got {packed.dtype}")
+        if (
+            group <= 0
+            or group % 4
+            or group > INT4_MAX_GROUP
+            or k % group
+            or packed.shape[1:2] != (k // group,)
+        ):
+            raise ValueError(
+                f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs in groups of {group}"
+            )
+        self._check_panels(packed, n, 8 * group + 8 * self.panel)
+        return PanelProduct(self._gemm_q4, (packed,), k, n, group)
+
     def _check_panels(self, packed: torch.Tensor, n: int, line: int) -> None:
         """Panels (ceil(n / panel), depth, line), contiguous, on the CPU."""
         if packed.device.type != "cpu":
@@ -167,11 +243,12 @@ class PanelProduct:
 
     __slots__ = ("_kernel", "_pointers", "_weight", "k", "n")
 
-    def __init__(self, kernel: Any, weight: tuple[torch.Tensor, ...], k: int, n: int) -> None:
-        # gemm_f32 (x, rows, k, packed, n, y) or gemm_i8 (x, rows, k, packed, scales, n, y)
+    def __init__(self, kernel: Any, weight: tuple[torch.Tensor, ...], k: int, n: int, *extra: int) -> None:
+        # gemm_f32 (x, rows, k, packed, n, y), gemm_i8 / gemm_w8a8 (x, rows, k, packed, scales, n, y)
+        # or gemm_q4 (x, rows, k, packed, group, n, y): `extra` are the integers after the tensors
         self._kernel = kernel
         self._weight = weight  # kept alive: the kernel reads them by address
-        self._pointers = tuple(t.data_ptr() for t in weight)
+        self._pointers = (*(t.data_ptr() for t in weight), *extra)
         self.k, self.n = k, n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,8 +265,8 @@ class PanelProduct:
             failed = self._kernel(x.data_ptr(), rows, k, *self._pointers, self.n, y.data_ptr())
             if failed == -1:
                 raise MemoryError(f"no memory for the integer codes of a ({rows}, {k}) input")
-            if failed:  # -2: w8a8 without VNNI, refused by bind_w8a8 already
-                raise RuntimeError("the w8a8 product does not run on this CPU")
+            if failed:  # -2: w8a8 without VNNI, int4 groups that do not fit: refused when bound
+                raise RuntimeError("the product does not run on this CPU or for these shapes")
         elif rows and self.n:
             y.zero_()
         return y
@@ -208,6 +285,31 @@ def reference_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     for start in range(0, x.shape[1], 512):
         sums += (x_codes[:, start : start + 512] @ w_codes[:, start : start + 512].T).float()
     out = sums * row_scale * scales.float()
+    bad = ~torch.isfinite(rows).all(dim=1)
+    out[bad] = float("nan")
+    return out
+
+
+def reference_int4_gemm(
+    x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int
+) -> torch.Tensor:
+    """What `CpuGemm.bind_int4`'s product computes, bit for bit, in torch: x (rows, k) rounded per
+    row to int16 codes (as `reference_int8_gemm`), then for each group of `group` inputs in order
+    y = fma(float(sum of q * codes), d, y) and y = fma(m, float(sum of codes), y) (each fused
+    multiply-add computed in float64 and rounded once to float32), then y times the row's scale;
+    q (n, k) in 0..15, d and m (n, k / group) float32. Rows holding a NaN or an infinity give NaN."""
+    rows = x.float()
+    row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 32767
+    x_codes = torch.round(rows / row_scale).to(torch.int64)
+    w = q.to(torch.int64)
+    out = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float32)
+    for g in range(x.shape[1] // group):
+        span = slice(g * group, (g + 1) * group)
+        sums = (x_codes[:, span] @ w[:, span].T).float().double()
+        code_sums = x_codes[:, span].sum(dim=1, keepdim=True).float().double()
+        out = (sums * d[:, g].double() + out.double()).float()
+        out = (m[:, g].double() * code_sums + out.double()).float()
+    out = out * row_scale
     bad = ~torch.isfinite(rows).all(dim=1)
     out[bad] = float("nan")
     return out

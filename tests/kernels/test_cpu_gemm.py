@@ -1,5 +1,5 @@
-"""The C products over packed weights (kernels/cpu_gemm.c): float32 against F.linear, int8 against
-its exact reference; their row invariance, their packing, and what they refuse."""
+"""The C products over packed weights (kernels/cpu_gemm.c): float32 against F.linear, int8 and int4
+against their exact references; their row invariance, their packing, and what they refuse."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from engine.config import kernel_cache_dir
 from kernels import cpu_native
-from kernels.cpu_gemm import reference_int8_gemm
+from kernels.cpu_gemm import INT4_MAX_GROUP, reference_int4_gemm, reference_int8_gemm
 
 KERNELS = cpu_native.load(kernel_cache_dir())
 GEMM = None if KERNELS is None else KERNELS.gemm
@@ -274,3 +274,113 @@ def test_w8a8_gemm_refuses_what_it_cannot_run() -> None:
     product = GEMM.bind_w8a8(packed, scales, 20, 9)
     with pytest.raises(ValueError, match="shapes"):
         product(torch.randn(2, 12))
+
+
+def _int4_case(
+    rows: int, k: int, n: int, group: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d = torch.rand(n, k // group, generator=gen) * 0.01
+    m = torch.randn(n, k // group, generator=gen) * 0.05
+    return x, q, d, m
+
+
+def _int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int) -> torch.Tensor:
+    return q.double() * d.double().repeat_interleave(group, 1) + m.double().repeat_interleave(group, 1)
+
+
+@needs_gemm
+@pytest.mark.parametrize(
+    ("rows", "k", "n", "group"),
+    [
+        (1, 576, 960, 32),  # the default model's decode step
+        (2, 64, 17, 32),  # a partial last panel
+        (7, 128, 33, 64),
+        (13, 96, 130, 32),  # two full tiles and a remainder of one row
+        (300, 64, 40, 32),  # several row chunks
+        (3, 8, 16, 4),  # the smallest group
+        (5, 1536, 20, 128),
+        (40, 1536, 576, 32),
+    ],
+)
+def test_int4_gemm_is_its_reference_bit_for_bit(rows: int, k: int, n: int, group: int) -> None:
+    assert GEMM is not None
+    x, q, d, m = _int4_case(rows, k, n, group, rows * 1000 + k + n + group)
+    packed = GEMM.pack_int4(q, d, m, group)
+    assert packed.shape == (-(-n // 16), k // group, 8 * group + 128) and packed.dtype == torch.uint8
+    back = GEMM.unpack_int4(packed, n, group)
+    assert torch.equal(back[0], q) and torch.equal(back[1], d) and torch.equal(back[2], m)
+    got = GEMM.bind_int4(packed, n, k, group)(x)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.equal(got, reference_int4_gemm(x, q, d, m, group))
+    exact = x.double() @ _int4_weight(q, d, m, group).T
+    assert (got.double() - exact).norm() / exact.norm() < 1e-4  # int16 activations: ~3e-5
+
+
+@needs_gemm
+def test_int4_sums_of_the_largest_groups_do_not_overflow() -> None:
+    """Every product at its largest (|x| at the row's maximum, q = 15) in groups of 4,096 inputs:
+    one group's int32 sum, 4,096 x 15 x 32,767, stays below 2^31."""
+    assert GEMM is not None
+    group = INT4_MAX_GROUP
+    x = torch.full((2, 2 * group), 3.0)
+    x[1] = -3.0
+    q = torch.full((16, 2 * group), 15, dtype=torch.uint8)
+    d, m = torch.ones(16, 2), torch.full((16, 2), 0.5)
+    got = GEMM.bind_int4(GEMM.pack_int4(q, d, m, group), 16, 2 * group, group)(x)
+    want = torch.tensor([2 * group * 15.5 * 3.0, -2 * group * 15.5 * 3.0])[:, None].expand(2, 16)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.equal(got, reference_int4_gemm(x, q, d, m, group))
+
+
+@needs_gemm
+def test_an_int4_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads() -> None:
+    assert GEMM is not None
+    x, q, d, m = _int4_case(200, 128, 301, 32, 13)
+    _rows_keep_their_bits(GEMM.bind_int4(GEMM.pack_int4(q, d, m, 32), 301, 128, 32), x)
+
+
+@needs_gemm
+def test_an_int4_row_holding_a_nan_or_an_infinity_gives_nan_and_leaves_the_others() -> None:
+    assert GEMM is not None
+    x, q, d, m = _int4_case(4, 64, 20, 32, 5)
+    x[1, 63] = float("nan")
+    x[2, 3] = float("-inf")
+    product = GEMM.bind_int4(GEMM.pack_int4(q, d, m, 32), 20, 64, 32)
+    got = product(x)
+    assert got[1].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[[0, 3]], reference_int4_gemm(x[[0, 3]], q, d, m, 32))
+    assert torch.equal(product(torch.zeros(1, 64)), torch.zeros(1, 20))
+
+
+@needs_gemm
+def test_int4_gemm_refuses_what_it_cannot_read() -> None:
+    assert GEMM is not None
+    q, d, m = torch.randint(0, 16, (20, 64), dtype=torch.uint8), torch.rand(20, 2), torch.rand(20, 2)
+    with pytest.raises(ValueError, match=r"0\.\.15"):
+        GEMM.pack_int4(q + 16, d, m, 32)
+    with pytest.raises(ValueError, match="groups"):
+        GEMM.pack_int4(q, d, m, 48)  # 64 inputs are not groups of 48
+    with pytest.raises(ValueError, match="groups"):
+        GEMM.pack_int4(q[:, :60], torch.rand(20, 6), torch.rand(20, 6), 10)  # not a multiple of 4
+    with pytest.raises(ValueError, match="scales"):
+        GEMM.pack_int4(q, d[:, :1], m, 32)
+    with pytest.raises(ValueError, match="integer"):
+        GEMM.pack_int4(q.float(), d, m, 32)
+    packed = GEMM.pack_int4(q, d, m, 32)
+    with pytest.raises(ValueError, match="uint8"):
+        GEMM.bind_int4(packed.view(torch.int8), 20, 64, 32)
+    with pytest.raises(ValueError, match="shapes"):
+        GEMM.bind_int4(packed, 20, 96, 32)  # three groups asked, two packed
+    with pytest.raises(ValueError, match="shapes"):
+        GEMM.bind_int4(packed, 20, 64, 16)  # the packed groups are of 32
+    with pytest.raises(ValueError, match="shapes"):
+        GEMM.bind_int4(packed, 40, 64, 32)  # two panels' outputs, one packed
+    product = GEMM.bind_int4(packed, 20, 64, 32)
+    with pytest.raises(ValueError, match="shapes"):
+        product(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float32 activations"):
+        product(torch.randn(2, 64, dtype=torch.float16))
+    assert product(torch.randn(0, 64)).shape == (0, 20)
