@@ -17,7 +17,7 @@ from engine.layers import kv_cache
 from engine.layers.attention import AttentionMetadata
 from engine.layers.backend import load_backend, resolve_backend_name
 from engine.layers.cpu_blas import batch_invariant_linear
-from engine.layers.packed import use_packed_int8, use_packed_weights
+from engine.layers.packed import rows_alone, use_packed_int8, use_packed_weights
 from engine.layers.weight_loading import load_weights
 from engine.models.config import ModelConfig
 from engine.models.registry import build_model
@@ -169,14 +169,17 @@ class ModelRunner:
             self.quantization = None
         else:
             calibrate = lambda tokens: self._prefill_alone(model, tokens)  # noqa: E731 - w8a8's smoothing
-            self.quantization = load_weights(model, model_dir, config, self.backend.is_triton, calibrate)
-            if cpu is not None and cpu.gemm.vectorized:  # float32 and int8 products on the C kernel
+            gemm = cpu.gemm if cpu is not None and cpu.gemm.vectorized else None
+            self.quantization = load_weights(
+                model, model_dir, config, self.backend.is_triton, calibrate, gemm
+            )
+            if gemm is not None:  # float32, int8 and int4 products on the C kernel
                 if self.quantization is None:
-                    use_packed_weights(model, cpu.gemm)
+                    use_packed_weights(model, gemm)
                 else:
-                    use_packed_int8(model, cpu.gemm)
+                    use_packed_int8(model, gemm)
                 # each row of those products alone: no padding to MKL's row multiple needed
-                self._pad_rows = self._pad_rows and self.quantization not in (None, "int8")
+                self._pad_rows = self._pad_rows and not rows_alone(model)
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)

@@ -13,6 +13,21 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
+def quantize_int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) weight -> values q (out, in) uint8 in 0..15 and float32 scales and offsets (out,
+    in / group): asymmetric over each group's range, w ~ q * scale + low with scale = (high - low) /
+    15 (GGUF Q4_1's rule: a weight that came from Q4_1 blocks gets its own values back, to float32's
+    rounding); a constant group keeps its value exactly (q = 0)."""
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ValueError(f"int4 in groups of {group} needs rows of a multiple of it, got {in_features}")
+    w = weight.detach().float().reshape(out_features, in_features // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return q.reshape(out_features, in_features).to(torch.uint8), scale, low
+
+
 def group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
     """The input permutation that makes a checkpoint's groups contiguous (GPTQ act-order), or None
     when input i already belongs to group i // group_size; refuses groups not of group_size."""

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.quant import Int8Weight, W8A8Weight, replace_projections
+from engine.layers.quant import INT4_GROUP, PROJECTIONS, Int8Weight, W8A8Weight, replace_projections
+from kernels import reference_quant
 from kernels.cpu_gemm import W8A8_MAX_K, CpuGemm, PanelProduct
 
 Tensor = torch.Tensor
@@ -113,6 +114,78 @@ class PackedInt8Weight:
 
 
 @dataclass(frozen=True)
+class PackedInt4Weight:
+    """A 4-bit weight in groups of inputs, w = q * d + m (q in 0..15, float32 d and m per output and
+    group: GGUF Q4_1's form, and AWQ's and GPTQ's grids exactly), as panels for the C product: each
+    row of activations rounded to int16 codes, exact integer sums per group, each row on its own
+    (batch-invariant). kernels/cpu_gemm.py's `reference_int4_gemm` is its exact reference. Takes 5/8
+    of a byte a weight (int8: 1) and, unlike torch's int4 kernel, neither bfloat16 activations nor
+    bfloat16 scales."""
+
+    packed: Tensor  # (ceil(out / 16), in / group, 8 * group + 128) uint8
+    out_features: int
+    in_features: int
+    group: int
+    gemm: CpuGemm
+    product: PanelProduct
+    input_perm: Tensor | None = None  # GPTQ act-order: the packed columns are x[..., input_perm]'s
+
+    @classmethod
+    def quantize(cls, weight: Tensor, gemm: CpuGemm, group: int = INT4_GROUP) -> PackedInt4Weight:
+        """Asymmetric 4-bit over each group's range (kernels/reference_quant.py's
+        quantize_int4_groups): the default model, shipped as Q4_1 blocks of 32, gets its own values."""
+        q, scale, low = reference_quant.quantize_int4_groups(weight, group)
+        return cls.of(q, scale, low, group, gemm)
+
+    @classmethod
+    def from_grid(
+        cls, q: Tensor, zeros: Tensor, scales: Tensor, g_idx: Tensor, group_size: int, gemm: CpuGemm
+    ) -> PackedInt4Weight:
+        """A checkpoint's own 4-bit values (AWQ, GPTQ), w = (q - zero) * scale: d = scale and
+        m = -zero * scale in float32. q (out, in) in 0..15; zeros, scales (out, groups); g_idx (in,)
+        each input's group (act-order checkpoints permute them: the inputs are reordered)."""
+        perm = reference_quant.group_order(g_idx, group_size)
+        if perm is not None:
+            q = q[:, perm]
+        d = scales.float()
+        return cls.of(q, d, -zeros.float() * d, group_size, gemm, perm)
+
+    @classmethod
+    def of(
+        cls, q: Tensor, d: Tensor, m: Tensor, group: int, gemm: CpuGemm, perm: Tensor | None = None
+    ) -> PackedInt4Weight:
+        """Values q (out, in) in 0..15 with scales d and offsets m (out, in / group), packed."""
+        out_features, in_features = q.shape
+        packed = gemm.pack_int4(q, d, m, group)
+        product = gemm.bind_int4(packed, out_features, in_features, group)
+        return cls(packed, out_features, in_features, group, gemm, product, perm)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The float weight's shape (out, in)."""
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values, scales and offsets."""
+        return self.packed.numel()
+
+    def dequantize(self) -> Tensor:
+        """The float32 weight (out, in) these values stand for, in the checkpoint's input order."""
+        q, d, m = self.gemm.unpack_int4(self.packed, self.out_features, self.group)
+        w = q.float() * d.repeat_interleave(self.group, 1) + m.repeat_interleave(self.group, 1)
+        if self.input_perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.input_perm, w)
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (..., in) @ w.T (+ bias) -> (..., out) in x's dtype (computed from float32 activations)."""
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
+        return _product(self.product, x, bias)
+
+
+@dataclass(frozen=True)
 class PackedW8A8Weight:
     """w8a8's weight (engine/layers/quant.py's W8A8Weight) with a second layout of its codes for the
     C product where the CPU has VNNI: up to FEW_ROWS rows (decode steps) the C kernel's dpbusd
@@ -186,6 +259,18 @@ def use_packed_int8(model: nn.Module, gemm: CpuGemm) -> int:
                 setattr(module, name, PackedW8A8Weight.of(value, gemm))
                 swapped += 1
     return swapped
+
+
+def rows_alone(model: nn.Module) -> bool:
+    """Whether every product of the model (projections and LM head) is one of the C kernel's over
+    packed weights, which compute each row on its own: a batch-invariant step then needs no rows
+    padded to MKL's row multiple."""
+    alone = (PackedWeight, PackedInt8Weight, PackedInt4Weight)
+    for module in model.modules():
+        for name in PROJECTIONS.get(type(module).__name__, ()):
+            if not isinstance(getattr(module, name), alone):
+                return False
+    return isinstance(getattr(model, "head_weight", None), alone)
 
 
 def use_packed_weights(model: nn.Module, gemm: CpuGemm) -> int:

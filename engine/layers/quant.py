@@ -241,7 +241,7 @@ def quantization_aware(linear: Linear) -> Callable[[Tensor, Tensor | Projection,
 
 
 # modules of the Llama family (engine/models/llama.py) and their projection weights
-_PROJECTIONS = {"Attention": ("qkv_proj", "o_proj"), "MLP": ("gate_up_proj", "down_proj")}
+PROJECTIONS = {"Attention": ("qkv_proj", "o_proj"), "MLP": ("gate_up_proj", "down_proj")}
 
 
 def replace_projections(model: nn.Module, form: Callable[[str, Tensor], Projection]) -> int:
@@ -249,7 +249,7 @@ def replace_projections(model: nn.Module, form: Callable[[str, Tensor], Projecti
     returns the bytes they now take."""
     total = 0
     for prefix, module in model.named_modules():
-        names = _PROJECTIONS.get(type(module).__name__, ())
+        names = PROJECTIONS.get(type(module).__name__, ())
         for name in names:
             quantized = form(f"{prefix}.{name}", getattr(module, name))
             delattr(module, name)  # a parameter: the plain attribute replaces it
@@ -260,16 +260,27 @@ def replace_projections(model: nn.Module, form: Callable[[str, Tensor], Projecti
     return total
 
 
-def quantize_model(model: nn.Module, method: str, triton: bool = False) -> int:
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    triton: bool = False,
+    int4: Callable[[Tensor], Projection] | None = None,
+) -> int:
     """Replace the model's projection weights and LM head by `method`'s form, in place (the Triton
-    kernels' layouts when `triton`); returns the bytes the projections and the head now take."""
+    kernels' layouts when `triton`; `int4`, where given, makes int4's projections: the C product's
+    PackedInt4Weight); returns the bytes the projections and the head now take."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {method!r}")
     int8: Callable[[Tensor], QuantizedWeight] = TritonInt8Weight.quantize if triton else Int8Weight.quantize
-    int4: Callable[[Tensor], QuantizedWeight] = TritonInt4Weight.quantize if triton else Int4Weight.quantize
-    forms = {"int8": int8, "int4": int4, "w8a8": W8A8Weight.quantize}
+    if int4 is None:
+        int4 = TritonInt4Weight.quantize if triton else Int4Weight.quantize
+    forms: dict[str, Callable[[Tensor], Projection]] = {
+        "int8": int8,
+        "int4": int4,
+        "w8a8": W8A8Weight.quantize,
+    }
 
-    def form(name: str, weight: Tensor) -> QuantizedWeight:
+    def form(name: str, weight: Tensor) -> Projection:
         # w8a8: int8 activations for the norm-fed projections (QKV, gate/up; smoothed first by
         # engine/layers/smoothing.py); o_proj and down_proj stay weight-only int8
         weight_only = method == "w8a8" and name.endswith(("o_proj", "down_proj"))

@@ -60,13 +60,8 @@ class TritonInt4Weight:
     @classmethod
     def quantize(cls, weight: Tensor) -> TritonInt4Weight:
         """Asymmetric 4-bit over each group's range [low, high]: q = round((w - low) / scale)."""
-        out_features, in_features = weight.shape
-        group = _group_for(in_features)
-        w = weight.detach().float().reshape(out_features, in_features // group, group)
-        low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15)
-        q = q.reshape(out_features, in_features)
+        group = _group_for(weight.shape[1])
+        q, scale, low = reference_quant.quantize_int4_groups(weight, group)
         packed = reference_quant.pack_int4(q.cpu()).to(weight.device)
         return cls(packed, scale.t().contiguous(), low.t().contiguous(), group, weight.shape)
 

@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS, EngineConfig
-from engine.layers.quant import Int4Weight, Int8Weight, QuantizedWeight, quantize_model, replace_projections
+from engine.layers.packed import PackedInt4Weight
+from engine.layers.quant import Int4Weight, Int8Weight, Projection, quantize_model, replace_projections
 from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
 from engine.layers.smoothing import input_maxima, smooth
 from engine.prequantized import Grid, iter_prequantized, read_checkpoint_quant
 from engine.weights import iter_weights
+from kernels.cpu_gemm import CpuGemm
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,12 @@ def load_weights(
     config: EngineConfig,
     triton: bool,
     prefill: Callable[[list[int]], None] | None = None,
+    gemm: CpuGemm | None = None,
 ) -> str | None:
     """Load the checkpoint into `model` and put its projections in their served form; returns the
     quantization served (the checkpoint's method, int8/int4/w8a8 at load, or None). `prefill` runs
-    the float model over tokens: w8a8 calibrates its smoothing with it (engine/layers/smoothing.py)."""
+    the float model over tokens: w8a8 calibrates its smoothing with it (engine/layers/smoothing.py).
+    With `gemm` (the CPU's C products), 4-bit projections are packed for its int4 product."""
     llama: Any = model
     dtype = next(model.parameters()).dtype
     asked = config.quantization
@@ -51,7 +55,8 @@ def load_weights(
             smoothed = smooth(model, input_maxima(model, prefill))
             logger.info("w8a8: %d norm-fed projections smoothed", smoothed)
         if asked is not None:
-            nbytes = quantize_model(model, asked, triton)
+            int4 = None if gemm is None else lambda weight: PackedInt4Weight.quantize(weight, gemm)
+            nbytes = quantize_model(model, asked, triton, int4)
             logger.info("weights: %s, %.1f MiB of projections and LM head", asked, nbytes / 2**20)
         return asked
     if asked is not None and asked not in (spec.method, spec.source):
@@ -61,23 +66,30 @@ def load_weights(
         )
     grids: dict[str, Grid] = {}
     llama.load_weights(iter_prequantized(model_dir, spec, dtype, grids))
-    form, nbytes = serve_prequantized(model, grids, triton)
+    form, nbytes = serve_prequantized(model, grids, triton, gemm)
     logger.info("weights: %s checkpoint as %s, %.1f MiB of projections", spec.source, form, nbytes / 2**20)
     return spec.source
 
 
-def serve_prequantized(model: nn.Module, grids: dict[str, Grid], triton: bool = False) -> tuple[str, int]:
+def serve_prequantized(
+    model: nn.Module, grids: dict[str, Grid], triton: bool = False, gemm: CpuGemm | None = None
+) -> tuple[str, int]:
     """A pre-quantized checkpoint's projections in the kernels' forms, in place: 4-bit grids as
-    int4 with their own values; 8-bit grids and FP8 weights (loaded as floats) as per-channel int8.
-    The LM head stays as the checkpoint has it. Returns (the forms used, bytes of the projections)."""
+    int4 with their own values (for `gemm`'s int4 product where given); 8-bit grids and FP8 weights
+    (loaded as floats) as per-channel int8. The LM head stays as the checkpoint has it. Returns (the
+    forms used, bytes of the projections)."""
     llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
     fused = fuse_grids(grids, llama.param_name_of)
     kinds: set[str] = set()
 
-    def form(name: str, weight: torch.Tensor) -> QuantizedWeight:
+    def form(name: str, weight: torch.Tensor) -> Projection:
         grid = fused.get(name)
-        quantized: QuantizedWeight
-        if grid is not None and grid.bits == 4 and triton:
+        quantized: Projection
+        if grid is not None and grid.bits == 4 and gemm is not None and not triton:
+            quantized = PackedInt4Weight.from_grid(
+                grid.q, grid.zeros, grid.scales, grid.g_idx, grid.group_size, gemm
+            )
+        elif grid is not None and grid.bits == 4 and triton:
             quantized = TritonInt4Weight.from_grid(
                 grid.q, grid.zeros, grid.scales, grid.g_idx, grid.group_size, weight.device
             )
@@ -85,7 +97,9 @@ def serve_prequantized(model: nn.Module, grids: dict[str, Grid], triton: bool = 
             quantized = Int4Weight.from_grid(grid.q, grid.zeros, grid.scales, grid.g_idx, grid.group_size)
         else:  # GPTQ 8-bit and FP8, loaded dequantized: one scale per output channel
             quantized = TritonInt8Weight.quantize(weight) if triton else Int8Weight.quantize(weight)
-        kinds.add("int4" if isinstance(quantized, Int4Weight | TritonInt4Weight) else "int8")
+        kinds.add(
+            "int4" if isinstance(quantized, Int4Weight | TritonInt4Weight | PackedInt4Weight) else "int8"
+        )
         return quantized
 
     total = replace_projections(model, form)

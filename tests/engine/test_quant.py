@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, kernel_cache_dir
-from engine.layers.packed import PackedInt8Weight, PackedW8A8Weight, PackedWeight
+from engine.layers.packed import PackedInt4Weight, PackedInt8Weight, PackedW8A8Weight, PackedWeight
 from engine.layers.quant import (
     Int4Weight,
     Int8Weight,
@@ -20,13 +20,14 @@ from engine.layers.quant import (
 )
 from engine.outputs import RequestOutput
 from kernels import cpu_native
-from kernels.cpu_gemm import reference_int8_gemm
+from kernels.cpu_gemm import reference_int4_gemm, reference_int8_gemm
 from tests.engine.server_proc import ServerProcess
 
 _CPU = cpu_native.load(kernel_cache_dir())
 # where the C product builds, the engine moves every int8 weight to it (engine/layers/packed.py)
 INT8_KIND = PackedInt8Weight if _CPU is not None and _CPU.gemm.vectorized else Int8Weight
 W8A8_KIND = PackedW8A8Weight if _CPU is not None and _CPU.gemm.vectorized and _CPU.gemm.vnni else W8A8Weight
+INT4_KIND = PackedInt4Weight if _CPU is not None and _CPU.gemm.vectorized else Int4Weight
 
 
 def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ def test_a_quantized_engine_keeps_batch_invariance_and_close_logprobs(
         "kv_cache_dtype": "float32",
         "batch_invariant": True,
     }
-    kind = {"int8": INT8_KIND, "int4": Int4Weight, "w8a8": W8A8_KIND}[quantization]
+    kind = {"int8": INT8_KIND, "int4": INT4_KIND, "w8a8": W8A8_KIND}[quantization]
     assert isinstance(runner.model.layers[0].mlp.gate_up_proj, kind)
     assert isinstance(runner.model.layers[0].mlp.down_proj, INT8_KIND if quantization == "w8a8" else kind)
     assert runner.model.lm_head is None and runner.model.head_weight is not None
@@ -379,3 +380,62 @@ def test_the_packed_w8a8_product_gives_torch_int_mms_bits_at_every_row_count(row
     got = packed.matmul(x, bias)
     assert got.shape == (rows, 99)
     assert torch.equal(got, plain.matmul(x, bias))
+
+
+@pytest.mark.skipif(_CPU is None or not _CPU.gemm.vectorized, reason="the C product builds vectorized on x86")
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_the_packed_int4_product_is_its_reference_and_a_4_bit_grid_keeps_its_values(rows: int) -> None:
+    """Float32 scales and offsets: a weight already on a 4-bit grid per group of 32 (as the default
+    model's Q4_1 blocks) comes back to float32's rounding, which torch's int4 kernel (bfloat16
+    scales) does not give; the product is reference_int4_gemm's bits, each row on its own."""
+    assert _CPU is not None
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (99, 96), generator=gen)  # 99 outputs: a partial last panel
+    q[:, ::32], q[:, 1::32] = 0, 15  # each group spans the grid, as GGUF's Q4_1 blocks do
+    d = torch.rand(99, 3, generator=gen).repeat_interleave(32, dim=1) * 0.02 + 1e-3
+    m = torch.randn(99, 3, generator=gen).repeat_interleave(32, dim=1) * 0.1
+    weight = q.float() * d + m  # a Q4_1 model expanded to float32
+    packed = PackedInt4Weight.quantize(weight, _CPU.gemm)
+    assert packed.shape == weight.shape and packed.nbytes == 7 * 3 * (8 * 32 + 128)
+    assert torch.equal(_CPU.gemm.unpack_int4(packed.packed, 99, 32)[0], q.to(torch.uint8))
+    torch.testing.assert_close(packed.dequantize(), weight, rtol=0, atol=2e-7)
+    assert float((Int4Weight.quantize(weight[:96]).dequantize() - weight[:96]).abs().max()) > 1e-4  # bf16
+    x, bias = torch.randn(rows, 96, generator=gen), torch.randn(99, generator=gen)
+    got = packed.matmul(x, bias)
+    values, scales, offsets = _CPU.gemm.unpack_int4(packed.packed, 99, 32)
+    assert torch.equal(got, reference_int4_gemm(x, values, scales, offsets, 32) + bias)
+    exact = x.double() @ weight.double().T + bias
+    assert (got.double() - exact).norm() / exact.norm() < 1e-4
+    assert torch.equal(torch.cat([packed.matmul(x[i : i + 1], bias) for i in range(rows)]), got)
+    assert packed.matmul(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(_CPU is None or not _CPU.gemm.vectorized, reason="the C product builds vectorized on x86")
+def test_an_act_order_grid_on_the_packed_int4_product_reads_its_inputs_in_group_order() -> None:
+    assert _CPU is not None
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (20, 64), generator=gen)
+    zeros, scales = torch.randint(0, 16, (20, 2), generator=gen), torch.rand(20, 2, generator=gen) * 0.05
+    g_idx = torch.randperm(64, generator=gen) % 2  # each input's group, shuffled (GPTQ act-order)
+    packed = PackedInt4Weight.from_grid(q, zeros, scales, g_idx, 32, _CPU.gemm)
+    assert packed.input_perm is not None
+    want = (q.float() - zeros.float()[:, g_idx]) * scales[:, g_idx]  # the checkpoint's weight
+    torch.testing.assert_close(packed.dequantize(), want, rtol=0, atol=1e-6)
+    x = torch.randn(5, 64, generator=gen)
+    torch.testing.assert_close(packed.matmul(x), x @ want.T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="groups"):
+        PackedInt4Weight.quantize(torch.randn(8, 40), _CPU.gemm)
+
+
+@pytest.mark.skipif(_CPU is None or not _CPU.gemm.vectorized, reason="the C product builds vectorized on x86")
+def test_an_int4_engine_computes_its_own_rows_only_in_both_modes(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    """Every product on the C kernel (int4 projections, int8 head): a batch-invariant step is not
+    padded to MKL's row multiple; a prequantized model whose head stays float still is."""
+    path = str(tiny_model_factory("llama"))
+    for invariant in (True, False):
+        runner = LLM(path, quantization="int4", batch_invariant=invariant).engine.runner
+        assert isinstance(runner.model.head_weight, PackedInt8Weight) and not runner._pad_rows
+    assert LLM(path).engine.runner._pad_rows is False  # float32, packed
+    assert LLM(path, quantization="w8a8").engine.runner._pad_rows is True  # torch._int_mm past 16 rows
