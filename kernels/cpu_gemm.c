@@ -148,6 +148,144 @@ static inline __attribute__((always_inline)) void tile_i8(const int16_t *xq, lon
     ISTORE(0) ISTORE(1) ISTORE(2) ISTORE(3) ISTORE(4) ISTORE(5)
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* AVX-512: a panel's 16 columns are one register. The same sums as the AVX2 tiles above (each output
+ * one chain of fused multiply-adds over k in order; int8: exact int32 sums per chunk, added in chunk
+ * order), so the same bits, with half the instructions: a 6-row tile takes two panels at every row
+ * count (12 sums in flight for 8 loads a step). */
+#define WIDE 1
+typedef __m512 v16;
+typedef __m512i v16i;
+
+#define ZDECLARE(i) v16 z##i##a = _mm512_setzero_ps(), z##i##b = z##i##a;
+#define ZSTEP(i)                                                                                             \
+    if (R > i) {                                                                                             \
+        v16 a = _mm512_set1_ps(x[i * k_len + k]);                                                            \
+        z##i##a = _mm512_fmadd_ps(a, b0, z##i##a);                                                           \
+        if (P == 2) z##i##b = _mm512_fmadd_ps(a, b1, z##i##b);                                               \
+    }
+#define ZSTORE(i)                                                                                            \
+    if (R > i) {                                                                                             \
+        _mm512_storeu_ps(out + i * ldo, z##i##a);                                                            \
+        if (P == 2) _mm512_storeu_ps(out + i * ldo + PANEL, z##i##b);                                        \
+    }
+
+static inline __attribute__((always_inline)) void tile_f32_wide(const float *x, long k_len, const float *panel,
+                                                                float *out, long ldo, const int R, const int P) {
+    ZDECLARE(0) ZDECLARE(1) ZDECLARE(2) ZDECLARE(3) ZDECLARE(4) ZDECLARE(5)
+    const float *next = panel + k_len * PANEL;
+    for (long k = 0; k < k_len; k++) {
+        v16 b0 = _mm512_loadu_ps(panel + k * PANEL), b1 = _mm512_setzero_ps();
+        if (P == 2) b1 = _mm512_loadu_ps(next + k * PANEL);
+        ZSTEP(0) ZSTEP(1) ZSTEP(2) ZSTEP(3) ZSTEP(4) ZSTEP(5)
+    }
+    ZSTORE(0) ZSTORE(1) ZSTORE(2) ZSTORE(3) ZSTORE(4) ZSTORE(5)
+}
+
+static inline __attribute__((always_inline)) v16i dot_pairs_wide(v16i acc, v16i a, v16i w) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, w);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, w));
+#endif
+}
+
+#define ZIDECLARE(i)                                                                                         \
+    v16i y##i##a = _mm512_setzero_si512(), y##i##b = y##i##a;                                                \
+    v16 g##i##a = _mm512_setzero_ps(), g##i##b = g##i##a;
+#define ZISTEP(i)                                                                                            \
+    if (R > i) {                                                                                             \
+        int32_t pair;                                                                                        \
+        memcpy(&pair, xq + i * ldx + 2 * t, sizeof pair);                                                    \
+        v16i a = _mm512_set1_epi32(pair);                                                                    \
+        y##i##a = dot_pairs_wide(y##i##a, a, b0);                                                            \
+        if (P == 2) y##i##b = dot_pairs_wide(y##i##b, a, b1);                                                \
+    }
+#define ZIFOLD(i)                                                                                            \
+    if (R > i) {                                                                                             \
+        g##i##a = _mm512_add_ps(g##i##a, _mm512_cvtepi32_ps(y##i##a));                                       \
+        if (P == 2) g##i##b = _mm512_add_ps(g##i##b, _mm512_cvtepi32_ps(y##i##b));                           \
+        y##i##a = y##i##b = _mm512_setzero_si512();                                                          \
+    }
+#define ZISTORE(i)                                                                                           \
+    if (R > i) {                                                                                             \
+        v16 r = _mm512_set1_ps(row_scales[i]);                                                               \
+        _mm512_storeu_ps(out + i * ldo, _mm512_mul_ps(_mm512_mul_ps(g##i##a, r), s0));                       \
+        if (P == 2) _mm512_storeu_ps(out + i * ldo + PANEL, _mm512_mul_ps(_mm512_mul_ps(g##i##b, r), s1));   \
+    }
+
+static inline __attribute__((always_inline)) void tile_i8_wide(const int16_t *xq, long ldx, const float *row_scales,
+                                                               long pairs, const int8_t *panel, const float *scales,
+                                                               float *out, long ldo, const int R, const int P) {
+    ZIDECLARE(0) ZIDECLARE(1) ZIDECLARE(2) ZIDECLARE(3) ZIDECLARE(4) ZIDECLARE(5)
+    const int8_t *next = panel + pairs * 2 * PANEL;
+    for (long t0 = 0; t0 < pairs; t0 += CHUNK_PAIRS) {
+        long t1 = t0 + CHUNK_PAIRS < pairs ? t0 + CHUNK_PAIRS : pairs;
+        for (long t = t0; t < t1; t++) {
+            v16i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(panel + t * 2 * PANEL)));
+            v16i b1 = _mm512_setzero_si512();
+            if (P == 2) b1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(next + t * 2 * PANEL)));
+            ZISTEP(0) ZISTEP(1) ZISTEP(2) ZISTEP(3) ZISTEP(4) ZISTEP(5)
+        }
+        ZIFOLD(0) ZIFOLD(1) ZIFOLD(2) ZIFOLD(3) ZIFOLD(4) ZIFOLD(5)
+    }
+    v16 s0 = _mm512_loadu_ps(scales), s1 = _mm512_setzero_ps();
+    if (P == 2) s1 = _mm512_loadu_ps(scales + PANEL);
+    ZISTORE(0) ZISTORE(1) ZISTORE(2) ZISTORE(3) ZISTORE(4) ZISTORE(5)
+}
+
+#define ZQFOLD(i)                                                                                            \
+    if (R > i) {                                                                                             \
+        v16 sum = _mm512_set1_ps(group_sums[i * groups + g]);                                                \
+        g##i##a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(y##i##a), d0, g##i##a);                                 \
+        g##i##a = _mm512_fmadd_ps(m0, sum, g##i##a);                                                         \
+        if (P == 2) {                                                                                        \
+            g##i##b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(y##i##b), d1, g##i##b);                             \
+            g##i##b = _mm512_fmadd_ps(m1, sum, g##i##b);                                                     \
+        }                                                                                                    \
+        y##i##a = y##i##b = _mm512_setzero_si512();                                                          \
+    }
+#define ZQSTORE(i)                                                                                           \
+    if (R > i) {                                                                                             \
+        v16 r = _mm512_set1_ps(row_scales[i]);                                                               \
+        _mm512_storeu_ps(out + i * ldo, _mm512_mul_ps(g##i##a, r));                                          \
+        if (P == 2) _mm512_storeu_ps(out + i * ldo + PANEL, _mm512_mul_ps(g##i##b, r));                      \
+    }
+
+/* tile_q4's sums (the same bits) with a panel's quad of nibbles widened into one register. */
+static inline __attribute__((always_inline)) void tile_q4_wide(const int16_t *xq, long ldx, const float *row_scales,
+                                                               const float *group_sums, long groups,
+                                                               long group_quads, const uint8_t *panel, float *out,
+                                                               long ldo, const int R, const int P) {
+    ZIDECLARE(0) ZIDECLARE(1) ZIDECLARE(2) ZIDECLARE(3) ZIDECLARE(4) ZIDECLARE(5)
+    const v16i nibble = _mm512_set1_epi16(0x0F);
+    const long group_bytes = group_quads * 2 * PANEL + 2 * PANEL * (long)sizeof(float);
+    const uint8_t *next = panel + groups * group_bytes;
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *at = panel + g * group_bytes, *at1 = next + g * group_bytes;
+        for (long s = 0; s < group_quads; s++) {
+            v16i wa = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(at + s * 2 * PANEL)));
+            v16i wb = _mm512_setzero_si512();
+            if (P == 2) wb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(at1 + s * 2 * PANEL)));
+            long t = 2 * (g * group_quads + s);
+            v16i b0 = _mm512_and_si512(wa, nibble), b1 = _mm512_and_si512(wb, nibble);
+            ZISTEP(0) ZISTEP(1) ZISTEP(2) ZISTEP(3) ZISTEP(4) ZISTEP(5)
+            t += 1;
+            b0 = _mm512_srli_epi16(wa, 4), b1 = _mm512_srli_epi16(wb, 4);
+            ZISTEP(0) ZISTEP(1) ZISTEP(2) ZISTEP(3) ZISTEP(4) ZISTEP(5)
+        }
+        const float *d = (const float *)(at + group_quads * 2 * PANEL);
+        const float *d_next = (const float *)(at1 + group_quads * 2 * PANEL);
+        v16 d0 = _mm512_loadu_ps(d), m0 = _mm512_loadu_ps(d + PANEL), d1 = d0, m1 = m0;
+        if (P == 2) d1 = _mm512_loadu_ps(d_next), m1 = _mm512_loadu_ps(d_next + PANEL);
+        ZQFOLD(0) ZQFOLD(1) ZQFOLD(2) ZQFOLD(3) ZQFOLD(4) ZQFOLD(5)
+    }
+    ZQSTORE(0) ZQSTORE(1) ZQSTORE(2) ZQSTORE(3) ZQSTORE(4) ZQSTORE(5)
+}
+#else
+#define WIDE 0
+#endif
+
 #define Q4FOLD(i)                                                                                            \
     if (R > i) {                                                                                             \
         v8 sum = _mm256_set1_ps(group_sums[i * groups + g]);                                                 \
@@ -248,6 +386,7 @@ static inline __attribute__((always_inline)) void tile_w8(const int8_t *xq, long
 #else
 #define VECTORIZED 0
 #define VNNI 0
+#define WIDE 0
 
 /* The same sums one output at a time (compiled where AVX2 and FMA are missing; the engine does
  * not pack weights there, see gemm_vectorized). */
@@ -324,17 +463,27 @@ static inline RowCodes rows_from(RowCodes q, long i) {
 static inline __attribute__((always_inline)) void tile(const void *x, RowCodes q, long depth, const void *panel,
                                                        const float *scales, float *out, long ldo, const int R,
                                                        const int P, const int MODE) {
-    if (MODE == I16)
+#if WIDE
+    if (MODE == F32)
+        tile_f32_wide((const float *)x, depth, (const float *)panel, out, ldo, R, P);
+    else if (MODE == I16)
+        tile_i8_wide((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R, P);
+    else if (MODE == Q4)
+        tile_q4_wide((const int16_t *)x, 2 * depth, q.scales, q.group_sums, q.groups, q.group / 4,
+                     (const uint8_t *)panel, out, ldo, R, P);
+#else
+    if (MODE == F32)
+        tile_f32((const float *)x, depth, (const float *)panel, out, ldo, R, P);
+    else if (MODE == I16)
         tile_i8((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R);
     else if (MODE == Q4)
         tile_q4((const int16_t *)x, 2 * depth, q.scales, q.group_sums, q.groups, q.group / 4,
                 (const uint8_t *)panel, out, ldo, R);
+#endif
 #if VNNI
-    else if (MODE == W8)
+    if (MODE == W8)
         tile_w8((const int8_t *)x, 4 * depth, q.scales, q.sums, depth, (const uint8_t *)panel, scales, out, ldo, R);
 #endif
-    else if (MODE == F32)
-        tile_f32((const float *)x, depth, (const float *)panel, out, ldo, R, P);
 }
 
 static inline __attribute__((always_inline)) void rows_by_panels(const void *x, RowCodes q, long rows, long depth,
@@ -345,7 +494,14 @@ static inline __attribute__((always_inline)) void rows_by_panels(const void *x, 
         switch (rows) {
         case 1: TILE(1, 2); return;
         case 2: TILE(2, 2); return;
+#if WIDE
+        case 3: TILE(3, 2); return;
+        case 4: TILE(4, 2); return;
+        case 5: TILE(5, 2); return;
+        default: TILE(6, 2); return;
+#else
         default: TILE(3, 2); return;
+#endif
         }
     }
     switch (rows) {
@@ -372,7 +528,7 @@ static inline __attribute__((always_inline)) void panel_rows(const void *x, RowC
     const float *panel_scales = MODE == F32 || MODE == Q4 ? NULL : scales + p * PANEL;
     long col = p * PANEL, width = (pair ? 2 : 1) * PANEL;
     for (long i = r0; i < r1; i += TILE_ROWS) {
-        long rows = r1 - i < TILE_ROWS ? r1 - i : TILE_ROWS; /* <= 3 when `pair` (gemm) */
+        long rows = r1 - i < TILE_ROWS ? r1 - i : TILE_ROWS; /* <= 3 when `pair` without AVX-512 (gemm) */
         const void *xi = (const char *)x + i * depth * 4;
         RowCodes qi = rows_from(q, i);
         if (col + width <= n_out) {
@@ -392,21 +548,19 @@ static inline __attribute__((always_inline)) void gemm(const void *x, RowCodes q
                                                        const void *packed, const float *scales, long n_out,
                                                        float *y, const int MODE) {
     long panels = (n_out + PANEL - 1) / PANEL;
-    if (rows <= 3 && MODE == F32) { /* a float32 decode step's few rows: two panels per tile, one pass */
-        long pairs = (panels + 1) / 2;
-#pragma omp parallel for schedule(static)
-        for (long t = 0; t < pairs; t++) {
-            long p = 2 * t;
-            panel_rows(x, q, 0, rows, depth, packed, scales, p, n_out, y, p + 1 < panels, MODE);
-        }
-        return;
-    }
+    /* two panels a tile: float32 at a decode step's few rows (AVX2), float32, int8 and int4 at every
+     * row count (AVX-512: a panel is one register, so a 6-row tile of two panels keeps 12 sums) */
+    int paired = (MODE == F32 && (rows <= 3 || WIDE)) || ((MODE == I16 || MODE == Q4) && WIDE);
+    long units = paired ? (panels + 1) / 2 : panels;
     long chunk = CHUNK_BYTES / (depth * 4) / TILE_ROWS * TILE_ROWS;
     if (chunk < TILE_ROWS) chunk = TILE_ROWS;
     for (long r0 = 0; r0 < rows; r0 += chunk) { /* x's chunk stays in cache while the panels stream by */
         long r1 = r0 + chunk < rows ? r0 + chunk : rows;
 #pragma omp parallel for schedule(static)
-        for (long p = 0; p < panels; p++) panel_rows(x, q, r0, r1, depth, packed, scales, p, n_out, y, 0, MODE);
+        for (long u = 0; u < units; u++) {
+            long p = paired ? 2 * u : u;
+            panel_rows(x, q, r0, r1, depth, packed, scales, p, n_out, y, paired && p + 1 < panels, MODE);
+        }
     }
 }
 
