@@ -306,6 +306,8 @@ class ModelRunner:
         pre_lens: list[int] = []
         cu = [0]
         num_decode = 0
+        seq_tables: list[list[int]] = []  # every row's attention in C (`every_row`): each row's table
+        row_seq: list[int] = []
         for s in scheduled:
             seq = s.seq
             start = seq.num_computed_tokens
@@ -324,8 +326,15 @@ class ModelRunner:
                 pre_lens.append(end)
                 cu.append(cu[-1] + s.num_new_tokens)
             sample_idx.extend(range(len(input_ids) - s.num_sampled_rows, len(input_ids)))
+            if self.backend.every_row:
+                row_seq.extend([len(seq_tables)] * (end - start))
+                seq_tables.append(table)
         dev = self.device
         num_actual = len(input_ids)
+        row_tables = row_lens = None
+        if self.backend.every_row:  # a row attends to its sequence's table up to its own position
+            row_tables = _pad_tables(seq_tables, dev)[torch.tensor(row_seq, dtype=torch.int64)]
+            row_lens = torch.tensor(positions, dtype=torch.int32) + 1
         # Batch-invariant on MKL's products (no C product here, or int4/w8a8 weights): round the
         # batch up to a multiple of 4 rows (where MKL's strict mode is not on, GEMMs with such row
         # counts give each row the same bits whatever the batch). The C product over packed weights
@@ -343,7 +352,7 @@ class ModelRunner:
             # captured size splits alike either way); the interpreter pays per program: actual one
             longest = self.max_model_len if self.device.type == "cuda" else max(dec_lens)
             num_splits = choose_num_splits(num_decode, self.model_config.num_kv_heads, longest, self.device)
-        elif num_decode:
+        elif num_decode and not self.backend.every_row:
             plan = plan_decode(
                 dec_block_tables,
                 dec_context_lens,
@@ -365,6 +374,8 @@ class ModelRunner:
             decode_plan=plan,
             decode_num_splits=num_splits,
             prefill_max_query_len=max((b - a for a, b in itertools.pairwise(cu)), default=0),
+            row_block_tables=row_tables,
+            row_context_lens=row_lens,
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

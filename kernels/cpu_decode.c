@@ -8,6 +8,7 @@
  * Used without batch invariance only: the sums run in another order than the references'.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "cpu_vec.h"
 
@@ -89,16 +90,18 @@ static void rotate(float *x, const float *cos_row, const float *sin_row, long he
  * position outside the tables: a padding row, nothing stored, output zeros); cos, sin:
  * (max_positions, head_dim);
  * k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim); block_tables: (rows, table_width)
- * int32; context_lens: (rows,) int32, the new token included; out: (rows, heads * head_dim);
- * scratch: rows * heads * max_context floats (the scores). head_dim a multiple of 16, at most
- * MAX_HEAD_DIM; heads / kv_heads at most MAX_GROUP (the launcher checks). Each job is one row's KV
- * head: its keys and values are read once for the group of query heads that share them. */
-void decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads, long head_dim,
+ * int32; context_lens: (rows,) int32, the new token included; out: (rows, heads * head_dim).
+ * head_dim a multiple of 16, at most MAX_HEAD_DIM; heads / kv_heads at most MAX_GROUP (the launcher
+ * checks). Each job is one row's KV head: its keys and values are read once for the group of query
+ * heads that share them, in one fixed order, on one thread, so a row's output does not depend on
+ * the rows beside it or the threads. A prefill's rows are rows like any other (each with its own
+ * position, table and context length): every row's K and V are stored before any row attends.
+ * Returns 0, or -1 when a thread's scores (group * max_context floats) cannot be allocated. */
+int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads, long head_dim,
                           const int64_t *positions, long max_positions, const float *cos, const float *sin,
                           float *k_cache,
                           float *v_cache, long block_size, const int64_t *slots, const int32_t *block_tables,
-                          long table_width, const int32_t *context_lens, long max_context, float scale, float *out,
-                          float *scratch) {
+                          long table_width, const int32_t *context_lens, long max_context, float scale, float *out) {
     long q_size = heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     long token_stride = kv_heads * head_dim;
     /* the new tokens' keys and values, rotated, into the cache first (every head reads them) */
@@ -114,8 +117,17 @@ void decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads
     long group = heads / kv_heads, lanes = head_dim / VL;
     /* threads from a few thousand row x head x position steps on (a 16-row step at a 200-token context:
      * 56 -> 46 ms for the default model's whole decode step, docs/BENCHMARKS.md) */
-#pragma omp parallel for schedule(static) if (rows * kv_heads * (long)max_context > 4096)
+    int failed = 0;
+#pragma omp parallel if (rows * kv_heads * (long)max_context > 4096)
+    {
+    float *scores = malloc((size_t)(group * max_context) * sizeof(float)); /* (group, max_context) */
+    if (scores == NULL) {
+#pragma omp atomic write
+        failed = 1;
+    }
+#pragma omp for schedule(static)
     for (long job = 0; job < rows * kv_heads; job++) {
+        if (scores == NULL) continue;
         long r = job / kv_heads, kvh = job % kv_heads;
         float *o = out + r * q_size + kvh * group * head_dim;
         long length = context_lens[r] < max_context ? context_lens[r] : max_context;
@@ -130,7 +142,6 @@ void decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads
             rotate(q + j * head_dim, cos + positions[r] * head_dim, sin + positions[r] * head_dim, head_dim);
         }
         const int32_t *table = block_tables + r * table_width;
-        float *scores = scratch + job * group * max_context; /* (group, max_context) */
         for (long t = 0; t < length; t++) {
             const float *k = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
                              + kvh * head_dim;
@@ -170,4 +181,7 @@ void decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads
         for (long j = 0; j < group; j++)
             for (long l = 0; l < lanes; l++) storev(o + j * head_dim + l * VL, acc[j * lanes + l] * q[j * head_dim]);
     }
+    free(scores);
+    }
+    return failed ? -1 : 0;
 }

@@ -52,10 +52,10 @@ class CpuDecode:
         self._silu.restype = None
         self._attention = library.decode_attention_f32
         # qkv, rows, heads, kv_heads, head_dim, positions, max_positions, cos, sin, k_cache, v_cache,
-        # block_size, slots, block_tables, table_width, context_lens, max_context, scale, out, scratch
+        # block_size, slots, block_tables, table_width, context_lens, max_context, scale, out
         self._attention.argtypes = [_P, _L, _L, _L, _L, _P, _L, _P, _P, _P, _P]
-        self._attention.argtypes += [_L, _P, _P, _L, _P, _L, _F, _P, _P]
-        self._attention.restype = None
+        self._attention.argtypes += [_L, _P, _P, _L, _P, _L, _F, _P]
+        self._attention.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * weight over the last dimension; x (rows, dim)."""
@@ -153,8 +153,7 @@ class CpuDecode:
                 )
         block_size, width = k_cache.shape[1], block_tables.shape[1]
         out = qkv.new_empty((rows, heads * head_dim))
-        scratch = qkv.new_empty((rows * heads * max(width * block_size, 1),))
-        self._attention(
+        failed = self._attention(
             qkv.data_ptr(),
             rows,
             heads,
@@ -174,6 +173,7 @@ class CpuDecode:
             width * block_size,
             scale,
             out.data_ptr(),
-            scratch.data_ptr(),
         )
+        if failed:
+            raise MemoryError(f"no memory for the attention scores of a {width * block_size}-token context")
         return out

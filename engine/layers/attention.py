@@ -32,6 +32,10 @@ class AttentionMetadata:
     decode_plan: reference.DecodePlan | None = None  # torch: decode layout shared by all layers
     decode_num_splits: int = 1  # triton: KV splits per decode sequence (fixed per CUDA graph)
     prefill_max_query_len: int = 0  # triton: longest prefill chunk (sizes the grid)
+    # the C attention block for every row (batch-invariant CPU backend, `every_row`): each of the
+    # num_actual_tokens rows' block table (rows, max_blocks) int32 and context length (rows,) int32
+    row_block_tables: torch.Tensor | None = None
+    row_context_lens: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):

@@ -31,9 +31,11 @@ class KernelBackend:
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = F.linear
     # the LM head in fixed vocabulary slices, which keeps it batch-invariant on CPU (torch only)
     chunked_logits: bool = True
-    # C kernels for a decode step's attention block (CPU, float32, no batch invariance): see
-    # engine/models/llama.py's Attention for when they apply
+    # C kernels for the attention block (CPU, float32): a decode step's few rows without batch
+    # invariance; with `every_row`, every row of every step (batch-invariant: a row's result is
+    # computed alike whatever the rows beside it). engine/models/llama.py's Attention applies them
     cpu_decode: CpuDecode | None = None
+    every_row: bool = False
 
     @property
     def is_triton(self) -> bool:
@@ -106,6 +108,41 @@ def cpu_kernel_backend(kernels: CpuKernels) -> KernelBackend:
     )
 
 
+def _f32_rows(x: Tensor) -> bool:
+    return x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+
+
+def cpu_invariant_backend(kernels: CpuKernels) -> KernelBackend:
+    """The batch-invariant torch backend with the C kernels for every float32 row: norms, SiLU-and-mul
+    and the attention block compute each row on its own in one fixed order (kernels/cpu_decode.c),
+    so a row's bits do not depend on the batch, the chunking or the threads, whether it is a decode
+    row or a prefill's. Which kernel a call takes depends only on the model (dtype, shapes), never
+    on the step's row count: decode and prefill rows take the same one."""
+    decode = kernels.decode
+
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if _f32_rows(x) and weight.dtype == torch.float32:
+            return decode.rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        if _f32_rows(x) and _f32_rows(residual) and weight.dtype == torch.float32:
+            return decode.add_rms_norm(x, residual, weight, eps)
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(x: Tensor) -> Tensor:
+        return decode.silu_and_mul(x) if _f32_rows(x) else reference.silu_and_mul(x)
+
+    return replace(
+        TORCH_BACKEND,
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        silu_and_mul=silu_and_mul,
+        cpu_decode=decode,
+        every_row=True,
+    )
+
+
 def resolve_backend_name(requested: str, device: torch.device) -> str:
     """`auto`: Triton on CUDA, torch on CPU. Triton on CPU runs only under the interpreter."""
     if requested == "auto":
@@ -123,11 +160,12 @@ def load_backend(name: str, batch_invariant: bool = True, cpu: CpuKernels | None
 
     torch without batch invariance computes small batches' projections the fast way
     (`small_batch_linear`) and the LM head in one product; given the C kernels (`cpu`), a decode
-    step's few float32 rows go to them (`cpu_kernel_backend`).
+    step's few float32 rows go to them (`cpu_kernel_backend`); with batch invariance, every float32
+    row goes to them (`cpu_invariant_backend`).
     """
     if name == "torch":
         if batch_invariant:
-            return TORCH_BACKEND
+            return TORCH_BACKEND if cpu is None else cpu_invariant_backend(cpu)
         if cpu is not None:
             return cpu_kernel_backend(cpu)
         return replace(TORCH_BACKEND, linear=small_batch_linear, chunked_logits=False)

@@ -118,7 +118,7 @@ class PackedInt4Weight:
     """A 4-bit weight in groups of inputs, w = q * d + m (q in 0..15, float32 d and m per output and
     group: GGUF Q4_1's form, and AWQ's and GPTQ's grids exactly), as panels for the C product: each
     row of activations rounded to int16 codes, exact integer sums per group, each row on its own
-    (batch-invariant). kernels/cpu_gemm.py's `reference_int4_gemm` is its exact reference. Takes 5/8
+    (batch-invariant). kernels/cpu_gemm.py's `reference_int4_gemm` is its exact reference. Takes 3/4
     of a byte a weight (int8: 1) and, unlike torch's int4 kernel, neither bfloat16 activations nor
     bfloat16 scales."""
 

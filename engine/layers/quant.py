@@ -17,7 +17,9 @@ Where the C product over packed weights builds (x86 with AVX2 and FMA: kernels/c
 engine then moves every Int8Weight to it after loading (engine/layers/packed.py's
 `PackedInt8Weight`: activations rounded to int16 per row, exact integer sums, each row on its own;
 faster than torch's int8 kernel at every row count and than the float32 product from a few rows
-on), in both modes. The default model's figures are in docs/quantization.md.
+on), in both modes; and int4 is made for the C kernel's own int4 product at load time instead
+(packed.py's `PackedInt4Weight`: float32 scale and offset per group, so the default model's Q4_1
+values come back to float32's rounding). The default model's figures are in docs/quantization.md.
 
 - w8a8 (`W8A8Weight`, QKV and gate/up only): int8 weights times int8 activations with one scale per
   row, through torch's integer matmul; several times faster for batches (see the class). Where the

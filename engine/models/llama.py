@@ -66,38 +66,49 @@ class Attention(nn.Module):
         fits = not cfg.qk_norm and cpu_decode.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.cpu_decode = backend.cpu_decode if fits else None
 
-    def _fused_decode(self, qkv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata) -> bool:
-        """Whether the C kernel takes this step's attention block: a few decode rows, float32
-        throughout (a quantized cache's codes and scales stay with the torch path)."""
+    def _c_tables(
+        self, qkv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows' block tables and context lengths when the C kernel takes this step's attention
+        block, else None: float32 throughout (a quantized cache's codes and scales stay with the
+        torch path), and either every row (the batch-invariant backend: the runner gives each row's
+        table) or, without invariance, a step of a few decode rows."""
+        if (
+            self.cpu_decode is None
+            or kv_cache.k_scale is not None
+            or not kv_cache.k.dtype == qkv.dtype == torch.float32
+            or not qkv.is_contiguous()
+        ):
+            return None
+        if meta.row_block_tables is not None and meta.row_context_lens is not None:
+            return meta.row_block_tables, meta.row_context_lens
         n = qkv.shape[0]
-        return (
-            self.cpu_decode is not None
-            and n == meta.num_decode_tokens == meta.num_actual_tokens
-            and n <= cpu_decode.MAX_ROWS
-            and kv_cache.k_scale is None
-            and kv_cache.k.dtype == qkv.dtype == torch.float32
-            and qkv.is_contiguous()
-        )
+        if n == meta.num_decode_tokens == meta.num_actual_tokens and n <= cpu_decode.MAX_ROWS:
+            return meta.decode_block_tables, meta.decode_context_lens
+        return None
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
-        if self._fused_decode(qkv, kv_cache, meta):
+        tables = self._c_tables(qkv, kv_cache, meta)
+        if tables is not None:
             assert self.cpu_decode is not None
+            rows = meta.num_actual_tokens  # rows past it pad a batch: they attend to nothing
             out = self.cpu_decode.attention(
-                qkv,
+                qkv if rows == n else qkv[:rows],
                 (self.num_heads, self.num_kv_heads, self.head_dim),
-                positions,
+                positions if rows == n else positions[:rows],
                 (self.rotary.cos_cache, self.rotary.sin_cache),
                 kv_cache.k,
                 kv_cache.v,
                 meta.slot_mapping,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
+                *tables,
                 self.attn.scale,
             )
+            if rows != n:
+                out = torch.cat((out, out.new_zeros(n - rows, out.shape[1])))
             projected = self.linear(out, self.o_proj, None)
             return projected if self.tp is None else self.tp.all_reduce(projected)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)

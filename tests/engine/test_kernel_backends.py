@@ -200,7 +200,11 @@ def test_only_the_torch_backend_without_batch_invariance_takes_the_fast_projecti
     fast = load_backend("torch", batch_invariant=False)
     assert fast.linear is small_batch_linear and not fast.chunked_logits
     assert fast.rms_norm is TORCH_BACKEND.rms_norm  # everything else as the invariant set
-    assert load_backend("torch", batch_invariant=True, cpu=_CPU) is TORCH_BACKEND  # never when invariant
+    if _CPU is not None:  # invariant with the C kernels: every row to them, the projections as before
+        invariant = load_backend("torch", batch_invariant=True, cpu=_CPU)
+        assert invariant.every_row and invariant.cpu_decode is _CPU.decode
+        assert invariant.linear is TORCH_BACKEND.linear and invariant.chunked_logits
+        assert not fast.every_row and not load_backend("torch", batch_invariant=False, cpu=_CPU).every_row
 
 
 _CPU = cpu_native.load(kernel_cache_dir())
@@ -216,5 +220,5 @@ def test_an_engine_without_batch_invariance_projects_the_fast_way(
     fast = LLM(path, max_model_len=128, batch_invariant=False)
     backend = fast.engine.runner.backend
     assert backend.linear is small_batch_linear if _CPU is None else backend.cpu_decode is _CPU.decode
-    assert invariant.engine.runner.backend is TORCH_BACKEND
+    assert invariant.engine.runner.backend.every_row is (_CPU is not None)
     assert _greedy(fast, prompts, 8) == _greedy(invariant, prompts, 8)

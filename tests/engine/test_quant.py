@@ -306,7 +306,8 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
     tiny_model_factory: Callable[..., Path],
 ) -> None:
     """Every int8 weight packed (head included) in both modes; without batch invariance the attention
-    block is fused for decode rows; greedy tokens and logprobs as the invariant engine gives them."""
+    block is fused for decode rows, with it for every row (the prefill's too); greedy tokens and
+    logprobs alike in both."""
     path = str(tiny_model_factory("llama"))
     prompt = [(i * 37) % 400 + 3 for i in range(60)]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
@@ -321,13 +322,18 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
     got = fast.generate([prompt], params, use_tqdm=False)[0]
     assert len(fused) == 11  # every decode step of the request (the prefill stays with torch)
     invariant = LLM(path, enable_prefix_caching=False, quantization="int8")
-    assert isinstance(invariant.engine.runner.model.layers[0].self_attn.qkv_proj, PackedInt8Weight)
-    assert invariant.engine.runner.backend.cpu_decode is None
+    model = invariant.engine.runner.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedInt8Weight)
+    assert invariant.engine.runner.backend.every_row
+    every: list[int] = []
+    attention = model.layers[0].self_attn
+    attention.cpu_decode = _Spy(attention.cpu_decode.attention, every)  # type: ignore[assignment]
     want = invariant.generate([prompt], params, use_tqdm=False)[0]
+    assert every == [60] + [1] * 11  # the prompt's rows and every decode row
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     for mine, theirs in zip(_logprobs(got), _logprobs(want), strict=True):
         assert [t for t, _ in mine] == [t for t, _ in theirs]
-        # the same int8 products; only the attention's sums run in another order
+        # the same int8 products and decode attention; the prefill's attention differs in its order
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs, strict=True))
 
 

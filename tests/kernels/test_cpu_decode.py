@@ -200,3 +200,53 @@ def test_attention_refuses_what_it_cannot_read() -> None:
         _decode().attention(
             case["qkv"], (4, 2, 16), case["positions"], (torch.zeros(16, 8), torch.zeros(16, 8)), *args[2:]
         )
+
+
+def test_a_prefills_rows_are_the_rows_decoded_one_by_one_bit_for_bit() -> None:
+    """The batch-invariant backend sends every row here: 37 rows of one sequence (a prefill chunk
+    after 5 cached tokens) beside another sequence's decode row, in one call, on 1 and 2 threads,
+    give each row the bits it gets decoded alone at its position, and store the same keys."""
+    heads, kv_heads, head_dim, block_size = 6, 2, 32, 4
+    gen = torch.Generator().manual_seed(17)
+    k_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=gen)
+    table = torch.randperm(40, generator=gen)[:12].to(torch.int32)
+    other = torch.randperm(40, generator=gen)[:12].to(torch.int32)
+    positions = torch.arange(5, 42)
+    qkv = torch.randn(38, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.arange(64)[:, None] * torch.rand(head_dim // 2, generator=gen)[None, :]
+    cos_sin = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
+
+    def slot(t: torch.Tensor, p: int) -> int:
+        return int(t[p // block_size]) * block_size + p % block_size
+
+    other_pos = 20  # the decode row of another sequence: it reads blocks the chunk never writes
+    other = torch.tensor([b for b in other.tolist() if b not in table.tolist()][:6], dtype=torch.int32)
+    rows_pos = torch.cat((positions, torch.tensor([other_pos])))
+    tables = torch.stack([table] * 37 + [torch.cat((other, other))[:12]])
+    slots = torch.tensor([slot(table, int(p)) for p in positions] + [slot(tables[37], other_pos)])
+    shape, scale = (heads, kv_heads, head_dim), head_dim**-0.5
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            k, v = k_cache.clone(), v_cache.clone()
+            out = _decode().attention(
+                qkv, shape, rows_pos, cos_sin, k, v, slots, tables, (rows_pos + 1).to(torch.int32), scale
+            )
+            results.append((out, k))
+        k, v = k_cache.clone(), v_cache.clone()
+        alone = torch.cat(
+            [
+                _decode().attention(
+                    qkv[i : i + 1].contiguous(), shape, rows_pos[i : i + 1], cos_sin, k, v, slots[i : i + 1],
+                    tables[i : i + 1].contiguous(), (rows_pos[i : i + 1] + 1).to(torch.int32), scale,
+                )
+                for i in range(38)
+            ]
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    for out, keys in results:
+        assert torch.equal(out, alone) and torch.equal(keys, k)
