@@ -72,6 +72,8 @@ void silu_and_mul_f32(const float *x, long rows, long d, float *out) {
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
+#define MAX_BLOCK 16 /* consecutive rows of one sequence attended together */
+#define KEY_CHUNK 64 /* keys (and values) a block reads before the next ones */
 
 /* NeoX rotary of one head in place: x * cos + rotate_half(x) * sin (cos, sin: head_dim each). */
 static void rotate(float *x, const float *cos_row, const float *sin_row, long head_dim) {
@@ -115,73 +117,133 @@ int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads,
         for (long h = 0; h < kv_heads; h++) rotate(k_dst + h * head_dim, c, s, head_dim);
     }
     long group = heads / kv_heads, lanes = head_dim / VL;
+    /* Rows in blocks: consecutive rows of one sequence (a prefill chunk: the same table, positions
+     * one apart) share each key and value they read; a decode row is a block of one. Each row's sums
+     * are the same whatever its block (the same operations in the same order: t ascending), so the
+     * blocks change the memory traffic, never the bits. A block's scores take at most ~1 MiB. */
+    long most = (1L << 18) / (group * (max_context > 0 ? max_context : 1));
+    most = most < 1 ? 1 : (most > MAX_BLOCK ? MAX_BLOCK : most);
+    long *starts = malloc((size_t)(rows + 1) * sizeof(long));
+    if (starts == NULL) return -1;
+    long blocks = 0;
+    for (long r = 0; r < rows; r++) {
+        long b = blocks > 0 ? starts[blocks - 1] : -1;
+        int joins = b >= 0 && r - b < most && slots[r] >= 0 && slots[b] >= 0 && positions[r] == positions[r - 1] + 1
+                    && memcmp(block_tables + r * table_width, block_tables + b * table_width,
+                              (size_t)table_width * sizeof(int32_t)) == 0;
+        if (!joins) starts[blocks++] = r;
+    }
+    starts[blocks] = rows;
+    int failed = 0;
     /* threads from a few thousand row x head x position steps on (a 16-row step at a 200-token context:
      * 56 -> 46 ms for the default model's whole decode step, docs/BENCHMARKS.md) */
-    int failed = 0;
 #pragma omp parallel if (rows * kv_heads * (long)max_context > 4096)
     {
-    float *scores = malloc((size_t)(group * max_context) * sizeof(float)); /* (group, max_context) */
-    if (scores == NULL) {
+    /* per thread: a block's scores (rows, group, max_context), rotated queries and output sums */
+    float *scores = malloc((size_t)(most * group * max_context) * sizeof(float));
+    float *queries = malloc((size_t)(most * group * head_dim) * sizeof(float));
+    vf *acc = aligned_alloc(sizeof(vf), (size_t)(most * group * lanes) * sizeof(vf)); /* vf-aligned */
+    if (scores == NULL || queries == NULL || acc == NULL) {
 #pragma omp atomic write
         failed = 1;
     }
-#pragma omp for schedule(static)
-    for (long job = 0; job < rows * kv_heads; job++) {
-        if (scores == NULL) continue;
-        long r = job / kv_heads, kvh = job % kv_heads;
-        float *o = out + r * q_size + kvh * group * head_dim;
-        long length = context_lens[r] < max_context ? context_lens[r] : max_context;
-        if (slots[r] < 0 || positions[r] < 0 || positions[r] >= max_positions || length <= 0) {
-            memset(o, 0, group * head_dim * sizeof(float));
-            continue;
-        }
-        /* this KV head's queries, rotated: (group, head_dim) */
-        float q[MAX_GROUP * MAX_HEAD_DIM];
-        for (long j = 0; j < group; j++) {
-            memcpy(q + j * head_dim, qkv + r * width + (kvh * group + j) * head_dim, head_dim * sizeof(float));
-            rotate(q + j * head_dim, cos + positions[r] * head_dim, sin + positions[r] * head_dim, head_dim);
-        }
-        const int32_t *table = block_tables + r * table_width;
-        for (long t = 0; t < length; t++) {
-            const float *k = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
-                             + kvh * head_dim;
+#pragma omp for schedule(dynamic, 1)
+    for (long job = 0; job < blocks * kv_heads; job++) {
+        if (scores == NULL || queries == NULL || acc == NULL) continue;
+        long b = job / kv_heads, kvh = job % kv_heads, r0 = starts[b], n = starts[b + 1] - r0;
+        long lengths[MAX_BLOCK], longest = 0;
+        for (long i = 0; i < n; i++) {
+            long r = r0 + i;
+            long length = context_lens[r] < max_context ? context_lens[r] : max_context;
+            if (slots[r] < 0 || positions[r] < 0 || positions[r] >= max_positions || length < 0) length = 0;
+            lengths[i] = length;
+            longest = length > longest ? length : longest;
+            /* this KV head's queries of row r, rotated: (group, head_dim) */
             for (long j = 0; j < group; j++) {
-                vf acc = {0};
-                for (long l = 0; l < lanes; l++) acc += loadv(q + j * head_dim + l * VL) * loadv(k + l * VL);
-                scores[j * max_context + t] = foldv(acc) * scale;
+                float *q = queries + (i * group + j) * head_dim;
+                memcpy(q, qkv + r * width + (kvh * group + j) * head_dim, head_dim * sizeof(float));
+                if (length > 0) rotate(q, cos + positions[r] * head_dim, sin + positions[r] * head_dim, head_dim);
             }
         }
-        for (long j = 0; j < group; j++) { /* softmax numerators, their sum kept for the end */
-            float *sj = scores + j * max_context, top = -INFINITY, total = 0.0f;
-            for (long t = 0; t < length; t++) top = sj[t] > top ? sj[t] : top;
-            long t = 0;
-            vf sum = {0};
-            for (; t + VL <= length; t += VL) {
-                vf e = expv(loadv(sj + t) - top);
-                storev(sj + t, e);
-                sum += e;
-            }
-            total = foldv(sum);
-            for (; t < length; t++) {
-                sj[t] = expf(sj[t] - top);
-                total += sj[t];
-            }
-            q[j * head_dim] = 1.0f / total; /* the query is read no more: its slot holds 1 / sum */
-        }
-        vf acc[MAX_GROUP * MAX_HEAD_DIM / VL];
-        for (long l = 0; l < group * lanes; l++) acc[l] = (vf){0};
-        for (long t = 0; t < length; t++) {
-            const float *v = v_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
-                             + kvh * head_dim;
-            for (long j = 0; j < group; j++) {
-                float p = scores[j * max_context + t];
-                for (long l = 0; l < lanes; l++) acc[j * lanes + l] += p * loadv(v + l * VL);
+        const int32_t *table = block_tables + r0 * table_width;
+        const float *keys[KEY_CHUNK];
+        for (long t0 = 0; t0 < longest; t0 += KEY_CHUNK) { /* a chunk of keys stays in cache for the block */
+            long t1 = t0 + KEY_CHUNK < longest ? t0 + KEY_CHUNK : longest;
+            for (long t = t0; t < t1; t++)
+                keys[t - t0] = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
+                               + kvh * head_dim;
+            for (long i = 0; i < n; i++) {
+                long end = t1 < lengths[i] ? t1 : lengths[i];
+                for (long j = 0; j < group; j++) {
+                    vf q[MAX_HEAD_DIM / VL]; /* in registers across the keys (no store aliases them) */
+                    for (long l = 0; l < lanes; l++) q[l] = loadv(queries + (i * group + j) * head_dim + l * VL);
+                    float *sj = scores + (i * group + j) * max_context;
+                    for (long t = t0; t < end; t++) {
+                        const float *k = keys[t - t0];
+                        vf dot = {0};
+                        for (long l = 0; l < lanes; l++) dot += q[l] * loadv(k + l * VL);
+                        sj[t] = foldv(dot) * scale;
+                    }
+                }
             }
         }
-        for (long j = 0; j < group; j++)
-            for (long l = 0; l < lanes; l++) storev(o + j * head_dim + l * VL, acc[j * lanes + l] * q[j * head_dim]);
+        float inverse[MAX_BLOCK * MAX_GROUP];
+        for (long i = 0; i < n; i++)
+            for (long j = 0; j < group; j++) { /* softmax numerators, 1 / their sum kept for the end */
+                long length = lengths[i];
+                float *sj = scores + (i * group + j) * max_context, top = -INFINITY, total = 0.0f;
+                for (long t = 0; t < length; t++) top = sj[t] > top ? sj[t] : top;
+                long t = 0;
+                vf sum = {0};
+                for (; t + VL <= length; t += VL) {
+                    vf e = expv(loadv(sj + t) - top);
+                    storev(sj + t, e);
+                    sum += e;
+                }
+                total = foldv(sum);
+                for (; t < length; t++) {
+                    sj[t] = expf(sj[t] - top);
+                    total += sj[t];
+                }
+                inverse[i * group + j] = 1.0f / total;
+            }
+        for (long l = 0; l < n * group * lanes; l++) acc[l] = (vf){0};
+        const float *values[KEY_CHUNK];
+        for (long t0 = 0; t0 < longest; t0 += KEY_CHUNK) {
+            long t1 = t0 + KEY_CHUNK < longest ? t0 + KEY_CHUNK : longest;
+            for (long t = t0; t < t1; t++)
+                values[t - t0] = v_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
+                                 + kvh * head_dim;
+            for (long i = 0; i < n; i++) {
+                long end = t1 < lengths[i] ? t1 : lengths[i];
+                for (long j = 0; j < group; j++) {
+                    const float *sj = scores + (i * group + j) * max_context;
+                    vf a[MAX_HEAD_DIM / VL]; /* the sums in registers across the chunk */
+                    memcpy(a, acc + (i * group + j) * lanes, (size_t)lanes * sizeof(vf));
+                    for (long t = t0; t < end; t++) {
+                        const float *v = values[t - t0];
+                        float p = sj[t];
+                        for (long l = 0; l < lanes; l++) a[l] += p * loadv(v + l * VL);
+                    }
+                    memcpy(acc + (i * group + j) * lanes, a, (size_t)lanes * sizeof(vf));
+                }
+            }
+        }
+        for (long i = 0; i < n; i++) {
+            float *o = out + (r0 + i) * q_size + kvh * group * head_dim;
+            if (lengths[i] <= 0) {
+                memset(o, 0, group * head_dim * sizeof(float));
+                continue;
+            }
+            for (long j = 0; j < group; j++)
+                for (long l = 0; l < lanes; l++)
+                    storev(o + j * head_dim + l * VL, acc[(i * group + j) * lanes + l] * inverse[i * group + j]);
+        }
     }
     free(scores);
+    free(queries);
+    free(acc);
     }
+    free(starts);
     return failed ? -1 : 0;
 }

@@ -5,8 +5,11 @@ split, rotary, the KV store, the paged attention's gathers and softmax), each a 
 of dispatch: at batch 1 they cost more than the products. These calls do the same work in one
 pass each. The references are in kernels/reference.py (tests/kernels/test_cpu_decode.py compares):
 `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, and `rotary_embedding` + `store_kv` +
-`paged_decode_attention` for `attention`. The engine uses them without batch invariance only
-(their sums run in another order), for steps of up to `MAX_ROWS` rows.
+`paged_decode_attention` for `attention` (their sums run in another order: close, not equal). The
+engine sends every float32 row of every step to them, prefill rows included (`attention` takes
+any rows, each with its own table and context length, consecutive rows of one sequence sharing
+each key they read): each row is computed on its own in one fixed order, so a row's bits do not
+depend on the rows beside it, which is what batch-invariant mode needs.
 """
 
 from __future__ import annotations
@@ -15,9 +18,6 @@ import ctypes
 
 import torch
 
-# Up to this many rows (decode steps of up to 16 sequences) the fused calls replace the torch
-# operations (measured faster at 1-16); a prefill's many rows keep torch's threaded kernels.
-MAX_ROWS = 16
 MAX_HEAD_DIM = 256  # the C code keeps a KV head's queries and outputs on the stack
 MAX_GROUP = 16  # query heads per KV head, at most
 

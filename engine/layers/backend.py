@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode, reference
+from kernels import reference
 from kernels.checks import interpreting
 from kernels.cpu_decode import CpuDecode
 from kernels.cpu_native import CpuKernels
@@ -31,9 +31,9 @@ class KernelBackend:
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] = F.linear
     # the LM head in fixed vocabulary slices, which keeps it batch-invariant on CPU (torch only)
     chunked_logits: bool = True
-    # C kernels for the attention block (CPU, float32): a decode step's few rows without batch
-    # invariance; with `every_row`, every row of every step (batch-invariant: a row's result is
-    # computed alike whatever the rows beside it). engine/models/llama.py's Attention applies them
+    # C kernels for the attention block (CPU, float32) and `every_row`: every row of every step goes
+    # to them (a row's result computed alike whatever the rows beside it; the runner gives each row
+    # its block table). engine/models/llama.py's Attention applies them
     cpu_decode: CpuDecode | None = None
     every_row: bool = False
 
@@ -72,52 +72,18 @@ def small_batch_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return out if b is None else out + b
 
 
-def _few_f32_rows(x: Tensor) -> bool:
-    return (
-        x.dim() == 2 and x.shape[0] <= cpu_decode.MAX_ROWS and x.dtype == torch.float32 and x.is_contiguous()
-    )
-
-
-def cpu_kernel_backend(kernels: CpuKernels) -> KernelBackend:
-    """The torch backend without batch invariance, with the fused C kernels for a decode step's few
-    rows (kernels/cpu_decode.py); every other case goes to the torch operations. (A float32 or int8
-    model's products go to the C product over packed weights in both modes: engine/layers/packed.py.)"""
-    decode = kernels.decode
-
-    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        if _few_f32_rows(x) and weight.dtype == torch.float32:
-            return decode.rms_norm(x, weight, eps)
-        return reference.rms_norm(x, weight, eps)
-
-    def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        if _few_f32_rows(x) and _few_f32_rows(residual) and weight.dtype == torch.float32:
-            return decode.add_rms_norm(x, residual, weight, eps)
-        return reference.fused_add_rms_norm(x, residual, weight, eps)
-
-    def silu_and_mul(x: Tensor) -> Tensor:
-        return decode.silu_and_mul(x) if _few_f32_rows(x) else reference.silu_and_mul(x)
-
-    return replace(
-        TORCH_BACKEND,
-        rms_norm=rms_norm,
-        fused_add_rms_norm=fused_add_rms_norm,
-        silu_and_mul=silu_and_mul,
-        linear=small_batch_linear,
-        chunked_logits=False,
-        cpu_decode=decode,
-    )
-
-
 def _f32_rows(x: Tensor) -> bool:
     return x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
 
 
-def cpu_invariant_backend(kernels: CpuKernels) -> KernelBackend:
-    """The batch-invariant torch backend with the C kernels for every float32 row: norms, SiLU-and-mul
-    and the attention block compute each row on its own in one fixed order (kernels/cpu_decode.c),
-    so a row's bits do not depend on the batch, the chunking or the threads, whether it is a decode
-    row or a prefill's. Which kernel a call takes depends only on the model (dtype, shapes), never
-    on the step's row count: decode and prefill rows take the same one."""
+def cpu_kernel_backend(kernels: CpuKernels, batch_invariant: bool = True) -> KernelBackend:
+    """The torch backend with the C kernels for every float32 row: norms, SiLU-and-mul and the
+    attention block compute each row on its own in one fixed order (kernels/cpu_decode.c), so a
+    row's bits do not depend on the batch, the chunking or the threads, whether it is a decode row
+    or a prefill's (batch-invariant by construction). Which kernel a call takes depends only on the
+    model (dtype, shapes), never on the step's row count. Without batch invariance the projections
+    left to MKL (weights the C product does not take) use `small_batch_linear` and the LM head one
+    product."""
     decode = kernels.decode
 
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -133,7 +99,7 @@ def cpu_invariant_backend(kernels: CpuKernels) -> KernelBackend:
     def silu_and_mul(x: Tensor) -> Tensor:
         return decode.silu_and_mul(x) if _f32_rows(x) else reference.silu_and_mul(x)
 
-    return replace(
+    backend = replace(
         TORCH_BACKEND,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
@@ -141,6 +107,7 @@ def cpu_invariant_backend(kernels: CpuKernels) -> KernelBackend:
         cpu_decode=decode,
         every_row=True,
     )
+    return backend if batch_invariant else replace(backend, linear=small_batch_linear, chunked_logits=False)
 
 
 def resolve_backend_name(requested: str, device: torch.device) -> str:
@@ -159,15 +126,14 @@ def load_backend(name: str, batch_invariant: bool = True, cpu: CpuKernels | None
     """The kernel set called `name` ("torch" or "triton"); Triton is imported only when asked for.
 
     torch without batch invariance computes small batches' projections the fast way
-    (`small_batch_linear`) and the LM head in one product; given the C kernels (`cpu`), a decode
-    step's few float32 rows go to them (`cpu_kernel_backend`); with batch invariance, every float32
-    row goes to them (`cpu_invariant_backend`).
+    (`small_batch_linear`) and the LM head in one product; given the C kernels (`cpu`), every
+    float32 row goes to them in both modes (`cpu_kernel_backend`).
     """
     if name == "torch":
-        if batch_invariant:
-            return TORCH_BACKEND if cpu is None else cpu_invariant_backend(cpu)
         if cpu is not None:
-            return cpu_kernel_backend(cpu)
+            return cpu_kernel_backend(cpu, batch_invariant)
+        if batch_invariant:
+            return TORCH_BACKEND
         return replace(TORCH_BACKEND, linear=small_batch_linear, chunked_logits=False)
     if name != "triton":
         raise ValueError(f"unknown kernel backend {name!r}")

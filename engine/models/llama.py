@@ -70,22 +70,18 @@ class Attention(nn.Module):
         self, qkv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows' block tables and context lengths when the C kernel takes this step's attention
-        block, else None: float32 throughout (a quantized cache's codes and scales stay with the
-        torch path), and either every row (the batch-invariant backend: the runner gives each row's
-        table) or, without invariance, a step of a few decode rows."""
+        block (every row of every step: the runner gives each row's table), else None: float32
+        throughout (a quantized cache's codes and scales stay with the torch path, for every step)."""
         if (
             self.cpu_decode is None
+            or meta.row_block_tables is None
+            or meta.row_context_lens is None
             or kv_cache.k_scale is not None
             or not kv_cache.k.dtype == qkv.dtype == torch.float32
             or not qkv.is_contiguous()
         ):
             return None
-        if meta.row_block_tables is not None and meta.row_context_lens is not None:
-            return meta.row_block_tables, meta.row_context_lens
-        n = qkv.shape[0]
-        if n == meta.num_decode_tokens == meta.num_actual_tokens and n <= cpu_decode.MAX_ROWS:
-            return meta.decode_block_tables, meta.decode_context_lens
-        return None
+        return meta.row_block_tables, meta.row_context_lens
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata

@@ -200,11 +200,13 @@ def test_only_the_torch_backend_without_batch_invariance_takes_the_fast_projecti
     fast = load_backend("torch", batch_invariant=False)
     assert fast.linear is small_batch_linear and not fast.chunked_logits
     assert fast.rms_norm is TORCH_BACKEND.rms_norm  # everything else as the invariant set
-    if _CPU is not None:  # invariant with the C kernels: every row to them, the projections as before
+    assert not fast.every_row  # without the C kernels
+    if _CPU is not None:  # with them: every row to them in both modes, the projections as before
         invariant = load_backend("torch", batch_invariant=True, cpu=_CPU)
         assert invariant.every_row and invariant.cpu_decode is _CPU.decode
         assert invariant.linear is TORCH_BACKEND.linear and invariant.chunked_logits
-        assert not fast.every_row and not load_backend("torch", batch_invariant=False, cpu=_CPU).every_row
+        fast_c = load_backend("torch", batch_invariant=False, cpu=_CPU)
+        assert fast_c.every_row and fast_c.linear is small_batch_linear and not fast_c.chunked_logits
 
 
 _CPU = cpu_native.load(kernel_cache_dir())

@@ -320,7 +320,7 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
     real = attention.cpu_decode.attention
     attention.cpu_decode = _Spy(real, fused)  # type: ignore[assignment]
     got = fast.generate([prompt], params, use_tqdm=False)[0]
-    assert len(fused) == 11  # every decode step of the request (the prefill stays with torch)
+    assert fused == [60] + [1] * 11  # the prompt's rows and every decode row, in this mode too
     invariant = LLM(path, enable_prefix_caching=False, quantization="int8")
     model = invariant.engine.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, PackedInt8Weight)
