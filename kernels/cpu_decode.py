@@ -15,6 +15,7 @@ depend on the rows beside it, which is what batch-invariant mode needs.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -120,60 +121,115 @@ class CpuDecode:
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """One decode row per sequence: (rows, (heads + 2 kv_heads) * head_dim) QKV projection ->
+        """The attention block of any rows: (rows, (heads + 2 kv_heads) * head_dim) QKV projection ->
         (rows, heads * head_dim) attention output, the rows' rotated K and V stored in the cache.
 
         shape: (heads, kv_heads, head_dim); positions, slots: (rows,) int64 (slot < 0 or a position
         past the tables: padding, output zeros); cos_sin: (max_positions, head_dim) tables; caches
-        (num_blocks, block_size, kv_heads, head_dim) float32; block_tables (rows, width) int32;
-        context_lens (rows,) int32 with the new token (read up to width * block_size at most)."""
+        (num_blocks, block_size, kv_heads, head_dim) float32; block_tables (rows, width) int32, each
+        row's own (a prefill's rows: their sequence's); context_lens (rows,) int32 with the row's own
+        token (read up to width * block_size at most)."""
+        bound = self.bind_attention(shape, cos_sin, k_cache, v_cache, scale)
+        return bound(qkv, positions, slots, block_tables, context_lens)
+
+    def bind_attention(
+        self,
+        shape: tuple[int, int, int],
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> BoundAttention:
+        """`attention` for one layer's caches and rotary tables, checked now: its calls check only
+        the step's tensors (a decode step makes one call a layer; the checks of the constant ones
+        cost as much as the attention of a short context)."""
         heads, kv_heads, head_dim = shape
-        rows = qkv.shape[0]
         cos, sin = cos_sin
-        for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
             _contiguous_f32(name, t)
-        if qkv.shape != (rows, (heads + 2 * kv_heads) * head_dim) or not supports(heads, kv_heads, head_dim):
+        if not supports(heads, kv_heads, head_dim):
             raise ValueError(
-                f"qkv {tuple(qkv.shape)} does not hold {heads} + 2 x {kv_heads} heads of {head_dim} "
-                f"(head_dim a multiple of 16 up to {MAX_HEAD_DIM}, at most {MAX_GROUP} heads per KV head)"
+                f"{heads} heads over {kv_heads} KV heads of {head_dim}: head_dim must be a multiple of 16 "
+                f"up to {MAX_HEAD_DIM}, at most {MAX_GROUP} heads per KV head"
             )
         if cos.shape[1] != head_dim or sin.shape != cos.shape:
             raise ValueError(f"rotary tables {tuple(cos.shape)} for head_dim {head_dim}")
-        if k_cache.shape[2:] != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        if k_cache.dim() != 4 or k_cache.shape[2:] != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:
             raise ValueError(f"caches {tuple(k_cache.shape)} do not hold {kv_heads} heads of {head_dim}")
-        for name, t, dtype in (
-            ("positions", positions, torch.int64),
-            ("slots", slots, torch.int64),
-            ("block_tables", block_tables, torch.int32),
-            ("context_lens", context_lens, torch.int32),
+        return BoundAttention(self._attention, shape, cos_sin, (k_cache, v_cache), scale)
+
+
+class BoundAttention:
+    """CpuDecode.attention for one layer's caches and rotary tables (CpuDecode.bind_attention)."""
+
+    __slots__ = ("_constants", "_kernel", "_out_width", "_tensors", "_width")
+
+    def __init__(
+        self,
+        kernel: Any,
+        shape: tuple[int, int, int],
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        caches: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> None:
+        heads, kv_heads, head_dim = shape
+        cos, sin = cos_sin
+        self._kernel = kernel
+        self._tensors = (*cos_sin, *caches)  # kept alive: the kernel reads them by address
+        k_cache, v_cache = caches
+        self._constants: tuple[Any, ...] = (
+            heads, kv_heads, head_dim, cos.shape[0], cos.data_ptr(), sin.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], float(scale),
+        )  # fmt: skip
+        self._width = (heads + 2 * kv_heads) * head_dim
+        self._out_width = heads * head_dim
+
+    def __call__(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """(rows, (heads + 2 kv_heads) * head_dim) -> (rows, heads * head_dim): CpuDecode.attention."""
+        rows = qkv.shape[0]
+        if (
+            qkv.dtype != torch.float32
+            or not qkv.is_contiguous()
+            or not qkv.is_cpu
+            or qkv.shape[1:] != (self._width,)
         ):
-            if t.dtype != dtype or not t.is_contiguous() or t.shape[0] != rows:
+            raise ValueError(
+                f"qkv must be contiguous float32 on the CPU and hold {self._width} values a row "
+                f"(heads + 2 x KV heads): it does not hold them, got {qkv.dtype} {tuple(qkv.shape)}"
+            )
+        for name, t, dtype, dims in (
+            ("positions", positions, torch.int64, 1),
+            ("slots", slots, torch.int64, 1),
+            ("block_tables", block_tables, torch.int32, 2),
+            ("context_lens", context_lens, torch.int32, 1),
+        ):
+            if (
+                t.dtype != dtype
+                or t.dim() != dims
+                or t.shape[0] != rows
+                or not t.is_contiguous()
+                or not t.is_cpu
+            ):
                 raise ValueError(
                     f"{name} must be ({rows}, ...) contiguous {dtype}, got {t.dtype} {tuple(t.shape)}"
                 )
-        block_size, width = k_cache.shape[1], block_tables.shape[1]
-        out = qkv.new_empty((rows, heads * head_dim))
-        failed = self._attention(
-            qkv.data_ptr(),
-            rows,
-            heads,
-            kv_heads,
-            head_dim,
-            positions.data_ptr(),
-            cos.shape[0],
-            cos.data_ptr(),
-            sin.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_size,
-            slots.data_ptr(),
-            block_tables.data_ptr(),
-            width,
-            context_lens.data_ptr(),
-            width * block_size,
-            scale,
-            out.data_ptr(),
+        heads, kv_heads, head_dim, max_positions, cos, sin, k_cache, v_cache, block_size, scale = (
+            self._constants
         )
+        width = block_tables.shape[1]
+        out = qkv.new_empty((rows, self._out_width))
+        failed = self._kernel(
+            qkv.data_ptr(), rows, heads, kv_heads, head_dim, positions.data_ptr(), max_positions, cos, sin,
+            k_cache, v_cache, block_size, slots.data_ptr(), block_tables.data_ptr(), width,
+            context_lens.data_ptr(), width * block_size, scale, out.data_ptr(),
+        )  # fmt: skip
         if failed:
             raise MemoryError(f"no memory for the attention scores of a {width * block_size}-token context")
         return out

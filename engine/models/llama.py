@@ -18,6 +18,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.parallel.group import TensorParallelGroup
 from kernels import cpu_decode
+from kernels.cpu_decode import BoundAttention
 
 # HF checkpoint name -> (our fused parameter, shard index)
 _STACKED = {
@@ -65,6 +66,7 @@ class Attention(nn.Module):
         self.linear = backend.linear
         fits = not cfg.qk_norm and cpu_decode.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.cpu_decode = backend.cpu_decode if fits else None
+        self._bound: tuple[tuple[int, int], BoundAttention] | None = None  # (the caches' addresses, it)
 
     def _c_tables(
         self, qkv: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
@@ -83,6 +85,17 @@ class Attention(nn.Module):
             return None
         return meta.row_block_tables, meta.row_context_lens
 
+    def _bound_attention(self, kv_cache: LayerKVCache) -> BoundAttention:
+        """The C attention block bound to this layer's caches and rotary tables (checked once)."""
+        key = (kv_cache.k.data_ptr(), kv_cache.v.data_ptr())
+        if self._bound is None or self._bound[0] != key:
+            assert self.cpu_decode is not None
+            cos_sin = (self.rotary.cos_cache, self.rotary.sin_cache)
+            shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+            bound = self.cpu_decode.bind_attention(shape, cos_sin, kv_cache.k, kv_cache.v, self.attn.scale)
+            self._bound = (key, bound)
+        return self._bound[1]
+
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -90,18 +103,13 @@ class Attention(nn.Module):
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
         tables = self._c_tables(qkv, kv_cache, meta)
         if tables is not None:
-            assert self.cpu_decode is not None
             rows = meta.num_actual_tokens  # rows past it pad a batch: they attend to nothing
-            out = self.cpu_decode.attention(
+            attention = self._bound_attention(kv_cache)
+            out = attention(
                 qkv if rows == n else qkv[:rows],
-                (self.num_heads, self.num_kv_heads, self.head_dim),
                 positions if rows == n else positions[:rows],
-                (self.rotary.cos_cache, self.rotary.sin_cache),
-                kv_cache.k,
-                kv_cache.v,
                 meta.slot_mapping,
                 *tables,
-                self.attn.scale,
             )
             if rows != n:
                 out = torch.cat((out, out.new_zeros(n - rows, out.shape[1])))
