@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -317,8 +318,7 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
     assert all(isinstance(layer.mlp.down_proj, PackedInt8Weight) for layer in model.layers)
     fused = []
     attention = model.layers[0].self_attn
-    real = attention.cpu_decode.attention
-    attention.cpu_decode = _Spy(real, fused)  # type: ignore[assignment]
+    _spy(attention, fused)
     got = fast.generate([prompt], params, use_tqdm=False)[0]
     assert fused == [60] + [1] * 11  # the prompt's rows and every decode row, in this mode too
     invariant = LLM(path, enable_prefix_caching=False, quantization="int8")
@@ -327,7 +327,7 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
     assert invariant.engine.runner.backend.every_row
     every: list[int] = []
     attention = model.layers[0].self_attn
-    attention.cpu_decode = _Spy(attention.cpu_decode.attention, every)  # type: ignore[assignment]
+    _spy(attention, every)
     want = invariant.generate([prompt], params, use_tqdm=False)[0]
     assert every == [60] + [1] * 11  # the prompt's rows and every decode row
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
@@ -337,15 +337,20 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs, strict=True))
 
 
-class _Spy:
-    """A CpuDecode stand-in that notes each fused attention call and passes it on."""
+def _spy(attention: Any, calls: list[int]) -> None:
+    """Note the rows of each call the layer makes to the C attention block, and pass it on."""
+    bind = attention._bound_attention
 
-    def __init__(self, attention: Callable[..., torch.Tensor], calls: list[int]) -> None:
-        self._attention, self._calls = attention, calls
+    def bound(kv_cache: Any) -> Callable[..., torch.Tensor]:
+        real = bind(kv_cache)
 
-    def attention(self, qkv: torch.Tensor, *args: object) -> torch.Tensor:
-        self._calls.append(qkv.shape[0])
-        return self._attention(qkv, *args)
+        def call(qkv: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+            calls.append(qkv.shape[0])
+            return real(qkv, *args)
+
+        return call
+
+    attention._bound_attention = bound
 
 
 @pytest.mark.skipif(_CPU is None, reason="no C compiler here")
