@@ -128,9 +128,12 @@ int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads,
     long blocks = 0;
     for (long r = 0; r < rows; r++) {
         long b = blocks > 0 ? starts[blocks - 1] : -1;
+        /* the block reads its first row's table up to its last row's context: those entries must match */
+        long reads = context_lens[r] < max_context ? context_lens[r] : max_context;
+        reads = reads > 0 ? (reads + block_size - 1) / block_size : 0;
         int joins = b >= 0 && r - b < most && slots[r] >= 0 && slots[b] >= 0 && positions[r] == positions[r - 1] + 1
                     && memcmp(block_tables + r * table_width, block_tables + b * table_width,
-                              (size_t)table_width * sizeof(int32_t)) == 0;
+                              (size_t)reads * sizeof(int32_t)) == 0;
         if (!joins) starts[blocks++] = r;
     }
     starts[blocks] = rows;
