@@ -75,6 +75,14 @@ void silu_and_mul_f32(const float *x, long rows, long d, float *out) {
 #define MAX_BLOCK 16 /* consecutive rows of one sequence attended together */
 #define KEY_CHUNK 64 /* keys (and values) a block reads before the next ones */
 
+/* rows[t - t0] = the cached vectors of positions t0..t1-1 (of one head, `offset` into a token) in the
+ * paged cache through a sequence's block table. */
+static inline void head_rows(const float *cache, const int32_t *table, long block_size, long token_stride, long offset,
+                             long t0, long t1, const float **rows) {
+    for (long t = t0; t < t1; t++)
+        rows[t - t0] = cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride + offset;
+}
+
 /* NeoX rotary of one head in place: x * cos + rotate_half(x) * sin (cos, sin: head_dim each). */
 static void rotate(float *x, const float *cos_row, const float *sin_row, long head_dim) {
     long half = head_dim / 2;
@@ -172,9 +180,7 @@ int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads,
         const float *keys[KEY_CHUNK];
         for (long t0 = 0; t0 < longest; t0 += KEY_CHUNK) { /* a chunk of keys stays in cache for the block */
             long t1 = t0 + KEY_CHUNK < longest ? t0 + KEY_CHUNK : longest;
-            for (long t = t0; t < t1; t++)
-                keys[t - t0] = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
-                               + kvh * head_dim;
+            head_rows(k_cache, table, block_size, token_stride, kvh * head_dim, t0, t1, keys);
             for (long i = 0; i < n; i++) {
                 long end = t1 < lengths[i] ? t1 : lengths[i];
                 for (long j = 0; j < group; j++) {
@@ -214,9 +220,7 @@ int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads,
         const float *values[KEY_CHUNK];
         for (long t0 = 0; t0 < longest; t0 += KEY_CHUNK) {
             long t1 = t0 + KEY_CHUNK < longest ? t0 + KEY_CHUNK : longest;
-            for (long t = t0; t < t1; t++)
-                values[t - t0] = v_cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride
-                                 + kvh * head_dim;
+            head_rows(v_cache, table, block_size, token_stride, kvh * head_dim, t0, t1, values);
             for (long i = 0; i < n; i++) {
                 long end = t1 < lengths[i] ? t1 : lengths[i];
                 for (long j = 0; j < group; j++) {

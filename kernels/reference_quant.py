@@ -40,6 +40,11 @@ def group_order(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
     return perm
 
 
+def in_checkpoint_order(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """A weight whose columns were put in group order (`group_order`'s perm) back in the checkpoint's."""
+    return w if perm is None else torch.empty_like(w).index_copy_(1, perm, w)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(N, K) values in 0..15 -> (K / 8, N) int32: k = 8 * row + j at bits 4j..4j+3 of the word."""
     n, k = q.shape

@@ -174,9 +174,7 @@ class PackedInt4Weight:
         """The float32 weight (out, in) these values stand for, in the checkpoint's input order."""
         q, d, m = self.gemm.unpack_int4(self.packed, self.out_features, self.group)
         w = q.float() * d.repeat_interleave(self.group, 1) + m.repeat_interleave(self.group, 1)
-        if self.input_perm is None:
-            return w
-        return torch.empty_like(w).index_copy_(1, self.input_perm, w)
+        return reference_quant.in_checkpoint_order(w, self.input_perm)
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x (..., in) @ w.T (+ bias) -> (..., out) in x's dtype (computed from float32 activations)."""

@@ -73,9 +73,7 @@ class TritonInt4Weight:
     def dequantize(self) -> Tensor:
         """The float32 weight (out, in) these values stand for, in the checkpoint's input order."""
         w = reference_quant.int4_weight(self.qweight, self.scales, self.offsets, self.group_size)
-        if self.input_perm is None:
-            return w
-        return torch.empty_like(w).index_copy_(1, self.input_perm, w)
+        return reference_quant.in_checkpoint_order(w, self.input_perm)
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ w.T (+ bias) in x's dtype."""
