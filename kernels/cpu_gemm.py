@@ -175,11 +175,7 @@ class CpuGemm:
             raise ValueError(
                 f"the int8 gemm takes int8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
             )
-        if scales.dim() != 1 or scales.shape[0] != packed.shape[0] * self.panel or not scales.is_contiguous():
-            raise ValueError(f"scales {tuple(scales.shape)} do not fit panels {tuple(packed.shape)}")
-        self._check_panels(packed, n, 2 * self.panel)
-        if packed.shape[1] != -(-k // 2):
-            raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs")
+        self._check_scaled_panels(packed, scales, n, k, 2)
         return PanelProduct(self._gemm_i8, (packed, scales), k, n)
 
     def bind_w8a8(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> PanelProduct:
@@ -193,11 +189,7 @@ class CpuGemm:
             raise ValueError(
                 f"the w8a8 gemm takes uint8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
             )
-        if scales.dim() != 1 or scales.shape[0] != packed.shape[0] * self.panel or not scales.is_contiguous():
-            raise ValueError(f"scales {tuple(scales.shape)} do not fit panels {tuple(packed.shape)}")
-        self._check_panels(packed, n, 4 * self.panel)
-        if packed.shape[1] != -(-k // 4):
-            raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs")
+        self._check_scaled_panels(packed, scales, n, k, 4)
         return PanelProduct(self._gemm_w8a8, (packed, scales), k, n)
 
     def bind_int4(self, packed: torch.Tensor, n: int, k: int, group: int) -> PanelProduct:
@@ -216,6 +208,17 @@ class CpuGemm:
             )
         self._check_panels(packed, n, 8 * group + 8 * self.panel)
         return PanelProduct(self._gemm_q4, (packed,), k, n, group)
+
+    def _check_scaled_panels(
+        self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int, per_line: int
+    ) -> None:
+        """Integer panels holding `per_line` consecutive inputs a line (int8: 2, w8a8: 4) for k inputs
+        and n outputs, with per-channel scales padded to the panels' width."""
+        if scales.dim() != 1 or scales.shape[0] != packed.shape[0] * self.panel or not scales.is_contiguous():
+            raise ValueError(f"scales {tuple(scales.shape)} do not fit panels {tuple(packed.shape)}")
+        self._check_panels(packed, n, per_line * self.panel)
+        if packed.shape[1] != -(-k // per_line):
+            raise ValueError(f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs")
 
     def _check_panels(self, packed: torch.Tensor, n: int, line: int) -> None:
         """Panels (ceil(n / panel), depth, line), contiguous, on the CPU."""
