@@ -79,8 +79,60 @@ void silu_and_mul_f32(const float *x, long rows, long d, float *out) {
  * paged cache through a sequence's block table. */
 static inline void head_rows(const float *cache, const int32_t *table, long block_size, long token_stride, long offset,
                              long t0, long t1, const float **rows) {
-    for (long t = t0; t < t1; t++)
-        rows[t - t0] = cache + ((long)table[t / block_size] * block_size + t % block_size) * token_stride + offset;
+    long entry = t0 / block_size, within = t0 % block_size; /* one division, not two a position */
+    const float *base = cache + ((long)table[entry] * block_size) * token_stride + offset;
+    for (long t = t0; t < t1; t++) {
+        rows[t - t0] = base + within * token_stride;
+        if (++within == block_size && t + 1 < t1) {
+            within = 0;
+            base = cache + ((long)table[++entry] * block_size) * token_stride + offset;
+        }
+    }
+}
+
+/* scores[t] = (q . keys[t - t0]) * scale for t0 <= t < end, q and each key `lanes` vectors long.
+ * Four keys at a time (four independent chains of multiply-adds instead of one: the adds' latency
+ * bounded the loop), each key's sum the same operations in the same order as alone: lanes in
+ * order, then folded. Inlined with a constant `lanes`, the query stays in registers. */
+static inline __attribute__((always_inline)) void key_scores(const float *q, const float *const *keys, long t0,
+                                                             long end, long lanes, float scale, float *scores) {
+    vf qv[MAX_HEAD_DIM / VL];
+    for (long l = 0; l < lanes; l++) qv[l] = loadv(q + l * VL);
+    long t = t0;
+    for (; t + 4 <= end; t += 4) {
+        const float *k0 = keys[t - t0], *k1 = keys[t - t0 + 1], *k2 = keys[t - t0 + 2], *k3 = keys[t - t0 + 3];
+        vf d0 = {0}, d1 = {0}, d2 = {0}, d3 = {0};
+        for (long l = 0; l < lanes; l++) {
+            d0 += qv[l] * loadv(k0 + l * VL);
+            d1 += qv[l] * loadv(k1 + l * VL);
+            d2 += qv[l] * loadv(k2 + l * VL);
+            d3 += qv[l] * loadv(k3 + l * VL);
+        }
+        scores[t] = foldv(d0) * scale;
+        scores[t + 1] = foldv(d1) * scale;
+        scores[t + 2] = foldv(d2) * scale;
+        scores[t + 3] = foldv(d3) * scale;
+    }
+    for (; t < end; t++) {
+        const float *k = keys[t - t0];
+        vf dot = {0};
+        for (long l = 0; l < lanes; l++) dot += qv[l] * loadv(k + l * VL);
+        scores[t] = foldv(dot) * scale;
+    }
+}
+
+/* acc += sum of weights[t] * values[t - t0] for t0 <= t < end (acc: `lanes` vectors), t in order;
+ * inlined with a constant `lanes`, the sums stay in registers across the chunk. */
+static inline __attribute__((always_inline)) void weigh_values(const float *weights, const float *const *values,
+                                                               long t0, long end, long lanes, vf *acc) {
+    vf a[MAX_HEAD_DIM / VL];
+    for (long l = 0; l < lanes; l++) a[l] = acc[l];
+    for (long t = t0; t < end; t++) {
+        const float *v = values[t - t0];
+        float p = weights[t];
+        for (long l = 0; l < lanes; l++) a[l] += p * loadv(v + l * VL);
+    }
+    for (long l = 0; l < lanes; l++) acc[l] = a[l];
 }
 
 /* NeoX rotary of one head in place: x * cos + rotate_half(x) * sin (cos, sin: head_dim each). */
@@ -184,14 +236,13 @@ int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads,
             for (long i = 0; i < n; i++) {
                 long end = t1 < lengths[i] ? t1 : lengths[i];
                 for (long j = 0; j < group; j++) {
-                    vf q[MAX_HEAD_DIM / VL]; /* in registers across the keys (no store aliases them) */
-                    for (long l = 0; l < lanes; l++) q[l] = loadv(queries + (i * group + j) * head_dim + l * VL);
+                    const float *q = queries + (i * group + j) * head_dim;
                     float *sj = scores + (i * group + j) * max_context;
-                    for (long t = t0; t < end; t++) {
-                        const float *k = keys[t - t0];
-                        vf dot = {0};
-                        for (long l = 0; l < lanes; l++) dot += q[l] * loadv(k + l * VL);
-                        sj[t] = foldv(dot) * scale;
+                    switch (lanes) { /* a constant count of lanes keeps the query in registers */
+                    case 4: key_scores(q, keys, t0, end, 4, scale, sj); break;
+                    case 8: key_scores(q, keys, t0, end, 8, scale, sj); break;
+                    case 16: key_scores(q, keys, t0, end, 16, scale, sj); break;
+                    default: key_scores(q, keys, t0, end, lanes, scale, sj);
                     }
                 }
             }
@@ -225,14 +276,13 @@ int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads,
                 long end = t1 < lengths[i] ? t1 : lengths[i];
                 for (long j = 0; j < group; j++) {
                     const float *sj = scores + (i * group + j) * max_context;
-                    vf a[MAX_HEAD_DIM / VL]; /* the sums in registers across the chunk */
-                    memcpy(a, acc + (i * group + j) * lanes, (size_t)lanes * sizeof(vf));
-                    for (long t = t0; t < end; t++) {
-                        const float *v = values[t - t0];
-                        float p = sj[t];
-                        for (long l = 0; l < lanes; l++) a[l] += p * loadv(v + l * VL);
+                    vf *a = acc + (i * group + j) * lanes;
+                    switch (lanes) {
+                    case 4: weigh_values(sj, values, t0, end, 4, a); break;
+                    case 8: weigh_values(sj, values, t0, end, 8, a); break;
+                    case 16: weigh_values(sj, values, t0, end, 16, a); break;
+                    default: weigh_values(sj, values, t0, end, lanes, a);
                     }
-                    memcpy(acc + (i * group + j) * lanes, a, (size_t)lanes * sizeof(vf));
                 }
             }
         }
