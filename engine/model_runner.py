@@ -20,6 +20,7 @@ from engine.layers.cpu_blas import batch_invariant_linear
 from engine.layers.packed import rows_alone, use_packed_int8, use_packed_weights
 from engine.layers.weight_loading import load_weights
 from engine.models.config import ModelConfig
+from engine.models.fused_stack import fuse_stack
 from engine.models.registry import build_model
 from engine.parallel.group import TensorParallelGroup
 from engine.parallel.sharding import local_config, shard_weights
@@ -184,6 +185,8 @@ class ModelRunner:
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
         self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
         self.kv_caches = [self.allocate_kv(self.layout.num_blocks) for _ in range(model_config.num_layers)]
+        if cpu is not None and tp is None:  # every layer's kernels in C: the stack as one call
+            self.model.fused = fuse_stack(self.model, cpu.stack, self.kv_caches)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB, %s); kernels: %s",
             self.layout.num_blocks,

@@ -32,6 +32,8 @@ import torch
 _P, _L = ctypes.c_void_p, ctypes.c_long
 W8A8_MAX_K = 65536  # cpu_gemm.c's: one int32 sum per output stays below 2^31 up to it
 INT4_MAX_GROUP = 4096  # cpu_gemm.c's Q4_MAX_GROUP: one group's int32 sum stays below 2^31 up to it
+# a PanelProduct's kernel (cpu_stack.c's STACK_* names the same numbers)
+F32, I8, W8A8, Q4 = 0, 1, 2, 3
 
 
 class CpuGemm:
@@ -167,7 +169,7 @@ class CpuGemm:
         if packed.dtype != torch.float32:
             raise ValueError(f"the CPU gemm takes float32 panels, got {packed.dtype}")
         self._check_panels(packed, n, self.panel)
-        return PanelProduct(self._gemm, (packed,), packed.shape[1], n)
+        return PanelProduct(self._gemm, F32, (packed,), packed.shape[1], n)
 
     def bind_int8(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> PanelProduct:
         """The product with one int8 packed weight of k inputs and its padded scales, checked now."""
@@ -176,7 +178,7 @@ class CpuGemm:
                 f"the int8 gemm takes int8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
             )
         self._check_scaled_panels(packed, scales, n, k, 2)
-        return PanelProduct(self._gemm_i8, (packed, scales), k, n)
+        return PanelProduct(self._gemm_i8, I8, (packed, scales), k, n)
 
     def bind_w8a8(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> PanelProduct:
         """The w8a8 product with one pack_w8a8 weight of k inputs and its padded scales, checked now;
@@ -190,7 +192,7 @@ class CpuGemm:
                 f"the w8a8 gemm takes uint8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
             )
         self._check_scaled_panels(packed, scales, n, k, 4)
-        return PanelProduct(self._gemm_w8a8, (packed, scales), k, n)
+        return PanelProduct(self._gemm_w8a8, W8A8, (packed, scales), k, n)
 
     def bind_int4(self, packed: torch.Tensor, n: int, k: int, group: int) -> PanelProduct:
         """The product with one pack_int4 weight of k inputs in groups of `group`, checked now."""
@@ -207,7 +209,7 @@ class CpuGemm:
                 f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs in groups of {group}"
             )
         self._check_panels(packed, n, 8 * group + 8 * self.panel)
-        return PanelProduct(self._gemm_q4, (packed,), k, n, group)
+        return PanelProduct(self._gemm_q4, Q4, (packed,), k, n, group)
 
     def _check_scaled_panels(
         self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int, per_line: int
@@ -244,15 +246,28 @@ class PanelProduct:
     call checks only x, which must be (rows, k) float32, contiguous, on the CPU. A decode step makes
     ~120 of these calls: the weight's checks cost more than the product of a small one."""
 
-    __slots__ = ("_kernel", "_pointers", "_weight", "k", "n")
+    __slots__ = ("_kernel", "_pointers", "_weight", "k", "kind", "n")
 
-    def __init__(self, kernel: Any, weight: tuple[torch.Tensor, ...], k: int, n: int, *extra: int) -> None:
+    def __init__(
+        self, kernel: Any, kind: int, weight: tuple[torch.Tensor, ...], k: int, n: int, *extra: int
+    ) -> None:
         # gemm_f32 (x, rows, k, packed, n, y), gemm_i8 / gemm_w8a8 (x, rows, k, packed, scales, n, y)
         # or gemm_q4 (x, rows, k, packed, group, n, y): `extra` are the integers after the tensors
         self._kernel = kernel
+        self.kind = kind  # F32, I8, W8A8 or Q4
         self._weight = weight  # kept alive: the kernel reads them by address
         self._pointers = (*(t.data_ptr() for t in weight), *extra)
         self.k, self.n = k, n
+
+    @property
+    def weight(self) -> tuple[torch.Tensor, ...]:
+        """The packed tensors the kernel reads (panels; int8 and w8a8: then the scales)."""
+        return self._weight
+
+    @property
+    def group(self) -> int:
+        """Q4: the inputs a group of the weight; 0 for the other kinds."""
+        return int(self._pointers[-1]) if self.kind == Q4 else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, k) -> (rows, n) float32."""

@@ -1,4 +1,5 @@
-"""The CPU kernels written in C (cpu_gemm.c, cpu_decode.c; cpu_vec.h), built on this machine on first use.
+"""The CPU kernels written in C (cpu_gemm.c, cpu_decode.c, cpu_stack.c; cpu_vec.h), built on this
+machine on first use.
 
 The sources are compiled by the machine's C compiler (`cc`, else `gcc`) with `-march=native` into
 one library in a cache folder the engine names, under a file name that hashes the sources, the
@@ -25,10 +26,11 @@ from pathlib import Path
 
 from kernels.cpu_decode import CpuDecode
 from kernels.cpu_gemm import CpuGemm
+from kernels.cpu_stack import CpuStack
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_decode.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_decode.c", "cpu_stack.c"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 BUILD_TIMEOUT = 120.0  # seconds; a build takes about one
@@ -40,6 +42,7 @@ class CpuKernels:
 
     gemm: CpuGemm
     decode: CpuDecode
+    stack: CpuStack
     path: Path
 
 
@@ -59,7 +62,7 @@ def _load(cache_dir: Path, compiler: str | None) -> CpuKernels | None:
     try:
         path = _built(cache_dir, cc)
         library = ctypes.CDLL(str(path))
-        return CpuKernels(CpuGemm(library), CpuDecode(library), path)
+        return CpuKernels(CpuGemm(library), CpuDecode(library), CpuStack(library), path)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         logger.warning("the CPU kernels could not be built or loaded (%s): torch operations stay in use", exc)
         return None

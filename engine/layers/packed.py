@@ -243,6 +243,20 @@ def _product(product: PanelProduct, x: Tensor, bias: Tensor | None) -> Tensor:
     return out if bias is None else out + bias
 
 
+def stack_product(weight: object) -> tuple[PanelProduct, int | None] | None:
+    """The C product that computes `weight`'s matmul for a float32 2-D x without bias (what
+    kernels/cpu_stack.c may call in its place) and the most rows it should take it for (None: any),
+    or None where the weight's product is not one C call: an MKL or torch weight, or int4 whose
+    inputs are permuted first (act-order)."""
+    if isinstance(weight, (PackedWeight, PackedInt8Weight)):
+        return weight.product, None
+    if isinstance(weight, PackedInt4Weight):
+        return (weight.product, None) if weight.input_perm is None else None
+    if isinstance(weight, PackedW8A8Weight):  # the same bits past FEW_ROWS, where torch._int_mm is faster
+        return weight.product, PackedW8A8Weight.FEW_ROWS
+    return None
+
+
 def use_packed_int8(model: nn.Module, gemm: CpuGemm) -> int:
     """Every Int8Weight of the model (int8's projections and LM head, w8a8's output and down
     projections, int4's head) becomes a PackedInt8Weight, and, where the CPU has VNNI, every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from engine.models.config import ModelConfig
 from engine.parallel.group import TensorParallelGroup
 from kernels import cpu_decode
 from kernels.cpu_decode import BoundAttention
+
+if TYPE_CHECKING:
+    from engine.models.fused_stack import FusedStack
 
 # HF checkpoint name -> (our fused parameter, shard index)
 _STACKED = {
@@ -216,6 +220,10 @@ class LlamaForCausalLM(nn.Module):
         # the LM head as a weight that does its own product: quantized (engine.layers.quant's
         # quantize_model) or packed for the CPU kernel (engine.layers.packed)
         self.head_weight: Projection | None = None
+        # the layers and final norm as one C call where every piece is a C kernel
+        # (engine/models/fused_stack.py; the runner binds it once the caches exist). It reads the
+        # weights bound then: whoever replaces a projection afterwards sets it to None
+        self.fused: FusedStack | None = None
 
     def forward(
         self,
@@ -226,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """(num_tokens,) ids and positions -> (num_tokens, hidden) final hidden states."""
         h = self._embed(input_ids)
+        if self.fused is not None and (out := self.fused(h, positions, kv_caches, meta)) is not None:
+            return out
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(positions, h, residual, kv_cache, meta)

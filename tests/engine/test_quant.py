@@ -211,6 +211,7 @@ def float_twin_logprobs(quantized: LLM, path: str, tokens: list[int]) -> tuple[t
         if ours.head_weight is not None and not ours.cfg.tie_word_embeddings:
             _set_float_weight(theirs, "lm_head" if theirs.lm_head is not None else "head_weight",
                               ours.head_weight.dequantize())  # fmt: skip
+        theirs.fused = None  # bound to the weights replaced here: the twin runs layer by layer
     return prefill_logprobs(quantized, tokens), prefill_logprobs(twin, tokens)
 
 
@@ -316,6 +317,7 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
     model = fast.engine.runner.model
     assert isinstance(model.head_weight, PackedInt8Weight)
     assert all(isinstance(layer.mlp.down_proj, PackedInt8Weight) for layer in model.layers)
+    model.fused = None  # the layer-by-layer path (the stack in one call: tests/engine/test_fused_stack.py)
     fused = []
     attention = model.layers[0].self_attn
     _spy(attention, fused)
@@ -325,6 +327,7 @@ def test_int8_weights_run_on_the_packed_kernel_and_the_decode_block_fuses_withou
     model = invariant.engine.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, PackedInt8Weight)
     assert invariant.engine.runner.backend.every_row
+    model.fused = None
     every: list[int] = []
     attention = model.layers[0].self_attn
     _spy(attention, every)
