@@ -106,8 +106,10 @@ def _head_form(quantization: str | None) -> str | None:
 def _matrix_bytes(inputs: int, outputs: int, width: int, quantization: str | None) -> int:
     if quantization is None:
         return inputs * outputs * width
-    if quantization in FOUR_BIT:  # 4-bit codes, a float32 scale and offset per 32 inputs of a row
-        return inputs * outputs // 2 + -(-inputs // 32) * outputs * 8  # (the C and Triton kernels')
+    # 4-bit codes, a float32 scale and offset per 32 inputs of a row (the C and Triton kernels'; at
+    # most: the C product keeps Q4_1 blocks' float16 ones, 4 bytes a group)
+    if quantization in FOUR_BIT:
+        return inputs * outputs // 2 + -(-inputs // 32) * outputs * 8
     return inputs * outputs + outputs * 4  # int8 / w8a8 / 8-bit checkpoints: a float32 scale per row
 
 

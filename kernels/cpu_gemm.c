@@ -37,7 +37,11 @@
 #define CHUNK_PAIRS 256L          /* int32 sums of at most 256 pairs of products, then float32 */
 #define W8A8_MAX_K 65536L         /* w8a8: 255 x 127 x 65,536 < 2^31, one int32 sum per output */
 #define Q4_MAX_GROUP 4096L        /* int4: 4,096 x 15 x 32767 < 2^31, one int32 sum per group */
-enum { F32 = 0, I16 = 1, W8 = 2, Q4 = 3 }; /* float32 x, w; int16 x, int8 w; int8 x, w (w8a8); int16 x, int4 w */
+/* float32 x, w; int16 x, int8 w; int8 x, w (w8a8); int16 x, int4 w with float32 / float16 scales and offsets */
+enum { F32 = 0, I16 = 1, W8 = 2, Q4 = 3, Q4H = 4 };
+#define IS_Q4(MODE) ((MODE) == Q4 || (MODE) == Q4H)
+/* a group's 16 scales and 16 offsets: float32, or float16 (GGUF Q4_1's own) */
+#define Q4_SCALE_BYTES(MODE) (2L * PANEL * ((MODE) == Q4H ? 2 : 4))
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -256,10 +260,10 @@ static inline __attribute__((always_inline)) void tile_i8_wide(const int16_t *xq
 static inline __attribute__((always_inline)) void tile_q4_wide(const int16_t *xq, long ldx, const float *row_scales,
                                                                const float *group_sums, long groups,
                                                                long group_quads, const uint8_t *panel, float *out,
-                                                               long ldo, const int R, const int P) {
+                                                               long ldo, const int R, const int P, const int MODE) {
     ZIDECLARE(0) ZIDECLARE(1) ZIDECLARE(2) ZIDECLARE(3) ZIDECLARE(4) ZIDECLARE(5)
     const v16i nibble = _mm512_set1_epi16(0x0F);
-    const long group_bytes = group_quads * 2 * PANEL + 2 * PANEL * (long)sizeof(float);
+    const long group_bytes = group_quads * 2 * PANEL + Q4_SCALE_BYTES(MODE);
     const uint8_t *next = panel + groups * group_bytes;
     for (long g = 0; g < groups; g++) {
         const uint8_t *at = panel + g * group_bytes, *at1 = next + g * group_bytes;
@@ -274,10 +278,20 @@ static inline __attribute__((always_inline)) void tile_q4_wide(const int16_t *xq
             b0 = _mm512_srli_epi16(wa, 4), b1 = _mm512_srli_epi16(wb, 4);
             ZISTEP(0) ZISTEP(1) ZISTEP(2) ZISTEP(3) ZISTEP(4) ZISTEP(5)
         }
-        const float *d = (const float *)(at + group_quads * 2 * PANEL);
-        const float *d_next = (const float *)(at1 + group_quads * 2 * PANEL);
-        v16 d0 = _mm512_loadu_ps(d), m0 = _mm512_loadu_ps(d + PANEL), d1 = d0, m1 = m0;
-        if (P == 2) d1 = _mm512_loadu_ps(d_next), m1 = _mm512_loadu_ps(d_next + PANEL);
+        const uint8_t *d = at + group_quads * 2 * PANEL, *d_next = at1 + group_quads * 2 * PANEL;
+        v16 d0, m0, d1, m1;
+        if (MODE == Q4H) {
+            d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 2 * PANEL)));
+            d1 = d0, m1 = m0;
+            if (P == 2) {
+                d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d_next));
+                m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d_next + 2 * PANEL)));
+            }
+        } else {
+            d0 = _mm512_loadu_ps((const float *)d), m0 = _mm512_loadu_ps((const float *)d + PANEL), d1 = d0, m1 = m0;
+            if (P == 2) d1 = _mm512_loadu_ps((const float *)d_next), m1 = _mm512_loadu_ps((const float *)d_next + PANEL);
+        }
         ZQFOLD(0) ZQFOLD(1) ZQFOLD(2) ZQFOLD(3) ZQFOLD(4) ZQFOLD(5)
     }
     ZQSTORE(0) ZQSTORE(1) ZQSTORE(2) ZQSTORE(3) ZQSTORE(4) ZQSTORE(5)
@@ -310,11 +324,11 @@ static inline __attribute__((always_inline)) void tile_q4_wide(const int16_t *xq
 static inline __attribute__((always_inline)) void tile_q4(const int16_t *xq, long ldx, const float *row_scales,
                                                           const float *group_sums, long groups,
                                                           long group_quads, const uint8_t *panel, float *out,
-                                                          long ldo, const int R) {
+                                                          long ldo, const int R, const int MODE) {
     IDECLARE(0) IDECLARE(1) IDECLARE(2) IDECLARE(3) IDECLARE(4) IDECLARE(5)
     const v8i nibble = _mm256_set1_epi16(0x0F);
     for (long g = 0; g < groups; g++) {
-        const uint8_t *at = panel + g * (group_quads * 2 * PANEL + 2 * PANEL * (long)sizeof(float));
+        const uint8_t *at = panel + g * (group_quads * 2 * PANEL + Q4_SCALE_BYTES(MODE));
         for (long s = 0; s < group_quads; s++) {
             v8i wa = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + s * 2 * PANEL)));
             v8i wb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(at + s * 2 * PANEL + PANEL)));
@@ -325,9 +339,20 @@ static inline __attribute__((always_inline)) void tile_q4(const int16_t *xq, lon
             b0 = _mm256_srli_epi16(wa, 4), b1 = _mm256_srli_epi16(wb, 4);
             ISTEP(0) ISTEP(1) ISTEP(2) ISTEP(3) ISTEP(4) ISTEP(5)
         }
-        const float *d = (const float *)(at + group_quads * 2 * PANEL);
-        v8 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-        v8 m0 = _mm256_loadu_ps(d + PANEL), m1 = _mm256_loadu_ps(d + PANEL + 8);
+        v8 d0, d1, m0, m1;
+        if (MODE == Q4H) { /* (the launcher refuses Q4H where F16C is missing) */
+#if defined(__F16C__)
+            const __m128i *h = (const __m128i *)(at + group_quads * 2 * PANEL);
+            d0 = _mm256_cvtph_ps(_mm_loadu_si128(h)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
+#else
+            d0 = d1 = m0 = m1 = _mm256_set1_ps(NAN);
+#endif
+        } else {
+            const float *d = (const float *)(at + group_quads * 2 * PANEL);
+            d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+            m0 = _mm256_loadu_ps(d + PANEL), m1 = _mm256_loadu_ps(d + PANEL + 8);
+        }
         Q4FOLD(0) Q4FOLD(1) Q4FOLD(2) Q4FOLD(3) Q4FOLD(4) Q4FOLD(5)
     }
     Q4STORE(0) Q4STORE(1) Q4STORE(2) Q4STORE(3) Q4STORE(4) Q4STORE(5)
@@ -417,9 +442,19 @@ static void tile_i8(const int16_t *xq, long ldx, const float *row_scales, long p
         }
 }
 
+/* an IEEE half's value as a float (every half is exactly a float) */
+static float half_value(const uint8_t *at) {
+    uint16_t h = (uint16_t)(at[0] | at[1] << 8);
+    int exponent = (h >> 10) & 31, mantissa = h & 1023;
+    float magnitude = exponent == 0    ? ldexpf((float)mantissa, -24)
+                      : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                       : ldexpf((float)(mantissa | 1024), exponent - 25);
+    return h >> 15 ? -magnitude : magnitude;
+}
+
 static void tile_q4(const int16_t *xq, long ldx, const float *row_scales, const float *group_sums, long groups,
-                    long group_quads, const uint8_t *panel, float *out, long ldo, const int R) {
-    long group_bytes = group_quads * 2 * PANEL + 2 * PANEL * (long)sizeof(float);
+                    long group_quads, const uint8_t *panel, float *out, long ldo, const int R, const int MODE) {
+    long group_bytes = group_quads * 2 * PANEL + Q4_SCALE_BYTES(MODE);
     for (int i = 0; i < R; i++)
         for (int j = 0; j < PANEL; j++) {
             float sum = 0.0f;
@@ -433,8 +468,13 @@ static void tile_q4(const int16_t *xq, long ldx, const float *row_scales, const 
                         chunk += xs[u] * (b & 15) + xs[2 + u] * (b >> 4);
                     }
                 float d, m;
-                memcpy(&d, at + group_quads * 2 * PANEL + 4 * j, sizeof d);
-                memcpy(&m, at + group_quads * 2 * PANEL + 4 * (PANEL + j), sizeof m);
+                if (MODE == Q4H) {
+                    d = half_value(at + group_quads * 2 * PANEL + 2 * j);
+                    m = half_value(at + group_quads * 2 * PANEL + 2 * (PANEL + j));
+                } else {
+                    memcpy(&d, at + group_quads * 2 * PANEL + 4 * j, sizeof d);
+                    memcpy(&m, at + group_quads * 2 * PANEL + 4 * (PANEL + j), sizeof m);
+                }
                 sum = fmaf((float)chunk, d, sum);
                 sum = fmaf(m, group_sums[i * groups + g], sum);
             }
@@ -468,17 +508,17 @@ static inline __attribute__((always_inline)) void tile(const void *x, RowCodes q
         tile_f32_wide((const float *)x, depth, (const float *)panel, out, ldo, R, P);
     else if (MODE == I16)
         tile_i8_wide((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R, P);
-    else if (MODE == Q4)
+    else if (IS_Q4(MODE))
         tile_q4_wide((const int16_t *)x, 2 * depth, q.scales, q.group_sums, q.groups, q.group / 4,
-                     (const uint8_t *)panel, out, ldo, R, P);
+                     (const uint8_t *)panel, out, ldo, R, P, MODE);
 #else
     if (MODE == F32)
         tile_f32((const float *)x, depth, (const float *)panel, out, ldo, R, P);
     else if (MODE == I16)
         tile_i8((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R);
-    else if (MODE == Q4)
+    else if (IS_Q4(MODE))
         tile_q4((const int16_t *)x, 2 * depth, q.scales, q.group_sums, q.groups, q.group / 4,
-                (const uint8_t *)panel, out, ldo, R);
+                (const uint8_t *)panel, out, ldo, R, MODE);
 #endif
 #if VNNI
     if (MODE == W8)
@@ -522,10 +562,10 @@ static inline __attribute__((always_inline)) void panel_rows(const void *x, RowC
                                                              long n_out, float *y, int pair, const int MODE) {
     /* a line of a panel: 16 floats (F32), 16 x 2 int8 (I16), 16 x 4 int8 (W8); Q4: a group of
      * inputs takes 16 x group / 2 bytes of nibbles and 16 x 2 floats */
-    long panel_bytes = MODE == Q4 ? q.groups * (PANEL * q.group / 2 + 2 * PANEL * (long)sizeof(float))
-                                  : depth * PANEL * (MODE == I16 ? 2 : 4);
+    long panel_bytes = IS_Q4(MODE) ? q.groups * (PANEL * q.group / 2 + Q4_SCALE_BYTES(MODE))
+                                   : depth * PANEL * (MODE == I16 ? 2 : 4);
     const void *panel = (const char *)packed + p * panel_bytes;
-    const float *panel_scales = MODE == F32 || MODE == Q4 ? NULL : scales + p * PANEL;
+    const float *panel_scales = MODE == F32 || IS_Q4(MODE) ? NULL : scales + p * PANEL;
     long col = p * PANEL, width = (pair ? 2 : 1) * PANEL;
     for (long i = r0; i < r1; i += TILE_ROWS) {
         long rows = r1 - i < TILE_ROWS ? r1 - i : TILE_ROWS; /* <= 3 when `pair` without AVX-512 (gemm) */
@@ -550,7 +590,7 @@ static inline __attribute__((always_inline)) void gemm(const void *x, RowCodes q
     long panels = (n_out + PANEL - 1) / PANEL;
     /* two panels a tile: float32 at a decode step's few rows (AVX2), float32, int8 and int4 at every
      * row count (AVX-512: a panel is one register, so a 6-row tile of two panels keeps 12 sums) */
-    int paired = (MODE == F32 && (rows <= 3 || WIDE)) || ((MODE == I16 || MODE == Q4) && WIDE);
+    int paired = (MODE == F32 && (rows <= 3 || WIDE)) || ((MODE == I16 || IS_Q4(MODE)) && WIDE);
     long units = paired ? (panels + 1) / 2 : panels;
     long chunk = CHUNK_BYTES / (depth * 4) / TILE_ROWS * TILE_ROWS;
     if (chunk < TILE_ROWS) chunk = TILE_ROWS;
@@ -699,7 +739,9 @@ int gemm_w8a8(const float *x, long rows, long k_len, const uint8_t *packed, cons
  * k_len / group groups in order: group / 4 quads of 32 bytes of nibbles (see tile_q4), 16 scales d,
  * 16 offsets m (zeros past n_out). Returns 0; -1 when the codes cannot be allocated; -2 when k_len
  * is not a multiple of `group` or `group` is not a multiple of 4 up to Q4_MAX_GROUP. */
-int gemm_q4(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y) {
+static inline __attribute__((always_inline)) int q4_product(const float *x, long rows, long k_len,
+                                                            const uint8_t *packed, long group, long n_out, float *y,
+                                                            const int MODE) {
     if (group <= 0 || group % 4 || group > Q4_MAX_GROUP || k_len % group) return -2;
     long groups = k_len / group;
     int16_t *xq = malloc((size_t)(rows * k_len) * sizeof(int16_t));
@@ -716,12 +758,37 @@ int gemm_q4(const float *x, long rows, long k_len, const uint8_t *packed, long g
                 group_sums[r * groups + g] = (float)sum;
             }
         gemm(xq, (RowCodes){row_scales, NULL, group_sums, groups, group}, rows, k_len / 2, packed, NULL, n_out,
-             y, Q4);
+             y, MODE);
     }
     free(xq);
     free(row_scales);
     free(group_sums);
     return failed ? -1 : 0;
+}
+
+int gemm_q4(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y) {
+    return q4_product(x, rows, k_len, packed, group, n_out, y, Q4);
+}
+
+/* gemm_q4 with float16 scales and offsets (GGUF Q4_1's own: 16 d then 16 m as halves, two bytes
+ * each, after a group's nibbles): the same sums of the same values, 5 bits a weight instead of 6.
+ * Returns -2 also where the vectorized build lacks F16C (gemm_half_scales says so). */
+int gemm_q4h(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y) {
+#if VECTORIZED && !defined(__F16C__)
+    (void)x, (void)rows, (void)k_len, (void)packed, (void)group, (void)n_out, (void)y;
+    return -2;
+#else
+    return q4_product(x, rows, k_len, packed, group, n_out, y, Q4H);
+#endif
+}
+
+/* 1 where gemm_q4h runs (F16C's conversions in the vectorized build; the scalar one converts itself). */
+int gemm_half_scales(void) {
+#if VECTORIZED && !defined(__F16C__)
+    return 0;
+#else
+    return 1;
+#endif
 }
 
 /* 1 where gemm_w8a8 runs (VNNI's dpbusd: AVX-VNNI, or AVX-512 VNNI with VL). */

@@ -16,10 +16,11 @@ int8 codes (max |x| / 127) times int8 codes, four products per lane and instruct
 sums: bit for bit what torch._int_mm gives on the same codes (engine/layers/quant.py's W8A8Weight).
 
 `pack_int4` lays 4-bit weights in groups out (w = q * d + m per column and group of inputs, q in
-0..15, float32 d and m: GGUF Q4_1's form, and any asymmetric or symmetric 4-bit grid's); `bind_int4`
-rounds each row of x to int16 codes as the int8 product does, takes each group's exact integer sum
-and adds sum * d + m * (the group's sum of codes) in float32, group after group: again each row on
-its own. Its exact reference is `reference_int4_gemm`.
+0..15, float32 d and m: GGUF Q4_1's form, and any asymmetric or symmetric 4-bit grid's; float16 d
+and m where they are float16 values exactly, as Q4_1's own are: 5 bits a weight instead of 6);
+`bind_int4` rounds each row of x to int16 codes as the int8 product does, takes each group's exact
+integer sum and adds sum * d + m * (the group's sum of codes) in float32, group after group: again
+each row on its own. Its exact reference is `reference_int4_gemm`.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 _P, _L = ctypes.c_void_p, ctypes.c_long
 W8A8_MAX_K = 65536  # cpu_gemm.c's: one int32 sum per output stays below 2^31 up to it
 INT4_MAX_GROUP = 4096  # cpu_gemm.c's Q4_MAX_GROUP: one group's int32 sum stays below 2^31 up to it
-# a PanelProduct's kernel (cpu_stack.c's STACK_* names the same numbers)
-F32, I8, W8A8, Q4 = 0, 1, 2, 3
+# a PanelProduct's kernel (cpu_stack.c's STACK_* names the same numbers); Q4H: int4 with float16
+# scales and offsets
+F32, I8, W8A8, Q4, Q4H = 0, 1, 2, 3, 4
 
 
 class CpuGemm:
@@ -52,11 +54,15 @@ class CpuGemm:
         self._gemm_q4 = library.gemm_q4  # (x, rows, k, packed, group, n, y)
         self._gemm_q4.argtypes = [_P, _L, _L, _P, _L, _L, _P]
         self._gemm_q4.restype = ctypes.c_int
+        self._gemm_q4h = library.gemm_q4h  # gemm_q4's arguments
+        self._gemm_q4h.argtypes = [_P, _L, _L, _P, _L, _L, _P]
+        self._gemm_q4h.restype = ctypes.c_int
         self._threads = library.gemm_max_threads
         self._threads.restype = ctypes.c_int
         self.panel = int(library.gemm_panel_width())
         self.vectorized = bool(library.gemm_vectorized())  # False: correct scalar sums, too slow to use
         self.vnni = bool(library.gemm_vnni())  # False: no w8a8 product here (torch._int_mm stays)
+        self.half_scales = bool(library.gemm_half_scales())  # False: int4 keeps float32 scales here
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """(n, k) float32 -> (ceil(n / panel), k, panel), contiguous, zero past row n."""
@@ -98,11 +104,15 @@ class CpuGemm:
         lines = padded.view(panels, self.panel, quads, 4).permute(0, 2, 1, 3)
         return (lines.reshape(panels, quads, 4 * self.panel).view(torch.uint8) ^ 0x80).contiguous()
 
-    def pack_int4(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int) -> torch.Tensor:
-        """(n, k) 4-bit values q (0..15, any integer dtype) with float32 scales d and offsets m (n,
-        k / group) -> (ceil(n / panel), k / group, 8 * group + 8 * panel) uint8: per panel and group,
-        the nibbles (a quad of inputs of the panel's columns in 32 bytes: byte 2j + u holds column j's
-        input 4s + u low and 4s + 2 + u high), then the panel's 16 d and 16 m as float32 bytes."""
+    def pack_int4(
+        self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int, half: bool = False
+    ) -> torch.Tensor:
+        """(n, k) 4-bit values q (0..15, any integer dtype) with scales d and offsets m (n, k / group)
+        -> (ceil(n / panel), k / group, 8 * group + 8 * panel) uint8: per panel and group, the
+        nibbles (a quad of inputs of the panel's columns in 32 bytes: byte 2j + u holds column j's
+        input 4s + u low and 4s + 2 + u high), then the panel's 16 d and 16 m as float32 bytes.
+        `half`: d and m as float16 (4 * panel bytes, GGUF Q4_1's own form), where every d and m is
+        a float16 value exactly (refused otherwise) and this CPU has the product for it."""
         n, k = q.shape
         if q.dim() != 2 or q.device.type != "cpu" or q.dtype.is_floating_point:
             raise ValueError(f"packs 2-D integer CPU values, got {tuple(q.shape)} {q.dtype}")
@@ -117,6 +127,10 @@ class CpuGemm:
             )
         if int(q.min()) < 0 or int(q.max()) > 15:
             raise ValueError("4-bit values must lie in 0..15")
+        if half and not self.half_scales:
+            raise ValueError("float16 scales need F16C on this CPU")
+        if half and not (exactly_half(d) and exactly_half(m)):
+            raise ValueError("float16 scales and offsets must hold d and m exactly")
         panels = -(-n // self.panel)
         values = torch.zeros(panels * self.panel, k, dtype=torch.uint8)
         values[:n] = q.to(torch.uint8)
@@ -124,8 +138,8 @@ class CpuGemm:
         split = values.view(panels, self.panel, groups, group // 4, 2, 2)
         nibbles = split[..., 0, :] | (split[..., 1, :] << 4)  # (panels, column, group, quad, u)
         nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(panels, groups, group // 4 * 2 * self.panel)
-        floats = torch.zeros(2, panels * self.panel, groups, dtype=torch.float32)
-        floats[0, :n], floats[1, :n] = d.float(), m.float()
+        floats = torch.zeros(2, panels * self.panel, groups, dtype=torch.float16 if half else torch.float32)
+        floats[0, :n], floats[1, :n] = d, m
         # (2, panels, column, group) -> (panels, group, 2, column) as bytes
         tail = floats.view(2, panels, self.panel, groups).permute(1, 3, 0, 2).contiguous()
         return torch.cat((nibbles, tail.view(panels, groups, 2 * self.panel).view(torch.uint8)), dim=2)
@@ -133,17 +147,21 @@ class CpuGemm:
     def unpack_int4(
         self, packed: torch.Tensor, n: int, group: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The (n, k) values (uint8) and (n, k / group) float32 d and m `pack_int4` laid out."""
-        panels, groups, _ = packed.shape
+        """The (n, k) values (uint8) and (n, k / group) float32 d and m `pack_int4` laid out (with
+        float32 or float16 scales: the line's width says which)."""
+        panels, groups, line = packed.shape
         quads = group // 4
         nibbles = packed[..., : quads * 2 * self.panel].reshape(panels, groups, quads, self.panel, 2)
         halves = torch.stack((nibbles & 15, nibbles >> 4), dim=4)  # (panels, group, quad, column, half, u)
         q = halves.permute(0, 3, 1, 2, 4, 5).reshape(panels * self.panel, groups * group)[:n]
-        tail = packed[..., quads * 2 * self.panel :].contiguous().view(torch.float32)
+        half = line == 8 * group + 4 * self.panel
+        scale_dtype = torch.float16 if half else torch.float32
+        tail = packed[..., quads * 2 * self.panel :].contiguous().view(scale_dtype)
         floats = (
             tail.view(panels, groups, 2, self.panel)
             .permute(2, 0, 3, 1)
             .reshape(2, panels * self.panel, groups)
+            .float()
         )
         return q.contiguous(), floats[0, :n].contiguous(), floats[1, :n].contiguous()
 
@@ -195,7 +213,8 @@ class CpuGemm:
         return PanelProduct(self._gemm_w8a8, W8A8, (packed, scales), k, n)
 
     def bind_int4(self, packed: torch.Tensor, n: int, k: int, group: int) -> PanelProduct:
-        """The product with one pack_int4 weight of k inputs in groups of `group`, checked now."""
+        """The product with one pack_int4 weight of k inputs in groups of `group` (float32 or float16
+        scales: the line's width says which), checked now."""
         if packed.dtype != torch.uint8:
             raise ValueError(f"the int4 gemm takes uint8 panels, got {packed.dtype}")
         if (
@@ -208,7 +227,12 @@ class CpuGemm:
             raise ValueError(
                 f"shapes do not fit: panels {tuple(packed.shape)} for {k} inputs in groups of {group}"
             )
-        self._check_panels(packed, n, 8 * group + 8 * self.panel)
+        half = packed.dim() == 3 and packed.shape[2] == 8 * group + 4 * self.panel
+        if half and not self.half_scales:
+            raise ValueError("float16 scales need F16C on this CPU")
+        self._check_panels(packed, n, 8 * group + (4 if half else 8) * self.panel)
+        if half:
+            return PanelProduct(self._gemm_q4h, Q4H, (packed,), k, n, group)
         return PanelProduct(self._gemm_q4, Q4, (packed,), k, n, group)
 
     def _check_scaled_panels(
@@ -254,7 +278,7 @@ class PanelProduct:
         # gemm_f32 (x, rows, k, packed, n, y), gemm_i8 / gemm_w8a8 (x, rows, k, packed, scales, n, y)
         # or gemm_q4 (x, rows, k, packed, group, n, y): `extra` are the integers after the tensors
         self._kernel = kernel
-        self.kind = kind  # F32, I8, W8A8 or Q4
+        self.kind = kind  # F32, I8, W8A8, Q4 or Q4H
         self._weight = weight  # kept alive: the kernel reads them by address
         self._pointers = (*(t.data_ptr() for t in weight), *extra)
         self.k, self.n = k, n
@@ -266,8 +290,8 @@ class PanelProduct:
 
     @property
     def group(self) -> int:
-        """Q4: the inputs a group of the weight; 0 for the other kinds."""
-        return int(self._pointers[-1]) if self.kind == Q4 else 0
+        """Q4, Q4H: the inputs a group of the weight; 0 for the other kinds."""
+        return int(self._pointers[-1]) if self.kind in (Q4, Q4H) else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, k) -> (rows, n) float32."""
@@ -288,6 +312,12 @@ class PanelProduct:
         elif rows and self.n:
             y.zero_()
         return y
+
+
+def exactly_half(values: torch.Tensor) -> bool:
+    """Whether every value is a float16 value exactly (so float16 storage keeps it)."""
+    as_float = values.float()
+    return bool(torch.equal(as_float.half().float(), as_float))
 
 
 def reference_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

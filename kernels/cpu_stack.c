@@ -18,6 +18,7 @@ int gemm_i8(const float *x, long rows, long k_len, const int8_t *packed, const f
 int gemm_w8a8(const float *x, long rows, long k_len, const uint8_t *packed, const float *scales, long n_out,
               float *y);
 int gemm_q4(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y);
+int gemm_q4h(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y);
 /* cpu_decode.c */
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float eps, long rows, long dim,
                       float *out, float *residual_out);
@@ -28,14 +29,15 @@ int decode_attention_f32(const float *qkv, long rows, long heads, long kv_heads,
                          const int32_t *block_tables, long table_width, const int32_t *context_lens,
                          long max_context, float scale, float *out);
 
-enum { STACK_F32 = 0, STACK_I8 = 1, STACK_W8A8 = 2, STACK_Q4 = 3 }; /* kernels/cpu_gemm.py's PanelProduct kinds */
+/* kernels/cpu_gemm.py's PanelProduct kinds */
+enum { STACK_F32 = 0, STACK_I8 = 1, STACK_W8A8 = 2, STACK_Q4 = 3, STACK_Q4H = 4 };
 
 /* One projection's packed weight: y (rows, n) = x (rows, k) @ w.T (+ bias). */
 typedef struct {
     long kind;
     const void *packed;
     const float *scales; /* int8, w8a8: per-column scales padded to the panels; else NULL */
-    long group;          /* int4: inputs a group; else 0 */
+    long group;          /* int4 (float32 or float16 scales): inputs a group; else 0 */
     long k, n;
     const float *bias; /* (n,) or NULL */
 } StackProjection;
@@ -63,6 +65,7 @@ static int project(const StackProjection *p, const float *x, long rows, float *y
     case STACK_I8: failed = gemm_i8(x, rows, p->k, p->packed, p->scales, p->n, y); break;
     case STACK_W8A8: failed = gemm_w8a8(x, rows, p->k, p->packed, p->scales, p->n, y); break;
     case STACK_Q4: failed = gemm_q4(x, rows, p->k, p->packed, p->group, p->n, y); break;
+    case STACK_Q4H: failed = gemm_q4h(x, rows, p->k, p->packed, p->group, p->n, y); break;
     default: return -2;
     }
     if (failed || p->bias == NULL) return failed;

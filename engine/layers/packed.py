@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.layers.quant import INT4_GROUP, PROJECTIONS, Int8Weight, W8A8Weight, replace_projections
 from kernels import reference_quant
-from kernels.cpu_gemm import W8A8_MAX_K, CpuGemm, PanelProduct
+from kernels.cpu_gemm import W8A8_MAX_K, CpuGemm, PanelProduct, exactly_half
 
 Tensor = torch.Tensor
 
@@ -115,14 +115,15 @@ class PackedInt8Weight:
 
 @dataclass(frozen=True)
 class PackedInt4Weight:
-    """A 4-bit weight in groups of inputs, w = q * d + m (q in 0..15, float32 d and m per output and
-    group: GGUF Q4_1's form, and AWQ's and GPTQ's grids exactly), as panels for the C product: each
-    row of activations rounded to int16 codes, exact integer sums per group, each row on its own
-    (batch-invariant). kernels/cpu_gemm.py's `reference_int4_gemm` is its exact reference. Takes 3/4
-    of a byte a weight (int8: 1) and, unlike torch's int4 kernel, neither bfloat16 activations nor
-    bfloat16 scales."""
+    """A 4-bit weight in groups of inputs, w = q * d + m (q in 0..15, d and m per output and group:
+    GGUF Q4_1's form, and AWQ's and GPTQ's grids exactly), as panels for the C product: each row of
+    activations rounded to int16 codes, exact integer sums per group, each row on its own
+    (batch-invariant). kernels/cpu_gemm.py's `reference_int4_gemm` is its exact reference. d and m
+    are stored as float16 where every one of them is a float16 value (Q4_1's blocks, the default
+    model's: 5/8 of a byte a weight, Q4_1's own size), else as float32 (3/4 of a byte); int8 takes 1.
+    Unlike torch's int4 kernel, neither bfloat16 activations nor bfloat16 scales."""
 
-    packed: Tensor  # (ceil(out / 16), in / group, 8 * group + 128) uint8
+    packed: Tensor  # (ceil(out / 16), in / group, 8 * group + 64 or 128) uint8
     out_features: int
     in_features: int
     group: int
@@ -133,8 +134,14 @@ class PackedInt4Weight:
     @classmethod
     def quantize(cls, weight: Tensor, gemm: CpuGemm, group: int = INT4_GROUP) -> PackedInt4Weight:
         """Asymmetric 4-bit over each group's range (kernels/reference_quant.py's
-        quantize_int4_groups): the default model, shipped as Q4_1 blocks of 32, gets its own values."""
+        quantize_int4_groups). A weight that came from Q4_1 blocks of `group` (the default model)
+        gets its own blocks back: the float16 scales and offsets that rebuild every weight exactly
+        (q * d + m in float32, as GGUF's dequantization computes it), where the rounded ones do."""
         q, scale, low = reference_quant.quantize_int4_groups(weight, group)
+        d, m = scale.half().float(), low.half().float()
+        rebuilt = q.float().view(q.shape[0], -1, group) * d[..., None] + m[..., None]
+        if torch.equal(rebuilt.view(q.shape), weight.detach().float()):
+            scale, low = d, m
         return cls.of(q, scale, low, group, gemm)
 
     @classmethod
@@ -154,9 +161,11 @@ class PackedInt4Weight:
     def of(
         cls, q: Tensor, d: Tensor, m: Tensor, group: int, gemm: CpuGemm, perm: Tensor | None = None
     ) -> PackedInt4Weight:
-        """Values q (out, in) in 0..15 with scales d and offsets m (out, in / group), packed."""
+        """Values q (out, in) in 0..15 with scales d and offsets m (out, in / group), packed (d and
+        m as float16 where they are float16 values exactly and the CPU converts them)."""
         out_features, in_features = q.shape
-        packed = gemm.pack_int4(q, d, m, group)
+        half = gemm.half_scales and exactly_half(d) and exactly_half(m)
+        packed = gemm.pack_int4(q, d, m, group, half)
         product = gemm.bind_int4(packed, out_features, in_features, group)
         return cls(packed, out_features, in_features, group, gemm, product, perm)
 

@@ -424,6 +424,31 @@ def test_the_packed_int4_product_is_its_reference_and_a_4_bit_grid_keeps_its_val
     assert packed.matmul(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(
+    _CPU is None or not _CPU.gemm.vectorized or not _CPU.gemm.half_scales,
+    reason="needs the C product with F16C",
+)
+def test_a_model_expanded_from_q4_1_blocks_gets_its_own_blocks_back_bit_for_bit() -> None:
+    """GGUF Q4_1's float16 scales and offsets, expanded to float32 as GGUF's dequantization does
+    (q * d + m): int4 finds the same blocks and stores them as float16 (5 bits a weight, Q4_1's
+    size), every weight exactly the checkpoint's; a weight off every float16 grid keeps float32."""
+    assert _CPU is not None
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (40, 128), generator=gen)
+    q[:, ::32], q[:, 1::32] = 0, 15
+    d = (torch.rand(40, 4, generator=gen) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(40, 4, generator=gen) * 0.1).half().float()
+    weight = q.float() * d.repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)
+    packed = PackedInt4Weight.quantize(weight, _CPU.gemm)
+    assert packed.nbytes == 3 * 4 * (8 * 32 + 64)  # 16 halves of d and 16 of m a panel and group
+    assert torch.equal(packed.dequantize(), weight)
+    x = torch.randn(3, 128, generator=gen)
+    assert torch.equal(packed.matmul(x), reference_int4_gemm(x, q, d, m, 32))
+    nudged = weight.clone()
+    nudged[0, 1] = torch.nextafter(nudged[0, 1], torch.tensor(1.0))  # a group's top off its grid
+    assert PackedInt4Weight.quantize(nudged, _CPU.gemm).nbytes == 3 * 4 * (8 * 32 + 128)
+
+
 @pytest.mark.skipif(_CPU is None or not _CPU.gemm.vectorized, reason="the C product builds vectorized on x86")
 def test_an_act_order_grid_on_the_packed_int4_product_reads_its_inputs_in_group_order() -> None:
     assert _CPU is not None

@@ -305,11 +305,17 @@ def _int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int) 
         (40, 1536, 576, 32),
     ],
 )
-def test_int4_gemm_is_its_reference_bit_for_bit(rows: int, k: int, n: int, group: int) -> None:
+@pytest.mark.parametrize("half", [False, True])
+def test_int4_gemm_is_its_reference_bit_for_bit(rows: int, k: int, n: int, group: int, half: bool) -> None:
     assert GEMM is not None
+    if half and not GEMM.half_scales:
+        pytest.skip("float16 scales need F16C")
     x, q, d, m = _int4_case(rows, k, n, group, rows * 1000 + k + n + group)
-    packed = GEMM.pack_int4(q, d, m, group)
-    assert packed.shape == (-(-n // 16), k // group, 8 * group + 128) and packed.dtype == torch.uint8
+    if half:  # Q4_1's form: float16 scales and offsets, stored as such (5 bits a weight, not 6)
+        d, m = d.half().float(), m.half().float()
+    packed = GEMM.pack_int4(q, d, m, group, half)
+    line = 8 * group + (64 if half else 128)
+    assert packed.shape == (-(-n // 16), k // group, line) and packed.dtype == torch.uint8
     back = GEMM.unpack_int4(packed, n, group)
     assert torch.equal(back[0], q) and torch.equal(back[1], d) and torch.equal(back[2], m)
     got = GEMM.bind_int4(packed, n, k, group)(x)
@@ -340,6 +346,9 @@ def test_an_int4_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads() 
     assert GEMM is not None
     x, q, d, m = _int4_case(200, 128, 301, 32, 13)
     _rows_keep_their_bits(GEMM.bind_int4(GEMM.pack_int4(q, d, m, 32), 301, 128, 32), x)
+    if GEMM.half_scales:
+        d, m = d.half().float(), m.half().float()
+        _rows_keep_their_bits(GEMM.bind_int4(GEMM.pack_int4(q, d, m, 32, half=True), 301, 128, 32), x)
 
 
 @needs_gemm
@@ -369,6 +378,10 @@ def test_int4_gemm_refuses_what_it_cannot_read() -> None:
         GEMM.pack_int4(q, d[:, :1], m, 32)
     with pytest.raises(ValueError, match="integer"):
         GEMM.pack_int4(q.float(), d, m, 32)
+    with pytest.raises(ValueError, match="hold d and m exactly"):
+        GEMM.pack_int4(q, d, m, 32, half=True)  # float32 scales that float16 would round
+    with pytest.raises(ValueError, match="hold d and m exactly"):
+        GEMM.pack_int4(q, d.half().float(), torch.full((20, 2), 1e6), 32, half=True)  # past float16's range
     packed = GEMM.pack_int4(q, d, m, 32)
     with pytest.raises(ValueError, match="uint8"):
         GEMM.bind_int4(packed.view(torch.int8), 20, 64, 32)

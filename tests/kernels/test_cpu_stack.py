@@ -35,8 +35,11 @@ def _product(kind: str, n: int, k: int, gen: torch.Generator) -> PanelProduct:
     group = 16
     q = torch.randint(0, 16, (n, k), generator=gen)
     d = torch.rand(n, k // group, generator=gen) / (8 * k**0.5)
+    half = kind == "int4-half"  # Q4_1's float16 scales and offsets
+    if half:
+        d = d.half().float()
     m = -8 * d
-    return gemm.bind_int4(gemm.pack_int4(q, d, m, group), n, k, group)
+    return gemm.bind_int4(gemm.pack_int4(q, d, m, group, half), n, k, group)
 
 
 def _layers(kind: str, count: int, bias: bool, seed: int) -> list[StackLayer]:
@@ -114,9 +117,11 @@ def _step(lens: list[int], rows_per_seq: list[int], first: int = 0) -> tuple[tor
     )
 
 
-@pytest.mark.parametrize("kind", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "int8", "int4", "int4-half"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_stack_gives_the_layer_by_layer_bits(kind: str, bias: bool) -> None:
+    if kind == "int4-half" and not _kernels().gemm.half_scales:
+        pytest.skip("float16 scales need F16C")
     # one sequence decoding, one prefilling 5 rows, one decoding past a block boundary
     step = _step([9, 5, 13], [1, 5, 1])
     rows = step[0].shape[0]
@@ -166,7 +171,9 @@ def test_binding_refuses_weights_that_do_not_fit() -> None:
 
 
 def test_a_step_the_stack_cannot_read_is_refused() -> None:
-    stack = _kernels().stack.bind(SHAPE, _layers("float32", 1, False, seed=1), torch.ones(SHAPE.hidden), _rotary())
+    stack = _kernels().stack.bind(
+        SHAPE, _layers("float32", 1, False, seed=1), torch.ones(SHAPE.hidden), _rotary()
+    )
     positions, slots, tables, lens = _step([5], [1])
     with pytest.raises(ValueError, match="h must be"):
         stack(torch.randn(1, SHAPE.hidden + 1), positions, slots, tables, lens)
@@ -174,4 +181,7 @@ def test_a_step_the_stack_cannot_read_is_refused() -> None:
         stack(torch.randn(1, SHAPE.hidden), positions, slots.int(), tables, lens)
     with pytest.raises(ValueError, match="block_tables must be"):
         stack(torch.randn(2, SHAPE.hidden), positions.repeat(2), slots.repeat(2), tables, lens.repeat(2))
-    assert stack(torch.empty(0, SHAPE.hidden), *(t[:0] for t in (positions, slots, tables, lens))).shape == (0, 64)
+    assert stack(torch.empty(0, SHAPE.hidden), *(t[:0] for t in (positions, slots, tables, lens))).shape == (
+        0,
+        64,
+    )
