@@ -56,7 +56,9 @@ def test_a_paced_stream_spaces_its_tokens_and_sends_usage_with_the_last() -> Non
         texts = [c.choices[0].delta.content for _, c in arrived if c.choices]
         assert texts == ["", " w0", " w1", " w2"]  # the role chunk, then one word per chunk
         times = [t for t, _ in arrived]
-        assert all(later - earlier >= 0.03 for earlier, later in pairwise(times[:4]))
+        # three 40 ms gaps from the role chunk to the last word (a client descheduled under load can
+        # read two chunks at once, so one gap may close: their sum cannot)
+        assert times[3] - times[0] >= 0.1 and sum(b - a >= 0.03 for a, b in pairwise(times[:4])) >= 2
         assert arrived[-1][1].usage is not None and times[-1] - times[3] < 0.03  # with the last word
         text = list(client.completions.create(model="m", prompt="hi", stream=True))
         assert "".join(c.choices[0].text for c in text) == " w0 w1 w2"
