@@ -59,13 +59,16 @@ def fuse_stack(
     that is not a C product (MKL's, or int4 with act-order's input permutation), query/key norms,
     tensor parallelism, quantized or non-float32 caches, a head shape the C attention does not take."""
     cfg = model.cfg
-    if model.tp is not None or cfg.qk_norm or not model.layers or len(kv_caches) != len(model.layers):
-        return None
-    if not all(isinstance(layer, DecoderLayer) for layer in model.layers):
+    decoders = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+    if (
+        model.tp is not None
+        or cfg.qk_norm
+        or not decoders
+        or not len(decoders) == len(model.layers) == len(kv_caches)
+    ):
         return None
     layers: list[StackLayer] = []
     max_rows: int | None = None
-    decoders = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
     for layer, cache in zip(decoders, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         if attn.cpu_decode is None or cache.k_scale is not None or cache.k.dtype != torch.float32:
