@@ -41,6 +41,27 @@ def _contiguous_f32(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
 
 
+def check_step(
+    rows: int,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """A step's per-row tensors as the attention block reads them: positions and slots (rows,)
+    int64, block_tables (rows, width) and context_lens (rows,) int32, contiguous, on the CPU."""
+    for name, t, dtype, dims in (
+        ("positions", positions, torch.int64, 1),
+        ("slots", slots, torch.int64, 1),
+        ("block_tables", block_tables, torch.int32, 2),
+        ("context_lens", context_lens, torch.int32, 1),
+    ):
+        if t.dtype != dtype or t.dim() != dims or t.shape[0] != rows or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(
+                f"{name} must be ({rows}, ...) contiguous {dtype}, got {t.dtype} {tuple(t.shape)}"
+            )
+
+
 class CpuDecode:
     """The fused calls of one loaded library."""
 
@@ -204,22 +225,7 @@ class BoundAttention:
                 f"qkv must be contiguous float32 on the CPU and hold {self._width} values a row "
                 f"(heads + 2 x KV heads): it does not hold them, got {qkv.dtype} {tuple(qkv.shape)}"
             )
-        for name, t, dtype, dims in (
-            ("positions", positions, torch.int64, 1),
-            ("slots", slots, torch.int64, 1),
-            ("block_tables", block_tables, torch.int32, 2),
-            ("context_lens", context_lens, torch.int32, 1),
-        ):
-            if (
-                t.dtype != dtype
-                or t.dim() != dims
-                or t.shape[0] != rows
-                or not t.is_contiguous()
-                or not t.is_cpu
-            ):
-                raise ValueError(
-                    f"{name} must be ({rows}, ...) contiguous {dtype}, got {t.dtype} {tuple(t.shape)}"
-                )
+        check_step(rows, positions, slots, block_tables, context_lens)
         heads, kv_heads, head_dim, max_positions, cos, sin, k_cache, v_cache, block_size, scale = (
             self._constants
         )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_decode import supports
+from kernels.cpu_decode import check_step, supports
 from kernels.cpu_gemm import PanelProduct
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -219,22 +219,7 @@ class BoundStack:
             raise ValueError(
                 f"h must be (rows, {self.hidden}) contiguous float32, got {h.dtype} {tuple(h.shape)}"
             )
-        for name, t, dtype, dims in (
-            ("positions", positions, torch.int64, 1),
-            ("slots", slots, torch.int64, 1),
-            ("block_tables", block_tables, torch.int32, 2),
-            ("context_lens", context_lens, torch.int32, 1),
-        ):
-            if (
-                t.dtype != dtype
-                or t.dim() != dims
-                or t.shape[0] != rows
-                or not t.is_contiguous()
-                or not t.is_cpu
-            ):
-                raise ValueError(
-                    f"{name} must be ({rows}, ...) contiguous {dtype}, got {t.dtype} {tuple(t.shape)}"
-                )
+        check_step(rows, positions, slots, block_tables, context_lens)
         out = torch.empty_like(h)
         if rows == 0:
             return out
