@@ -4,7 +4,9 @@ The fake (tests/fakes/fast_upstream.py --gap-ms) streams like a model: chunked, 
 write, GAP ms apart, a role-only first chunk and then TOKENS chunks of one word each. Measured:
 - at concurrency 1, with httpx as the official client reads a stream: the time to the first chunk
   that carries text (not the role-only chunk) and to the end; "added" = through the proxy minus
-  direct;
+  direct. A second fake (`--hold-head`) sends its head and role chunk only with its first word, as
+  our gateway does (to fail over until the first token): "held" minus direct is what holding the
+  head alone costs the client (it parses the head after the first text, not during the gap);
 - at concurrency C for S seconds: the proxy process's CPU time (user + system, from /proc) per
   relayed chunk, and that CPU less what the same number of whole (non-streamed) requests costs,
   which is the relay's own cost per chunk.
@@ -147,7 +149,8 @@ def measure(targets: list[Target], requests: int, concurrency: int, seconds: flo
             continue
         added = pct([x.first_text for x in ts], 0.5) - pct([x.first_text for x in direct], 0.5)
         whole = pct([x.total for x in ts], 0.5) - pct([x.total for x in direct], 0.5)
-        print(f"  {name} adds: first text chunk {added:.3f} ms (p50), whole stream {whole:.3f} ms")
+        what = "the held head adds" if name == "held" else f"{name} adds"
+        print(f"  {what}: first text chunk {added:.3f} ms (p50), whole stream {whole:.3f} ms")
     print(f"\nCPU of each proxy process, {concurrency} clients for {seconds:g} s each:")
     for t in targets:
         if t.server is None:
@@ -180,8 +183,14 @@ def main() -> None:
     try:
         pacing = ("--gap-ms", str(args.gap_ms), "--tokens", str(args.tokens))
         upstream, gateway, key = fake_and_gateway(root, servers, *pacing)
+        held = ManagedServer(
+            lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port), *pacing,
+                          "--hold-head"]
+        )  # fmt: skip
+        servers.append(held)
         targets = [
             Target("direct", upstream.base_url + PATH, {}, None),
+            Target("held", held.base_url + PATH, {}, None),
             Target("gateway", gateway.base_url + PATH, {"authorization": f"Bearer {key}"}, gateway),
         ]
         if args.litellm:

@@ -8,9 +8,11 @@ few tens of microseconds, so the benchmark measures the proxy in front of it, no
 
 With `--gap-ms G` a stream is sent as it would come from a model: chunked, one event per write,
 G ms apart, a role-only first chunk (chat) then `--tokens` one-word chunks (bench/stream_relay.py
-measures the first chunk that carries text, and the relay's CPU per chunk, against it).
+measures the first chunk that carries text, and the relay's CPU per chunk, against it). With
+`--hold-head` as well, the head and the role chunk wait for the first word and leave with it, as a
+gateway that answers a stream only once its first token is in does: what that alone costs a client.
 
-Run: python tests/fakes/fast_upstream.py --port 9001 [--gap-ms 5 --tokens 20]
+Run: python tests/fakes/fast_upstream.py --port 9001 [--gap-ms 5 --tokens 20 [--hold-head]]
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def _response(status: int, body: bytes, content_type: bytes = b"application/json
 class _Connection(asyncio.Protocol):
     """One keep-alive client connection."""
 
-    def __init__(self, stats: dict[str, int], gap: float, tokens: int) -> None:
+    def __init__(self, stats: dict[str, int], gap: float, tokens: int, hold_head: bool = False) -> None:
         self._gap = gap  # seconds between streamed events (0: the whole stream in one write)
+        self._hold_head = hold_head  # paced: the head and role chunk leave with the first word
         self._words = tuple(f" w{i}" for i in range(tokens)) if gap else _WORDS
         self._paced_events = 0
         self._parser = httptools.HttpRequestParser(self)
@@ -119,16 +122,19 @@ class _Connection(asyncio.Protocol):
         before its next request."""
         transport = self._transport
         assert transport is not None
-        transport.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-        )
+        held = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"]
         paced = self._paced_events  # the role chunk (chat) and the words: a gap before each but the first
+        # what waits for the first word with --hold-head (the words are the last `tokens` paced events)
+        holding = paced - len(self._words) if self._hold_head else -1
         for i, event in enumerate(events):
             if 0 < i < paced:
                 await asyncio.sleep(self._gap)
             if transport.is_closing():
                 return
-            transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+            held.append(b"%x\r\n%s\r\n" % (len(event), event))
+            if i >= holding:
+                transport.write(b"".join(held))
+                held.clear()
         transport.write(b"0\r\n\r\n")
 
     def _answer(self, path: bytes, raw: bytes) -> bytes | list[bytes]:
@@ -151,11 +157,13 @@ class _Connection(asyncio.Protocol):
         return _response(200, _completion(chat, model))
 
 
-async def serve(host: str, port: int, gap: float = 0.0, tokens: int = 20) -> None:
+async def serve(host: str, port: int, gap: float = 0.0, tokens: int = 20, hold_head: bool = False) -> None:
     """Serve until cancelled."""
     stats = {"requests": 0}
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Connection(stats, gap, tokens), host, port, backlog=1024)
+    server = await loop.create_server(
+        lambda: _Connection(stats, gap, tokens, hold_head), host, port, backlog=1024
+    )
     async with server:
         await server.serve_forever()
 
@@ -166,8 +174,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=9001)
     parser.add_argument("--gap-ms", type=float, default=0.0, help="pace streamed events this far apart")
     parser.add_argument("--tokens", type=int, default=20, help="content chunks per paced stream")
+    parser.add_argument(
+        "--hold-head", action="store_true", help="paced: send the head with the first word, not before"
+    )
     args = parser.parse_args()
-    uvloop.run(serve(args.host, args.port, args.gap_ms / 1e3, args.tokens))
+    uvloop.run(serve(args.host, args.port, args.gap_ms / 1e3, args.tokens, args.hold_head))
 
 
 if __name__ == "__main__":

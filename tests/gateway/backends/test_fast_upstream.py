@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Iterator
 from itertools import pairwise
 
+import httpx
 import openai
 import pytest
 
@@ -64,3 +66,24 @@ def test_a_paced_stream_spaces_its_tokens_and_sends_usage_with_the_last() -> Non
         assert "".join(c.choices[0].text for c in text) == " w0 w1 w2"
     finally:
         paced.stop()
+
+
+def test_a_held_head_leaves_with_the_first_word() -> None:
+    held = ManagedServer(
+        lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port),
+                      "--gap-ms", "60", "--tokens", "2", "--hold-head"]
+    )  # fmt: skip
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.Client() as client:
+            started = time.perf_counter()
+            with client.stream("POST", f"{held.base_url}/v1/chat/completions", json=body) as response:
+                head_at = time.perf_counter() - started
+                lines = [(time.perf_counter() - started, ln) for ln in response.iter_lines() if ln]
+        assert response.status_code == 200
+        assert head_at >= 0.05  # not before the first word, one gap after the role chunk was ready
+        texts = [json.loads(ln[6:])["choices"][0]["delta"].get("content") for _, ln in lines[:-1]]
+        assert texts == ["", " w0", " w1"] and lines[-1][1] == "data: [DONE]"
+        assert lines[1][0] - head_at < 0.03 <= lines[2][0] - lines[1][0]  # w0 with the head, then a gap
+    finally:
+        held.stop()
