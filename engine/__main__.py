@@ -410,8 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "prepare-model":
         from engine.default_model import prepare_default_model
+        from engine.tokenizer import load_tokenizer
 
-        print(prepare_default_model())
+        folder = prepare_default_model()
+        load_tokenizer(folder)  # decides (and remembers) its tokenizer class: later starts skip that
+        print(folder)
         return 0
     try:
         if args.command == "serve":
