@@ -329,6 +329,10 @@ class AsyncLLMEngine:
         self.metrics.record_stats(engine.stats())
         if outputs:
             self._deliver(outputs)
+        for request_id, error in engine.failed.items():  # failed on their own (dropped by the step)
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._fail_in_loop, [request_id], error)
 
     def _fail_step_requests(self, engine: LLMEngine) -> None:
         """Drop the requests the failed step ran (all unfinished ones when scheduling itself failed)."""

@@ -83,7 +83,12 @@ class LLM:
         out_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
-                for delta in self.engine.step():
+                deltas = self.engine.step()
+                if self.engine.failed:  # a request failed on its own: the call fails with its error
+                    for request_id in self.engine.unfinished_request_ids():
+                        self.engine.abort_request(request_id)
+                    raise next(iter(self.engine.failed.values()))
+                for delta in deltas:
                     out = whole.setdefault(delta.request_id, delta)
                     if out is not delta:
                         out.add(delta)

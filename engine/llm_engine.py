@@ -18,7 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 from engine.input_processor import InputProcessor, PreparedPrompt, Prompt
 from engine.model_runner import ModelRunner, resolve_device
 from engine.models.config import ModelConfig
@@ -111,6 +111,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}
         self._ready: list[RequestOutput] = []  # resumed requests whose replay already finished them
+        # the requests the last step failed on their own (dropped, blocks freed), with their errors
+        self.failed: dict[str, EngineError] = {}
         self.step_request_ids: list[str] = []  # requests the current (or last) step runs
 
     # ------------------------------------------------------------------ requests
@@ -259,6 +261,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a delta for each request that made progress."""
         self.step_request_ids = []
+        self.failed = {}
         ready = [out for out in self._ready if self._requests.pop(out.request_id, None) is not None]
         self._ready = []  # (an aborted one was popped by the abort)
         sched = self.scheduler.schedule()
@@ -279,9 +282,11 @@ class LLMEngine:
             for token in tokens:
                 seq.append_token(token)
                 taken += 1
-                if seq.guided is not None:
-                    accepted = seq.guided.accept_token(token)
-                    assert accepted, f"the sampler chose token {token}, which the grammar masked"
+                if seq.guided is not None and not seq.guided.accept_token(token):
+                    # a token its mask allowed, refused on the parser's limits: this request fails,
+                    # the others of the step go on
+                    self.failed.setdefault(seq.request_id, seq.guided.failure())
+                    break
                 stop = self._check_stop(seq, token)
                 if stop is not None:
                     stops.append((seq, stop))
@@ -296,8 +301,12 @@ class LLMEngine:
         self.scheduler.update_after_step(sched.scheduled)
         for seq, stop in stops:
             self.scheduler.finish(seq, *stop)
+        for request_id in self.failed:
+            self.abort_request(request_id)  # frees its blocks; its error is the caller's to take
         deltas: dict[str, list[CompletionOutput]] = {}
         for s, tokens, logprobs in emitted:
+            if s.seq.request_id in self.failed:
+                continue
             delta = self.output_processor.completion(s.seq, tokens, logprobs)
             deltas.setdefault(s.seq.request_id, []).append(delta)
         outputs = []

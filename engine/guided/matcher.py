@@ -20,6 +20,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 
 from engine.guided.bitmask import bitmask_width
+from engine.guided.errors import GuidedDecodingError
 from engine.guided.spec import GuidedSpec
 
 
@@ -43,6 +44,7 @@ class GuidedMatcher:
         self.compiled = compiled
         self._matcher = compiled.template.deep_copy()
         self._tokens: list[int] = []  # accepted so far: what a refused token's repair replays
+        self.refusal: str | None = None  # why the last refused token was refused (llguidance's words)
 
     @property
     def num_tokens(self) -> int:
@@ -54,11 +56,23 @@ class GuidedMatcher:
         if self._matcher.consume_token(token):
             self._tokens.append(token)
             return True
+        self.refusal = self._matcher.get_error() or "the grammar does not allow this token"
         # llguidance leaves a matcher that refused a token in an error state for good (rollback
         # included), so the state is rebuilt from the accepted tokens; only a caller that skipped
         # the mask gets here, so the replay costs nothing in normal decoding
         self.rebuild(self._tokens)
         return False
+
+    def failure(self) -> GuidedDecodingError:
+        """The request's error when a token its mask allowed is refused: llguidance checks its parser
+        limits (items per row, lexer states) only while consuming, so a grammar too large for them
+        (a schema with hundreds of alternatives) can allow a token that it then cannot take."""
+        spec = self.compiled.spec
+        reason = " ".join(line.strip() for line in (self.refusal or "").splitlines() if "<" not in line)
+        what = "JSON schema" if spec.kind in ("json_schema", "json_object") else spec.kind.replace("_", " ")
+        code = "invalid_json_schema" if spec.kind in ("json_schema", "json_object") else "invalid_grammar"
+        message = f"the {what} is too complex for guided decoding: {reason[:300]}"
+        return GuidedDecodingError(message, code=code, param=spec.param)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] ((batch, words) int32, CPU, contiguous)."""

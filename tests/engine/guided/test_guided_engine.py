@@ -186,3 +186,55 @@ def test_a_model_folder_without_a_tokenizer_refuses_guided_requests(
     with pytest.raises(GuidedDecodingError, match="no tokenizer") as info:
         bare.generate([[5, 6, 7]], params, use_tqdm=False)
     assert info.value.param == "structured_outputs.regex"
+
+
+# hundreds of alternatives: the mask allows '{' but llguidance's parser refuses it on its row
+# limit ("Current row has 3500 items; max is 2000") for some sampled paths
+TOO_WIDE: dict[str, Any] = {"anyOf": [{"type": "object"}] * 500}
+
+
+def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_fails_that_request_alone(llm: LLM) -> None:
+    engine = llm.engine
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("plain", PROMPTS[0], plain)
+    engine.add_request("guided", PROMPTS[1], _json(seed=1))
+    guided = engine._requests["guided"].seqs[0].guided
+    assert guided is not None
+
+    def refused(token: int) -> bool:  # as llguidance does when a parser limit is hit on consuming
+        guided.refusal = "Parser Error: Current row has 3500 items; max is 2000\n<non-verbose/>"
+        return False
+
+    guided.accept_token = refused  # type: ignore[method-assign]
+    failed: dict[str, Exception] = {}
+    finished: dict[str, Any] = {}
+    tokens: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # deltas
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.outputs[0].token_ids)
+            if out.finished:
+                finished[out.request_id] = out
+        failed.update(engine.failed)
+    assert list(failed) == ["guided"] and "plain" in finished and "guided" not in finished
+    error = failed["guided"]
+    assert isinstance(error, GuidedDecodingError) and error.status == 400
+    assert error.param == "structured_outputs.json" and error.code == "invalid_json_schema"
+    assert "too complex" in str(error) and "3500 items" in str(error) and "non-verbose" not in str(error)
+    assert tokens["plain"] == 12
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_offline_call_raises_a_request_s_own_failure_and_leaves_nothing_running(llm: LLM) -> None:
+    wide = StructuredOutputsParams(json=TOO_WIDE)
+    failures = 0
+    for seed in range(12):  # some sampled paths pass, others hit the limit
+        wide_params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, structured_outputs=wide)
+        params = [wide_params, _json(seed)]
+        try:
+            llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        except GuidedDecodingError as exc:
+            failures += 1
+            assert exc.param == "structured_outputs.json" and "too complex" in str(exc)
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert failures > 0

@@ -188,3 +188,46 @@ def test_a_constraint_that_cannot_be_used_is_a_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as text_info:
         client.completions.create(model="", prompt="hi", max_tokens=5, extra_body=body)
     assert (text_info.value.param, text_info.value.code) == (param, code)
+
+
+def test_a_grammar_that_breaks_mid_answer_fails_its_request_alone(server: ServerProcess) -> None:
+    """A schema too wide for llguidance's parser limits lets its mask allow a token that consuming
+    then refuses, on some sampled paths: that request gets a 400 (whole) or an error event
+    (streamed) naming the field; the plain requests in the same steps are answered."""
+    wide = {"anyOf": [{"type": "object"}] * 500}
+    url = f"{server.base_url}/v1/chat/completions"
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+
+    def post(seed: int, stream: bool, guided: bool) -> httpx.Response:
+        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hello"}],
+                                "max_tokens": 8, "seed": seed, "stream": stream}  # fmt: skip
+        if guided:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "w", "schema": wide}}
+        return httpx.post(url, json=body, timeout=120)
+
+    jobs = [
+        (seed, stream, guided) for seed in range(12) for stream in (False, True) for guided in (True, False)
+    ]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda job: post(*job), jobs))
+    broken = 0
+    for (_, stream, guided), answer in zip(jobs, answers, strict=True):
+        if not guided:
+            assert answer.status_code == 200 and ("data: [DONE]" in answer.text if stream else True)
+            continue
+        if stream:
+            assert answer.status_code == 200
+            if "data: [DONE]" in answer.text:
+                continue
+            events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+            error = events[-1]["error"]
+        elif answer.status_code == 200:
+            continue
+        else:
+            assert answer.status_code == 400
+            error = answer.json()["error"]
+        broken += 1
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json_schema"
+        assert error["param"] == "response_format.json_schema.schema" and "too complex" in error["message"]
+    assert broken > 0
+    assert post(0, False, False).status_code == 200  # and the server goes on
