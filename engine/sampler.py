@@ -163,7 +163,7 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence]) -> t
 def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask tokens outside each row's top-k, nucleus (top-p) and min-p sets with -inf."""
     vocab = logits.shape[1]
-    ks = [s.params.effective_top_k or vocab for s in seqs]
+    ks = [min(s.params.effective_top_k or vocab, vocab) for s in seqs]  # past the vocabulary: all of it
     ps = [s.params.top_p for s in seqs]
     min_ps = [s.params.min_p for s in seqs]
     device = logits.device
