@@ -33,6 +33,17 @@ class UpstreamErrorEvent(UpstreamStreamError):
     """An engine ended its stream with an error event (a resumable stream's: it may go on elsewhere)."""
 
 
+class UpstreamRequestErrorEvent(UpstreamStreamError):
+    """An engine ended its stream with an `invalid_request_error` event: the request's own fault
+    (a grammar that outgrew the parser's limits mid-answer), which another replica would meet
+    again. Never resumed; `event` is what the client gets (the error's four fields, bounded)."""
+
+    def __init__(self, event: bytes, code: str) -> None:
+        super().__init__("the engine refused the request mid-stream")
+        self.event = event
+        self.code = code
+
+
 @dataclass
 class UpstreamReply:
     """A whole (non-streamed) upstream response."""

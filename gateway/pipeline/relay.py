@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 import orjson
 
-from gateway.backends.base import UpstreamErrorEvent, UpstreamStreamError
+from gateway.backends.base import UpstreamErrorEvent, UpstreamRequestErrorEvent, UpstreamStreamError
 from gateway.backends.upstream_errors import error_event
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
@@ -69,6 +70,10 @@ async def relay(call: Call, served: Served, wants_usage: bool,
             except (asyncio.CancelledError, GeneratorExit):
                 status, error = 499, "client_disconnected"
                 raise
+            except UpstreamRequestErrorEvent as exc:  # the request's own fault: passed on, never resumed
+                status, error = 400, exc.code
+                current = None
+                yield exc.event
             except Exception as exc:  # broke off mid-stream: resumed, or the client is told
                 if tokens is not None and tokens.finished and call.usage:  # all but the end: given
                     current = None
@@ -137,8 +142,11 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
         raise UpstreamStreamError("the upstream sent an event that is not JSON") from None
     if not isinstance(chunk, dict):
         raise UpstreamStreamError("the upstream sent an event that is not a JSON object")
+    error = chunk.get("error")
+    if isinstance(error, dict) and error.get("type") == "invalid_request_error":
+        raise _request_error(error)
     if tokens is not None:
-        if chunk.get("error") is not None:
+        if error is not None:
             raise UpstreamErrorEvent("the engine ended the stream with an error event")
         if not tokens.passes(chunk):
             return None
@@ -156,3 +164,24 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     elif not wants_usage and usage is None and '"usage":null' in line:  # text edit: no re-encoding
         line = line.replace(',"usage":null', "")
     return line.encode() + b"\n\n"
+
+
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def _request_error(error: dict[str, object]) -> UpstreamRequestErrorEvent:
+    """The client's event for an upstream's mid-stream `invalid_request_error`: its four fields,
+    strings bounded, nothing else of the upstream's object."""
+
+    def text(value: object, limit: int) -> str | None:
+        return value[:limit] if isinstance(value, str) else None
+
+    code = text(error.get("code"), 64)
+    fields = {
+        "message": text(error.get("message"), 1000) or "the request cannot be completed",
+        "type": "invalid_request_error",
+        "param": text(error.get("param"), 200),
+        "code": code,
+    }
+    label = code if code is not None and _CODE.fullmatch(code) else "invalid_request"
+    return UpstreamRequestErrorEvent(b"data: " + orjson.dumps({"error": fields}) + b"\n\n", label)

@@ -6,8 +6,9 @@ prompt), one word per token; usage counts whitespace-separated words. `POST /con
 (answer every request with that status), `omit_usage` (report no usage), `card` (fields added
 to its model's entry in `GET /v1/models`, e.g. `max_model_len` and `capabilities`), and
 `break_after` / `break_mode` (a new stream breaks after that many words: `reset` the connection,
-send an `error_event`, or `stall`); `GET /stats` reports requests served, the usage reported so
-far, how many callers left during the latency wait or mid-stream, and streams resumed.
+send an `error_event` or a `request_error` (an `invalid_request_error` event), or `stall`);
+`GET /stats` reports requests served, the usage reported so far, how many callers left during the
+latency wait or mid-stream, and streams resumed.
 
 Like the engine, it speaks stream resumption: with `stream_token_ids` each word's token id (its
 position) comes in a `: token_ids 0 <id>` line before its data line, and `resume: {token_ids, id,
@@ -205,8 +206,12 @@ async def _chunks(s: _Stream, app: FastAPI) -> AsyncIterator[bytes]:
     for i in range(s.start, len(s.words) + 1):
         if break_after is not None and i == int(break_after):
             mode = control.get("break_mode") or "reset"
-            if mode == "error_event":
+            if mode in ("error_event", "request_error"):
                 error = {"message": "the engine failed", "type": "server_error", "param": None, "code": None}
+                if mode == "request_error":  # the request's own fault, as a grammar outgrowing its limits
+                    error = {"message": "the JSON schema is too complex for guided decoding: " + "x" * 3000,
+                             "type": "invalid_request_error", "param": "response_format.json_schema.schema",
+                             "code": "invalid_json_schema", "internal": "http://10.0.0.1/"}  # fmt: skip
                 yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
                 return
             if mode == "stall":

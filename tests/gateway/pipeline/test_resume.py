@@ -186,6 +186,30 @@ def test_a_client_cannot_send_the_engines_resumption_fields(stack: Stack) -> Non
     assert status == 200 and _text(_chunks(lines)) == EXPECTED  # the whole answer, no ids for the client
 
 
+@pytest.mark.parametrize("model", ["local", "steady"])  # resumable, and a route with resumption off
+def test_a_mid_stream_invalid_request_error_is_passed_on_once_never_resumed(stack: Stack, model: str) -> None:
+    """The request's own fault (the engine's guided grammar outgrowing its parser's limits): another
+    replica would meet it again, and the client should read the engine's reason, not ours."""
+    stack.breaks(4, "request_error")
+    served_before = [httpx.get(f"{f.base_url}/stats").json()["requests"] for f in (stack.a, stack.b)]
+    path, body = CHAT
+    status, headers, lines = stack.stream(path, {**body, "model": model})
+    assert status == 200 and "data: [DONE]" not in lines
+    errors = [orjson.loads(line[6:])["error"] for line in lines if '"error"' in line]
+    assert len(errors) == 1 and '"error"' in lines[-1]
+    error = errors[0]
+    assert set(error) == {"message", "type", "param", "code"}  # nothing else of the upstream's object
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error", "invalid_json_schema", "response_format.json_schema.schema"
+    )  # fmt: skip
+    assert error["message"].startswith("the JSON schema is too complex") and len(error["message"]) <= 1000
+    assert _text([orjson.loads(line[6:]) for line in lines[:-1]]) == "echo: w0 w1 w2"  # words before it
+    served_after = [httpx.get(f"{f.base_url}/stats").json()["requests"] for f in (stack.a, stack.b)]
+    assert sum(served_after) - sum(served_before) == 1  # not resumed elsewhere
+    row = stack.row(headers["x-request-id"])
+    assert row["status"] == 400 and row["error_type"] == "invalid_json_schema" and row["resumptions"] == 0
+
+
 def test_with_no_other_replica_left_the_stream_ends_with_an_error_event(stack: Stack) -> None:
     """(Last: it kills replica b.) The gateway tries b, finds it gone, and gives up cleanly."""
     stack.breaks(3, "reset")
