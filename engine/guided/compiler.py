@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,20 +23,18 @@ from typing import TYPE_CHECKING, Any
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, StructTag
 from llguidance.gbnf_to_lark import any_to_lark
 
-from engine.guided.errors import GuidedDecodingError
+from engine.guided.errors import GuidedDecodingError, library_refusal
 from engine.guided.matcher import CompiledGrammar
 from engine.guided.spec import GuidedSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
 
-_MAX_MESSAGE = 400
 # Whitespace between two JSON tokens when a request allows any: up to 16 spaces or tabs, or one or
 # two line breaks and up to 48 of indentation (pretty-printed JSON 12 levels deep at 4 spaces).
 # llguidance's own default, [\x20\x0A\x0D\x09]+, has no bound, and a model can then spend every
 # token on whitespace: 8 of 8 seeded outputs of a small random model ran out of max_tokens so.
 BOUNDED_WHITESPACE = r"(?:[\x20\x09]{1,16}|[\x20\x09]{0,2}(?:\x0D?\x0A){1,2}[\x20\x09]{0,48})"
-_SOURCE_LINE = re.compile(r"^\s*(\d+\s*\|.*|\^+)?\s*$")  # llguidance's excerpt lines: "  1 | ...", "  ^"
 
 
 class GuidedCompiler:
@@ -159,15 +156,7 @@ def _lltokenizer(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> 
 
 def _refusal(spec: GuidedSpec, message: str) -> GuidedDecodingError:
     """The 400 for a spec the library refuses, with its reason on one line."""
-    lines = [line.strip() for line in message.splitlines() if not _SOURCE_LINE.match(line)]
-    reason = " ".join(lines)
-    if len(reason) > _MAX_MESSAGE:
-        reason = reason[: _MAX_MESSAGE - 3] + "..."
-    what = "JSON schema" if spec.kind in ("json_schema", "json_object") else spec.kind.replace("_", " ")
-    code = "invalid_json_schema" if spec.kind in ("json_schema", "json_object") else "invalid_grammar"
-    return GuidedDecodingError(
-        f"the {what} cannot be used for guided decoding: {reason}", code=code, param=spec.param
-    )
+    return library_refusal(spec.kind, spec.param, message, "cannot be used for guided decoding")
 
 
 def _for_request(exc: GuidedDecodingError, spec: GuidedSpec) -> GuidedDecodingError:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from engine.errors import InvalidRequestError
+
+_MAX_REASON = 400
+_SOURCE_LINE = re.compile(r"^\s*(\d+\s*\|.*|\^+)?\s*$")  # llguidance's excerpt lines: "  1 | ...", "  ^"
 
 
 class GuidedDecodingError(InvalidRequestError):
@@ -13,3 +18,16 @@ class GuidedDecodingError(InvalidRequestError):
     """
 
     code = "invalid_grammar"
+
+
+def library_refusal(kind: str, param: str | None, message: str, verdict: str) -> GuidedDecodingError:
+    """The 400 for a constraint of `kind` that llguidance refused, its reason on one bounded line
+    (the grammar excerpts and XML-ish markers of its messages dropped): "the JSON schema <verdict>: ..."."""
+    lines = [line.strip() for line in message.splitlines() if not _SOURCE_LINE.match(line)]
+    reason = " ".join(line for line in lines if not (line.startswith("<") and line.endswith("/>")))
+    if len(reason) > _MAX_REASON:
+        reason = reason[: _MAX_REASON - 3] + "..."
+    schema = kind in ("json_schema", "json_object")
+    what = "JSON schema" if schema else kind.replace("_", " ")
+    code = "invalid_json_schema" if schema else "invalid_grammar"
+    return GuidedDecodingError(f"the {what} {verdict}: {reason}", code=code, param=param)

@@ -20,7 +20,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 
 from engine.guided.bitmask import bitmask_width
-from engine.guided.errors import GuidedDecodingError
+from engine.guided.errors import GuidedDecodingError, library_refusal
 from engine.guided.spec import GuidedSpec
 
 
@@ -67,12 +67,8 @@ class GuidedMatcher:
         """The request's error when a token its mask allowed is refused: llguidance checks its parser
         limits (items per row, lexer states) only while consuming, so a grammar too large for them
         (a schema with hundreds of alternatives) can allow a token that it then cannot take."""
-        spec = self.compiled.spec
-        reason = " ".join(line.strip() for line in (self.refusal or "").splitlines() if "<" not in line)
-        what = "JSON schema" if spec.kind in ("json_schema", "json_object") else spec.kind.replace("_", " ")
-        code = "invalid_json_schema" if spec.kind in ("json_schema", "json_object") else "invalid_grammar"
-        message = f"the {what} is too complex for guided decoding: {reason[:300]}"
-        return GuidedDecodingError(message, code=code, param=spec.param)
+        spec, verdict = self.compiled.spec, "is too complex for guided decoding"
+        return library_refusal(spec.kind, spec.param, self.refusal or "", verdict)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] ((batch, words) int32, CPU, contiguous)."""
