@@ -329,7 +329,9 @@ class AsyncLLMEngine:
         self.metrics.record_stats(engine.stats())
         if outputs:
             self._deliver(outputs)
-        for request_id, error in engine.failed.items():  # failed on their own (dropped by the step)
+        for out in engine.dropped:  # failed on their own (dropped by the step): finished for the metrics
+            self.metrics.record_aborted(out, now)
+        for request_id, error in engine.failed.items():
             assert self._loop is not None
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._fail_in_loop, [request_id], error)

@@ -111,8 +111,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Request] = {}
         self._ready: list[RequestOutput] = []  # resumed requests whose replay already finished them
-        # the requests the last step failed on their own (dropped, blocks freed), with their errors
+        # the requests the last step failed on their own (dropped, blocks freed), with their errors,
+        # and their final (aborted) outputs, for whoever counts finished requests
         self.failed: dict[str, EngineError] = {}
+        self.dropped: list[RequestOutput] = []
         self.step_request_ids: list[str] = []  # requests the current (or last) step runs
 
     # ------------------------------------------------------------------ requests
@@ -261,7 +263,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a delta for each request that made progress."""
         self.step_request_ids = []
-        self.failed = {}
+        self.failed, self.dropped = {}, []
         ready = [out for out in self._ready if self._requests.pop(out.request_id, None) is not None]
         self._ready = []  # (an aborted one was popped by the abort)
         sched = self.scheduler.schedule()
@@ -301,8 +303,10 @@ class LLMEngine:
         self.scheduler.update_after_step(sched.scheduled)
         for seq, stop in stops:
             self.scheduler.finish(seq, *stop)
-        for request_id in self.failed:
-            self.abort_request(request_id)  # frees its blocks; its error is the caller's to take
+        for request_id in self.failed:  # frees its blocks; its error is the caller's to take
+            dropped = self.abort_request(request_id)
+            if dropped is not None:
+                self.dropped.append(dropped)
         deltas: dict[str, list[CompletionOutput]] = {}
         for s, tokens, logprobs in emitted:
             if s.seq.request_id in self.failed:

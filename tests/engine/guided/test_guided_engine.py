@@ -207,6 +207,7 @@ def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_fails_that_reques
 
     guided.accept_token = refused  # type: ignore[method-assign]
     failed: dict[str, Exception] = {}
+    dropped: list[Any] = []
     finished: dict[str, Any] = {}
     tokens: dict[str, int] = {}
     while engine.has_unfinished_requests():
@@ -215,7 +216,10 @@ def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_fails_that_reques
             if out.finished:
                 finished[out.request_id] = out
         failed.update(engine.failed)
+        dropped += engine.dropped
     assert list(failed) == ["guided"] and "plain" in finished and "guided" not in finished
+    ends = [(d.request_id, d.finished, d.outputs[0].finish_reason) for d in dropped]
+    assert ends == [("guided", True, "abort")]  # its end, for the metrics of finished requests
     error = failed["guided"]
     assert isinstance(error, GuidedDecodingError) and error.status == 400
     assert error.param == "structured_outputs.json" and error.code == "invalid_json_schema"
