@@ -6,9 +6,9 @@ from __future__ import annotations
 import orjson
 
 
-def error_event(message: str, code: str) -> bytes:
+def error_event(message: str, code: str | None, kind: str = "api_error", param: str | None = None) -> bytes:
     """An OpenAI-format error as the last SSE event of a stream that cannot go on."""
-    error = {"message": message, "type": "api_error", "param": None, "code": code}
+    error = {"message": message, "type": kind, "param": param, "code": code}
     return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
 
 

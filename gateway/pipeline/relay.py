@@ -177,11 +177,7 @@ def _request_error(error: dict[str, object]) -> UpstreamRequestErrorEvent:
         return value[:limit] if isinstance(value, str) else None
 
     code = text(error.get("code"), 64)
-    fields = {
-        "message": text(error.get("message"), 1000) or "the request cannot be completed",
-        "type": "invalid_request_error",
-        "param": text(error.get("param"), 200),
-        "code": code,
-    }
+    message = text(error.get("message"), 1000) or "the request cannot be completed"
+    event = error_event(message, code, "invalid_request_error", text(error.get("param"), 200))
     label = code if code is not None and _CODE.fullmatch(code) else "invalid_request"
-    return UpstreamRequestErrorEvent(b"data: " + orjson.dumps({"error": fields}) + b"\n\n", label)
+    return UpstreamRequestErrorEvent(event, label)
