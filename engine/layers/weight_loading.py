@@ -18,8 +18,17 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS, EngineConfig
+from engine.gguf_blocks import GROUP, Q4Blocks, read_blocks
 from engine.layers.packed import PackedInt4Weight
-from engine.layers.quant import Int4Weight, Int8Weight, Projection, quantize_model, replace_projections
+from engine.layers.quant import (
+    PROJECTIONS,
+    Int4Weight,
+    Int8Weight,
+    Projection,
+    quantize_head,
+    quantize_model,
+    replace_projections,
+)
 from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
 from engine.layers.smoothing import input_maxima, smooth
 from engine.prequantized import Grid, iter_prequantized, read_checkpoint_quant
@@ -50,6 +59,14 @@ def load_weights(
     if spec is None:
         if asked is not None and asked not in QUANTIZATIONS:
             raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
+        blocks = read_blocks(model_dir) if asked == "int4" and gemm is not None and not triton else None
+        if blocks is not None and gemm is not None and serve_blocks(model, blocks, gemm):
+            llama.load_weights(iter_weights(model_dir, dtype, skip=blocks))
+            nbytes = quantize_head(model) + sum(p.nbytes for p in _projections(model))
+            logger.info(
+                "weights: int4 (the GGUF's Q4_1 blocks), %.1f MiB of projections and LM head", nbytes / 2**20
+            )
+            return asked
         llama.load_weights(iter_weights(model_dir, dtype))
         if asked == "w8a8" and prefill is not None:
             smoothed = smooth(model, input_maxima(model, prefill))
@@ -104,6 +121,41 @@ def serve_prequantized(
 
     total = replace_projections(model, form)
     return "+".join(sorted(kinds)), total
+
+
+def serve_blocks(model: nn.Module, blocks: dict[str, Q4Blocks], gemm: CpuGemm) -> bool:
+    """The model's projections as int4 straight from a GGUF's Q4_1 blocks (engine/gguf_blocks.py),
+    in place, before the rest of the checkpoint loads; False (nothing changed) unless the blocks are
+    every projection's."""
+    llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
+    shards: dict[str, dict[int, Q4Blocks]] = {}
+    for hf_name, b in blocks.items():
+        mapped = llama.param_name_of(hf_name)
+        if mapped is not None:
+            shards.setdefault(mapped[0], {})[mapped[1] or 0] = b
+    fused = {name: Q4Blocks.concat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}
+    wanted = {
+        (f"{prefix}.{name}", tuple(getattr(module, name).shape))
+        for prefix, module in model.named_modules()
+        for name in PROJECTIONS.get(type(module).__name__, ())
+    }
+    if wanted != {(name, tuple(b.q.shape)) for name, b in fused.items()}:
+        return False
+
+    def form(name: str, weight: torch.Tensor) -> Projection:
+        b = fused[name]
+        return PackedInt4Weight.of(b.q, b.d.float(), b.m.float(), GROUP, gemm)
+
+    replace_projections(model, form)
+    return True
+
+
+def _projections(model: nn.Module) -> list[Projection]:
+    return [
+        getattr(module, name)
+        for module in model.modules()
+        for name in PROJECTIONS.get(type(module).__name__, ())
+    ]
 
 
 def fuse_grids(
