@@ -102,8 +102,14 @@ class EngineMetrics:
         self._model = model_name
         self._tracked: dict[str, _Tracked] = {}
         self._last_stats: EngineStats | None = None
+        # every series exported (as 0) before the first request, as a scraper expects
+        every: list[Gauge | Counter | Histogram] = [self._running, self._waiting, self._kv_usage]
+        every += [self._prefix_queries, self._prefix_hits, self._preemptions, self._prompt_tokens]
+        every += [self._generation_tokens, self._ttft, self._itl, self._e2e, self._queue]
+        for series in every:
+            series.labels(model_name)
         for reason in ("stop", "length", "abort"):
-            self._finished.labels(model_name, reason)  # exported as 0 before the first request
+            self._finished.labels(model_name, reason)
 
     def record_stats(self, stats: EngineStats) -> None:
         """Set the gauges and advance the counters from an engine snapshot."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from engine.async_engine import AsyncLLMEngine
-from engine.errors import InvalidRequestError
+from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.http.chat_tools import StreamedChoices, reads_calls, whole_message
 from engine.http.event_stream import EventStream, close_all, merged, whole_output
 from engine.http.openai_format import (
@@ -41,10 +41,12 @@ from engine.http.protocol import (
     completion_prompts,
 )
 from engine.http.request_limits import check_guided_limits, check_request_limits
+from engine.http.special_text import SpecialText
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompt_length import tokens_at_least
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
-from engine.tools.prompt import template_takes_tools, with_tools
+from engine.tools.prompt import OWN_MARKERS, template_takes_tools, with_tools
 from engine.tools.request import ToolRequest
 
 if TYPE_CHECKING:  # imported only when tracing is on
@@ -66,6 +68,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_names = served_names
         self.created = int(time.time())
+        self._special: tuple[Any, SpecialText] | None = None  # (tokenizer, its special tokens)
 
     # ----------------------------------------------------------------- common
     def served_model(self, name: str | None) -> str:
@@ -149,16 +152,30 @@ class OpenAIServing:
             raise
 
     # ------------------------------------------------------------------- chat
-    async def render_chat(self, req: ChatCompletionRequest, tools: ToolRequest | None = None) -> str:
+    async def render_chat(
+        self, req: ChatCompletionRequest, tools: ToolRequest | None = None
+    ) -> str | list[int]:
         """The conversation (and the tools offered) through the model's own chat template, or our
-        tool prompt where the template takes no tools (long ones in a worker thread)."""
+        tool prompt where the template takes no tools (long ones in a worker thread): its text, or
+        its token ids where client text spelled special tokens (engine/http/special_text.py)."""
         tokenizer = self._tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages, listed = with_tools(chat_messages(req.messages), tools, template_takes_tools(tokenizer))
+        special, limit = self._special_text(tokenizer), self._max_model_len()
         if sum(len(m["content"]) for m in messages) <= _RENDER_INLINE_CHARS:
-            return _render(tokenizer, messages, listed)
-        return await asyncio.to_thread(_render, tokenizer, messages, listed)
+            return _render_prompt(tokenizer, special, messages, listed, limit)
+        return await asyncio.to_thread(_render_prompt, tokenizer, special, messages, listed, limit)
+
+    def _max_model_len(self) -> int:
+        info = self.engine.model_info
+        assert info is not None  # a tokenizer was found in it
+        return info.max_model_len
+
+    def _special_text(self, tokenizer: Any) -> SpecialText:
+        if self._special is None or self._special[0] is not tokenizer:
+            self._special = (tokenizer, SpecialText(tokenizer, keep=OWN_MARKERS))
+        return self._special[1]
 
     async def chat(
         self, req: ChatCompletionRequest, span: RequestSpan | None = None
@@ -401,6 +418,31 @@ class _Marks:
         pending = self._pending[index]
         pending.extend(c.token_ids)
         return marked(events, index, pending)
+
+
+def _render_prompt(
+    tokenizer: Any,
+    special: SpecialText,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    max_model_len: int,
+) -> str | list[int]:
+    """The rendered conversation: text, or token ids where client strings spelled special tokens
+    (a text surely over the context is refused first, without tokenizing all of it: see
+    engine/prompt_length.py; the engine does the same for the text of the other prompts)."""
+    (messages, tools), shielded = special.shield((messages, tools))
+    text = _render(tokenizer, messages, tools)
+    if shielded is None:
+        return text
+    # read with its special tokens, the text has at most the tokens it has read as plain text
+    at_least = tokens_at_least(tokenizer, shielded.restore(text), max_model_len)
+    if at_least is not None:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens, "
+            f"but the prompt has at least {at_least} tokens",
+            param="messages",
+        )
+    return shielded.tokenize(tokenizer, text)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:

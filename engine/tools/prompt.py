@@ -29,6 +29,10 @@ To call one, write exactly this, with the arguments as a JSON object that fits i
 Several calls may follow one another. Each call's result comes back in <tool_response> tags."""
 
 
+# what our tool prompt writes itself (engine/http/special_text.py leaves them alone)
+OWN_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
 def template_takes_tools(tokenizer: Any) -> bool:
     """Whether the model's chat template renders a `tools` list itself."""
     template = getattr(tokenizer, "chat_template", None)
