@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sequence import Logprob, Sequence
+from engine.token_bytes import TokenBytes
 
 # (sampled token's logprob, its rank, [(token id, logprob)] of the top-k)
 SampledLogprob = tuple[float, int, list[tuple[int, float]]]
@@ -24,6 +25,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer  # None for folders without one: no text, logprob tokens undecoded
+        self._bytes = TokenBytes(tokenizer) if tokenizer is not None else None
 
     def completion(
         self, seq: Sequence, tokens: list[int], logprobs: list[SampledLogprob | None]
@@ -77,14 +79,17 @@ class OutputProcessor:
 
     def _logprob_entry(self, token: int, logprob: SampledLogprob) -> dict[int, Logprob]:
         value, rank, top = logprob
-        entry = {token: Logprob(value, rank, self._decode_one(token))}
+        entry = {token: self._logprob(token, value, rank)}
         for i, (tid, lp) in enumerate(top):
             if tid not in entry:
-                entry[tid] = Logprob(lp, i + 1, self._decode_one(tid))
+                entry[tid] = self._logprob(tid, lp, i + 1)
         return entry
 
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
+    def _logprob(self, token_id: int, value: float, rank: int) -> Logprob:
+        if self.tokenizer is None or self._bytes is None:
+            return Logprob(value, rank)
+        text = str(self.tokenizer.decode([token_id]))
+        return Logprob(value, rank, text, self._bytes.partial(token_id, text))
 
 
 def _ended(seq: Sequence) -> CompletionOutput:

@@ -28,6 +28,8 @@ class Logprob:
     logprob: float
     rank: int
     decoded_token: str | None = None
+    # the token's own bytes where decoded_token lost some (part of a character: U+FFFD), else None
+    decoded_bytes: bytes | None = None
 
 
 class Sequence:

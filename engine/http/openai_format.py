@@ -10,6 +10,7 @@ from typing import Any
 from engine.http.protocol import APIError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sequence import Logprob
+from engine.token_bytes import escaped
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -155,23 +156,25 @@ def chat_logprobs(c: CompletionOutput, k: int | None) -> dict[str, Any]:
     content = []
     for token, entry in zip(c.token_ids, c.logprobs or [], strict=False):
         chosen = entry[token]
-        text = chosen.decoded_token or ""
         content.append(
-            {
-                "token": text,
-                "logprob": _lp(chosen.logprob),
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "token": lp.decoded_token or "",
-                        "logprob": _lp(lp.logprob),
-                        "bytes": list((lp.decoded_token or "").encode()),
-                    }
-                    for _, lp in _top(entry, k or 0)
-                ],
-            }
+            {**_chat_token(chosen), "top_logprobs": [_chat_token(lp) for _, lp in _top(entry, k or 0)]}
         )
     return {"content": content}
+
+
+def _chat_token(lp: Logprob) -> dict[str, Any]:
+    """A token as OpenAI's chat logprobs write it: its text (escaped bytes where it is part of a
+    character), its logprob and its own bytes."""
+    raw = lp.decoded_bytes
+    if raw is None:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode())}
+    return {"token": escaped(raw), "logprob": _lp(lp.logprob), "bytes": list(raw)}
+
+
+def _legacy_token(lp: Logprob) -> str:
+    """A token as legacy completions write it: `bytes:\\xf0\\x9f` where it is part of a character."""
+    return (lp.decoded_token or "") if lp.decoded_bytes is None else "bytes:" + escaped(lp.decoded_bytes)
 
 
 def completion_logprobs(c: CompletionOutput, offset: int, k: int | None) -> dict[str, Any]:
@@ -185,10 +188,12 @@ def completion_logprobs(c: CompletionOutput, offset: int, k: int | None) -> dict
     offsets: list[int] = []
     for token, entry in zip(c.token_ids, c.logprobs or [], strict=False):
         chosen = entry[token]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
+        tokens.append(_legacy_token(chosen))
         token_logprobs.append(_lp(chosen.logprob))
-        tops.append({lp.decoded_token or "": _lp(lp.logprob) for _, lp in _top(entry, k or 0)})
+        # the k most likely, and the sampled token as well (up to k + 1, as OpenAI and vLLM send)
+        top = {_legacy_token(lp): _lp(lp.logprob) for _, lp in _top(entry, k or 0)}
+        top.setdefault(_legacy_token(chosen), _lp(chosen.logprob))
+        tops.append(top)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

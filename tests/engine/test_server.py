@@ -215,12 +215,31 @@ def test_special_tokens_spelled_in_a_message_are_counted_as_plain_text(
     assert as_specials < as_text - 2 and abs(added - as_text) <= 2  # (token merges at the seams)
 
 
+def test_logprobs_of_a_token_inside_a_character_carry_its_own_bytes(
+    client: openai.OpenAI, model: str, tiny_chat_model: Path
+) -> None:
+    tokenizer = load_tokenizer(tiny_chat_model)
+    first = tokenizer("🐱", add_special_tokens=False).input_ids[0]  # 0xF0 0x9F: half of the cat
+    assert tokenizer.decode([first]) == "\ufffd"  # decoded alone, its bytes are lost
+    bias = {str(first): 100}
+    chat = client.chat.completions.create(
+        model=model, messages=_user("Hi"), max_tokens=1, logprobs=True, top_logprobs=1, logit_bias=bias
+    )
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content is not None
+    entry = chat.choices[0].logprobs.content[0]
+    assert entry.bytes == [0xF0, 0x9F] and entry.token == "\\xf0\\x9f"
+    legacy = client.completions.create(model=model, prompt="Hi", max_tokens=1, logprobs=0, logit_bias=bias)
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens == ["bytes:\\xf0\\x9f"]
+    assert lp.top_logprobs == [{"bytes:\\xf0\\x9f": pytest.approx(lp.token_logprobs[0])}]
+
+
 def test_completion_logprobs_follow_legacy_shape(client: openai.OpenAI, model: str) -> None:
     resp = client.completions.create(model=model, prompt="Numbers:", max_tokens=5, temperature=0, logprobs=2)
     lp = resp.choices[0].logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == 5
-    assert lp.top_logprobs is not None and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.top_logprobs is not None and all(1 <= len(t) <= 3 for t in lp.top_logprobs)  # k + sampled
     assert lp.text_offset is not None and lp.text_offset == sorted(lp.text_offset)
 
 
