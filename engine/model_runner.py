@@ -39,10 +39,15 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    """`auto` means CUDA when available, else CPU."""
+    """`auto` means CUDA when available, else CPU; a CUDA device always with its index (the current
+    device for plain `cuda`: torch.cuda.set_device refuses a device without one)."""
     if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -405,7 +410,7 @@ class ModelRunner:
         """A worker rank's loop: run each step the driver broadcasts, until it sends None."""
         assert self.tp is not None and not self.tp.is_driver
         with torch.inference_mode():
-            while (steps := self.tp.broadcast(None)) is not None:
+            while (steps := self.tp.broadcast(None, idle=True)) is not None:
                 self._forward(rebuild(steps))
 
     def release_workers(self) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+_IDLE_WAIT = datetime.timedelta(days=365)  # a worker's wait for the next step: without a limit
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -43,11 +45,17 @@ class TensorParallelGroup:
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, obj: Any) -> Any:
-        """The driver's `obj` on every rank (pickled: a step's inputs are small)."""
+    def broadcast(self, obj: Any, idle: bool = False) -> Any:
+        """The driver's `obj` on every rank (pickled: a step's inputs are small). `idle`: a worker
+        waiting for the next step, which comes with the next request, however late: that wait has
+        no time limit (a worker notices a dead driver otherwise: engine/parallel/workers.py)."""
         data = pickle.dumps(obj) if self.is_driver else b""
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self.group.broadcast(length, 0).wait()
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        if idle:
+            options.timeout = _IDLE_WAIT
+        self.group.broadcast([length], options).wait()
         payload = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
             if self.is_driver

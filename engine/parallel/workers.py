@@ -5,7 +5,8 @@ worker processes started here (torch.multiprocessing, spawn). Every step the dri
 its batch preparation reads of each scheduled sequence (`StepInput`); each worker rebuilds the same
 batch over its own KV shard and runs the same forward, so the collectives inside the model (the
 row-parallel all-reduces, the vocabulary gather) pair up. A worker exits when the driver sends None
-(shutdown) or when a collective times out (the driver is gone).
+(shutdown), when a step's collective times out or its peer is gone, or when its parent process is
+gone; its wait for the next step has no time limit (an engine may sit idle for hours).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 ADDRESS = "127.0.0.1"
+_PARENT_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,19 @@ def stop_workers(processes: list[Any], timeout: float = 10.0) -> None:
             process.join()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit once the process that started this worker is gone. A worker's wait for the next step
+    has no time limit (the engine may sit idle), and a parent killed outright (SIGKILL) neither
+    stops its daemonic workers nor, with NCCL, closes anything a waiting collective would notice."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def worker_main(
     rank: int, config: EngineConfig, model_dir: str, max_model_len: int, topology: Topology
 ) -> None:
@@ -192,6 +209,7 @@ def worker_main(
     from engine.model_runner import ModelRunner, resolve_device
     from engine.models.config import ModelConfig
 
+    _exit_with_parent(os.getppid())
     torch.set_num_threads(threads_per_rank(config, topology))
     local_rank = rank - topology.local_ranks(config.tensor_parallel_size).start
     if resolve_device(config).type == "cuda":  # one GPU per rank of this node

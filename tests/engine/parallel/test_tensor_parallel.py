@@ -141,3 +141,52 @@ def test_speculative_decoding_under_tensor_parallelism(tiny_model_factory: Calla
     assert _tokens(parallel, prompts) == expected
     assert parallel.engine.speculator is not None and parallel.engine.speculator.stats().num_drafts > 0
     parallel.engine.close()
+
+
+def test_an_engine_idle_past_the_distributed_timeout_still_serves(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
+    path = str(tiny_model_factory("llama"))
+    llm = LLM(path, max_model_len=256, tensor_parallel_size=2, distributed_timeout=3)
+    first = _tokens(llm, _prompts(1))
+    time.sleep(4.5)  # the workers wait for the next step longer than any collective may take
+    assert _tokens(llm, _prompts(1)) == first
+    (worker,) = llm.engine._workers
+    assert worker.is_alive()
+
+
+_DRIVER = """
+import sys, time
+from engine import LLM
+llm = LLM(sys.argv[1], max_model_len=256, tensor_parallel_size=2)
+print(llm.engine._workers[0].pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_workers_exit_when_their_engine_is_killed(tiny_model_factory: Callable[..., Path]) -> None:
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, str(tiny_model_factory("llama"))], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert driver.stdout is not None
+        worker = int(driver.stdout.readline())
+        driver.kill()
+        driver.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(worker):
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # an exited child not yet reaped by its (gone) parent
+        return f.read().split(")")[-1].split()[0] != "Z"
