@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +48,21 @@ LLAMA_1B = dict(
 def random_llama_1b() -> Path:
     """A ~1.2B-parameter Llama folder with random bf16 weights, built once in the model cache."""
     out = model_cache_dir() / "random-llama-1b"
-    if (out / "config.json").exists():
+    if (out / "model.safetensors").exists():  # saved whole: the folder appears by one rename
         return out
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(**LLAMA_1B, bos_token_id=1, eos_token_id=2)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=".random-llama-1b-", dir=out.parent))
+    try:
+        model.save_pretrained(str(partial), max_shard_size="100GB")  # one file: model.safetensors
+        shutil.rmtree(out, ignore_errors=True)  # a folder an interrupted older build left
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return out
 
 

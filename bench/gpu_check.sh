@@ -7,13 +7,13 @@
 # Here, once a session:   bash bench/gpu_wheels.sh          (the packages the image lacks, .whl/)
 # Then one device call:   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
 # GPU_CHECK_SECONDS (default 500) is the whole script's budget; GPU_CHECK_STEPS picks steps
-# (default "env tests kernels quant throughput").
+# (default "env tests kvtests model kernels quant throughput"); the step limits add up to 500.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
 budget=${GPU_CHECK_SECONDS:-500}
-steps=${GPU_CHECK_STEPS:-env tests kernels quant throughput}
+steps=${GPU_CHECK_STEPS:-env tests kvtests model kernels quant throughput}
 export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python=${PYTHON:-python3}
 
@@ -43,10 +43,15 @@ step() {
     tail -n 25 "$out/$name.log"
 }
 
-step env 30 bash -c "nvidia-smi; $python -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'"
-step tests 220 "$python" -m pytest -q -p no:cacheprovider -m gpu -n 4 --dist loadfile -rfE \
+step env 20 bash -c "nvidia-smi; $python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'"
+# the gpu-marked tests, spread over 4 processes (each engine in them has a fixed, small KV pool)
+step tests 180 "$python" -m pytest -q -p no:cacheprovider -m gpu -n 4 --dist load -rfE \
     tests/kernels tests/engine/test_kernel_backends.py tests/engine/test_quant.py
-step kernels 80 "$python" bench/kernels.py --quick
-step quant 80 "$python" bench/quant_gpu.py --quick
-step throughput 150 "$python" bench/engine_throughput.py --device cuda --model llama-1b
+# the quantized KV cache's kernels (fp8 exists only on the GPU): these files run on CUDA when present
+step kvtests 50 "$python" -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_kv_quant.py tests/kernels/test_store_kv.py
+# the 1B model the benchmarks share, built (and saved whole) before they start
+step model 50 "$python" -c "from bench.engine_throughput import random_llama_1b; print(random_llama_1b())"
+step kernels 50 "$python" bench/kernels.py --quick
+step quant 70 "$python" bench/quant_gpu.py --quick
+step throughput 80 "$python" bench/engine_throughput.py --device cuda --model llama-1b --quick --skip-hf
 echo "logs: $out"

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.errors import EngineError, InvalidRequestError
 from engine.input_processor import InputProcessor, PreparedPrompt, Prompt
-from engine.model_runner import ModelRunner, resolve_device
+from engine.model_runner import KVCompanion, ModelRunner, resolve_device
 from engine.models.config import ModelConfig
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
@@ -82,7 +82,8 @@ class LLMEngine:
             device = resolve_device(config)
             tp, self._workers = start_workers(config, model_dir, self.max_model_len, device)
         try:
-            self.runner = ModelRunner(config, self.model_config, model_dir, self.max_model_len, tp)
+            companion = self._draft_footprint(config)
+            self.runner = ModelRunner(config, self.model_config, model_dir, self.max_model_len, tp, companion)
         except BaseException:
             stop_workers(self._workers)
             raise
@@ -224,6 +225,18 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             spec_decode=self.speculator.stats() if self.speculator is not None else None,
         )
+
+    @staticmethod
+    def _draft_footprint(config: EngineConfig) -> KVCompanion | None:
+        """A draft model's share of a GPU whose free memory sizes the KV pool (loaded after it)."""
+        spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # parsed by EngineConfig
+        if spec is None or spec.method != "draft_model" or config.kv_cache_memory is not None:
+            return None
+        if resolve_device(config).type != "cuda":
+            return None
+        assert spec.model is not None
+        return DraftProposer.footprint(spec.model, config)
 
     def _draft(self, spec: SpeculativeConfig) -> DraftProposer | None:
         """The draft model (method draft_model), its KV pool as many tokens as the target's."""

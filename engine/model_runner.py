@@ -92,25 +92,41 @@ def kv_bytes_per_block(
     return model_config.num_layers * block_size * per_token
 
 
+@dataclass(frozen=True)
+class KVCompanion:
+    """A model that shares the GPU's budget with the engine's KV pool: a speculative draft model,
+    loaded after the pool is sized, whose weights and KV (as many tokens as the pool's) come out of
+    the same memory."""
+
+    weight_bytes: int
+    bytes_per_token: int  # its KV, every layer
+
+
 def plan_kv_cache(
     config: EngineConfig,
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     activation_peak: int = 0,
+    companion: KVCompanion | None = None,
 ) -> KVCacheLayout:
     """Number of blocks that fit the memory budget: kv_cache_memory bytes when set, else 1 GiB on
-    CPU, else on GPU `gpu_memory_utilization` of the device less weights and the activation peak.
-    A quantized pool (kv_cache_dtype int8/fp8) costs its codes plus a scale per token and head."""
+    CPU, else on GPU `gpu_memory_utilization` of the device less weights and the activation peak
+    (and a `companion`'s weights, its KV growing with the pool's). A quantized pool (kv_cache_dtype
+    int8/fp8) costs its codes plus a scale per token and head."""
     per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype)
+    shared = per_block  # what one more block costs, the companion's KV included
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = gpu_kv_budget(total, free, config.gpu_memory_utilization, activation_peak)
+        if companion is not None:
+            budget -= companion.weight_bytes
+            shared += companion.bytes_per_token * config.block_size
     else:
         budget = DEFAULT_CPU_KV_CACHE_MEMORY
-    num_blocks = budget // per_block
+    num_blocks = max(budget, 0) // shared
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes per block of "
@@ -129,9 +145,11 @@ class ModelRunner:
         model_dir: Path,
         max_model_len: int,
         tp: TensorParallelGroup | None = None,
+        companion: KVCompanion | None = None,
     ) -> None:
         """`tp`: this process's rank of a tensor-parallel engine; it then holds its share of the
-        model (engine/parallel/sharding.py) and of every layer's KV pool."""
+        model (engine/parallel/sharding.py) and of every layer's KV pool. `companion`: what a draft
+        model loaded next will take of the GPU (plan_kv_cache leaves room for it)."""
         self.tp = tp
         full_vocab = model_config.vocab_size
         if tp is not None:
@@ -176,9 +194,10 @@ class ModelRunner:
         else:
             calibrate = lambda tokens: self._prefill_alone(model, tokens)  # noqa: E731 - w8a8's smoothing
             gemm = cpu.gemm if cpu is not None and cpu.gemm.vectorized else None
-            self.quantization = load_weights(
-                model, model_dir, config, self.backend.is_triton, calibrate, gemm
-            )
+            # quantized weights in the Triton kernels' forms on any GPU (torch's packed-int ones are
+            # CPU kernels), whichever attention backend runs
+            triton_weights = self.backend.is_triton or self.device.type == "cuda"
+            self.quantization = load_weights(model, model_dir, config, triton_weights, calibrate, gemm)
             if gemm is not None:  # float32, int8 and int4 products on the C kernel
                 if self.quantization is None:
                     use_packed_weights(model, gemm)
@@ -188,7 +207,7 @@ class ModelRunner:
                 self._pad_rows = self._pad_rows and not rows_alone(model)
         self.model = model.eval()
         peak = self.profile_activation_peak() if self.device.type == "cuda" else 0
-        self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak)
+        self.layout = plan_kv_cache(config, model_config, self.dtype, self.device, peak, companion)
         self.kv_caches = [self.allocate_kv(self.layout.num_blocks) for _ in range(model_config.num_layers)]
         if cpu is not None and tp is None:  # every layer's kernels in C: the stack as one call
             self.model.fused = fuse_stack(self.model, cpu.stack, self.kv_caches)

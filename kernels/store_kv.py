@@ -70,8 +70,10 @@ def _quantize_store(
 ):
     """Each row of x (BLOCK_T, BLOCK_D) float32 -> codes and its float16 scale (kernels/kv_quant.py)."""
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum((amax / CODE_MAX).to(tl.float16).to(tl.float32), MIN_SCALE)
-    y = x / scale[:, None]
+    # correctly rounded divisions, as torch's reference: a GPU's `/` on float32 may be 2 ulp off
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + CODE_MAX)
+    scale = tl.maximum(scale.to(tl.float16).to(tl.float32), MIN_SCALE)
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
     y = tl.minimum(tl.maximum(y, -CODE_MAX), CODE_MAX)
     if FP8:
         codes = _round_to_e4m3(y).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)

@@ -22,8 +22,16 @@ from typing import Any, cast
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
+from engine.model_runner import (
+    TORCH_DTYPES,
+    KVCompanion,
+    ModelRunner,
+    kv_bytes_per_block,
+    resolve_device,
+    resolve_dtype,
+)
 from engine.models.config import ModelConfig
+from engine.planner import weight_bytes
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.tokenizer import has_tokenizer, load_tokenizer
@@ -80,6 +88,16 @@ class DraftProposer:
         runner = ModelRunner(options, draft_config, draft_dir, max_model_len)
         logger.info("draft model %s: %d KV blocks", draft_dir, runner.layout.num_blocks)
         return cls(runner, model_config.vocab_size, config.max_num_batched_tokens)
+
+    @staticmethod
+    def footprint(path: str, config: EngineConfig) -> KVCompanion:
+        """What the draft model at `path` will take of the device: its weights and KV per token."""
+        draft_config = ModelConfig.from_dir(resolve_model(path))
+        dtype = resolve_dtype(config, resolve_device(config))
+        name = next(k for k, v in TORCH_DTYPES.items() if v == dtype)
+        return KVCompanion(
+            weight_bytes(draft_config, name, None), kv_bytes_per_block(draft_config, 1, dtype, "auto")
+        )
 
     def release(self, seq_id: int) -> None:
         """Give back a sequence's draft blocks (it left the running batch)."""

@@ -127,9 +127,12 @@ def test_a_quantized_model_decodes_through_cuda_graphs(
     path = str(tiny_model_factory("llama"))
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = [[(i * 7 + j) % 500 + 3 for i in range(30 + j)] for j in range(3)]
-    graphed = LLM(path, quantization=quantization, max_model_len=256, max_num_seqs=4)
+    memory = {"kv_cache_memory": 1 << 28}  # two engines on one GPU: not 90% of it each
+    graphed = LLM(path, quantization=quantization, max_model_len=256, max_num_seqs=4, **memory)
     assert graphed.engine.runner.graphs is not None
-    eager = LLM(path, quantization=quantization, max_model_len=256, max_num_seqs=4, enforce_eager=True)
+    eager = LLM(
+        path, quantization=quantization, max_model_len=256, max_num_seqs=4, enforce_eager=True, **memory
+    )
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert got == want
