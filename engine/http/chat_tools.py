@@ -25,7 +25,7 @@ def whole_message(
     """(message, finish_reason) of one choice of a whole answer."""
     if not reads_calls(tools):
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parse_calls(text)
+    content, calls = parse_calls(text, tools is not None and tools.calls_only)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if not calls:
         return message, finish_reason
@@ -36,8 +36,8 @@ def whole_message(
 class StreamedChoices:
     """The stream readers of a request's n choices."""
 
-    def __init__(self, n: int) -> None:
-        self._readers = [StreamedCalls() for _ in range(n)]
+    def __init__(self, n: int, calls_only: bool = False) -> None:
+        self._readers = [StreamedCalls(calls_only) for _ in range(n)]
 
     def deltas(self, index: int, text: str) -> list[dict[str, Any]]:
         """The deltas (content, or one call piece each) a choice's new text completes, in order."""

@@ -229,7 +229,9 @@ class OpenAIServing:
         resume: list[int] | None,
     ) -> AsyncIterator[bytes]:
         head = {**response_head(identity), "object": "chat.completion.chunk"}
-        calls = StreamedChoices(params.n) if reads_calls(tools) else None
+        calls = (
+            StreamedChoices(params.n, tools is not None and tools.calls_only) if reads_calls(tools) else None
+        )
         extra = {"usage": None} if include_usage else {}
 
         def chunk(

@@ -2,8 +2,10 @@
 
 The grammar fixes the form (`<tool_call>\\n{"name": "N", "arguments": A}\\n</tool_call>`, calls
 separated by newlines, text only before the first), so reading is exact rather than heuristic.
-An answer cut short inside a call (max_tokens) keeps the complete calls; the unfinished one's text
-stays in the content, so nothing the model wrote is lost.
+An answer cut short inside a call (max_tokens, a stop string) reads the same whole or streamed, as
+OpenAI's do: a call cut after its name is a call with its arguments as far as they came (what the
+stream has sent of them); one cut before its name is whole is left out (the stream cannot have
+announced it); the markup never reaches the content.
 """
 
 from __future__ import annotations
@@ -43,23 +45,29 @@ class ToolCall:
         }
 
 
-def parse_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole answer; content is None when only calls were written."""
+def parse_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer; content is None when only calls were written, or when the
+    answer can only be calls (`calls_only`: what else an answer cut short holds is its tag's start)."""
     start = text.find(CALL_BEGIN)
     if start == -1:
-        return text, []
+        return (None if calls_only else text), []
     calls: list[ToolCall] = []
     pos = start
     while text.startswith(CALL_BEGIN, pos):
         call = _one_call(text, pos + len(CALL_BEGIN))
-        if call is None:  # cut short: the unfinished call stays text
+        if call is None:  # cut short: the answer ends inside this call
+            cut = _cut_call(text, pos + len(CALL_BEGIN))
+            calls.extend([] if cut is None else [cut])
+            pos = len(text)
             break
         calls.append(call[0])
         pos = call[1]
         while pos < len(text) and text[pos] == "\n":
             pos += 1
+    if CALL_BEGIN.startswith(text[pos:]):  # cut inside the next call's tag (or nothing left)
+        pos = len(text)
     content = text[:start] + text[pos:]
-    return (content if content.strip() else None), calls
+    return (content if content.strip() and not calls_only else None), calls
 
 
 def _one_call(text: str, pos: int) -> tuple[ToolCall, int] | None:
@@ -78,6 +86,22 @@ def _one_call(text: str, pos: int) -> tuple[ToolCall, int] | None:
         return None
     name = text[pos + len(_NAME_OPEN) : name_end]
     return ToolCall(new_call_id(), name, text[args_start:args_end]), args_end + len(_CLOSE)
+
+
+def _cut_call(text: str, pos: int) -> ToolCall | None:
+    """The call the answer ends inside (its body starts at `pos`), as far as a stream would have
+    sent it: None before its name is whole, else its arguments up to where they stopped."""
+    if not text.startswith(_NAME_OPEN, pos):
+        return None
+    name_end = text.find(_ARGS_OPEN, pos + len(_NAME_OPEN))
+    if name_end == -1:
+        return None
+    args_start = name_end + len(_ARGS_OPEN)
+    try:
+        _, args_end = json.JSONDecoder().raw_decode(text, args_start)
+    except json.JSONDecodeError:
+        args_end = len(text)  # the arguments themselves were cut
+    return ToolCall(new_call_id(), text[pos + len(_NAME_OPEN) : name_end], text[args_start:args_end])
 
 
 @dataclass
@@ -112,6 +136,7 @@ class StreamedCalls:
     the end).
     """
 
+    calls_only: bool = False  # the answer can only be calls (tool_choice required or named)
     calls: int = 0  # calls begun so far
     _state: str = "text"
     _buffer: str = ""
@@ -198,7 +223,7 @@ class StreamedCalls:
     def finish(self) -> str:
         """What is still held back, as content (the answer ended there)."""
         rest, self._buffer = self._buffer, ""
-        return rest if self._state == "text" else ""
+        return rest if self._state == "text" and not self.calls_only else ""
 
 
 def _partial_suffix(text: str, tag: str) -> int:

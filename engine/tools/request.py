@@ -68,6 +68,11 @@ class ToolRequest:
         """Whether the answer may hold tool calls at all."""
         return self.choice != "none"
 
+    @property
+    def calls_only(self) -> bool:
+        """Whether the answer is calls and nothing else (required, or a named function)."""
+        return self.choice not in ("none", "auto")
+
     def offered(self) -> tuple[Function, ...]:
         """The functions the answer may call (one when a function is named)."""
         if self.choice in ("none", "auto", "required"):

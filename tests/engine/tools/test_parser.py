@@ -29,11 +29,22 @@ def test_only_calls_means_no_content_and_no_calls_means_all_content() -> None:
     assert parse_calls("plain <tool_ text") == ("plain <tool_ text", [])
 
 
-def test_a_call_cut_short_keeps_the_complete_ones_and_stays_text() -> None:
+def test_a_call_cut_short_is_a_call_with_its_arguments_so_far_and_no_markup_in_the_content() -> None:
     cut = ANSWER[: ANSWER.rindex('{"a"') + 3]
     content, calls = parse_calls(cut)
-    assert [c.name for c in calls] == ["get_weather"]
-    assert content is not None and content.startswith("Checking both.\n") and content.endswith('{"a')
+    assert [(c.name, c.arguments) for c in calls[:1]] == [("get_weather", WEATHER_ARGS)]
+    assert [(c.name, c.arguments) for c in calls[1:]] == [("add", '{"a')]
+    assert content == "Checking both.\n"
+    before_the_name = ANSWER[: ANSWER.rindex('"add"') + 2]
+    content, calls = parse_calls(before_the_name)
+    assert [c.name for c in calls] == ["get_weather"] and content == "Checking both.\n"
+
+
+def test_an_answer_cut_anywhere_reads_the_same_whole_and_streamed() -> None:
+    for end in range(len(ANSWER) + 1):
+        cut = ANSWER[:end]
+        content, calls = parse_calls(cut)
+        assert streamed(cut, [1] * len(cut)) == (content or "", [(c.name, c.arguments) for c in calls]), end
 
 
 def streamed(text: str, sizes: list[int]) -> tuple[str, list[tuple[str | None, str]]]:
@@ -72,3 +83,10 @@ def test_text_that_only_looks_like_the_tag_is_released_when_it_turns_out_not_to_
     assert reader.feed("box> b") == ("<toolbox> b", [])
     assert reader.feed(" <tool_c")[0] == " "
     assert reader.finish() == "<tool_c"  # the answer ended: what was held back is text
+
+
+def test_an_answer_that_can_only_be_calls_has_no_content_even_cut_inside_its_tag() -> None:
+    assert parse_calls("<tool_c") == ("<tool_c", [])  # auto: it may have been text
+    assert parse_calls("<tool_c", calls_only=True) == (None, [])  # required / named: only a tag
+    reader = StreamedCalls(calls_only=True)
+    assert reader.feed("<tool_c") == ("", []) and reader.finish() == ""

@@ -93,6 +93,14 @@ def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[dict[str,
     return content, calls, finish
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
 CHOICES: dict[str, Any] = {"required": "required", "named": NAMED, "auto": "auto"}
 # Left to choose, a 135M model answers in prose (or writes a call's JSON without its tag); shown
@@ -268,6 +276,23 @@ class TestTinyModel:
             (c.function.name, c.function.arguments) for c in reply.message.tool_calls
         ]  # _streamed checked the indexes 0, 1, ... and that id and name came once per call
         assert len({c["id"] for c in calls}) == len(calls)
+
+    def test_an_answer_cut_inside_a_call_reads_the_same_whole_and_streamed(
+        self, client: openai.OpenAI
+    ) -> None:
+        seen: set[str] = set()
+        for max_tokens in (4, 8, 12, 16, 20, 24):
+            ask: Any = {"model": "", "messages": QUESTION, "tools": SHORT_TOOLS, "tool_choice": "required",
+                        "temperature": 1.0, "seed": 5, "max_tokens": max_tokens}  # fmt: skip
+            reply = client.chat.completions.create(**ask).choices[0]
+            if reply.finish_reason != "length":
+                continue
+            assert reply.message.content is None  # the markup of a cut call never reaches the content
+            whole = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []]
+            content, calls, finish = _streamed(client, **ask)
+            assert (content, [(c["name"], c["arguments"]) for c in calls], finish) == ("", whole, "length")
+            seen.add("no call" if not whole else "cut arguments" if not _parses(whole[-1][1]) else "whole")
+        assert {"no call", "cut arguments"} <= seen, seen
 
     def test_bad_tools_and_tools_with_a_response_format_are_400s_naming_the_field(
         self, client: openai.OpenAI
