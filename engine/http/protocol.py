@@ -274,7 +274,7 @@ def _content_text(content: object, param: str) -> str | None:
         )
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(
                 400,
@@ -282,7 +282,18 @@ def _content_text(content: object, param: str) -> str | None:
                 param=f"{param}[{j}]",
                 code="invalid_value",
             )
-        parts.append(part["text"])
+        text = part.get("text")
+        if not isinstance(text, str):
+            missing = "text" not in part
+            raise APIError(
+                400,
+                f"Missing required parameter: '{param}[{j}].text'"
+                if missing
+                else f"{param}[{j}].text must be a string, got {type(text).__name__}",
+                param=f"{param}[{j}].text",
+                code="missing_required_parameter" if missing else "invalid_type",
+            )
+        parts.append(text)
     return "".join(parts)
 
 

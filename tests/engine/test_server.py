@@ -292,6 +292,11 @@ BAD_CHAT_FIELDS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages[0].content[0].text",
+    ),
     ({"top_k": -5}, "top_k"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
