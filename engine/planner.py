@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.gguf_blocks import BLOCKS_FILE
 from engine.layers.kv_cache import kv_heads_per_rank
 from engine.model_runner import TORCH_DTYPES, gpu_kv_budget, kv_bytes_per_block
 from engine.models.config import ModelConfig
@@ -78,15 +79,19 @@ class Plan:
         return self.num_blocks * self.block_size
 
 
-def weight_bytes(mc: ModelConfig, dtype: str, quantization: str | None, tp: int = 1) -> int:
-    """Bytes of one rank's weights (quantized forms: codes plus their scales, as the engine keeps them)."""
+def weight_bytes(
+    mc: ModelConfig, dtype: str, quantization: str | None, tp: int = 1, half_int4_scales: bool = False
+) -> int:
+    """Bytes of one rank's weights (quantized forms: codes plus their scales, as the engine keeps them;
+    `half_int4_scales`: 4-bit groups keep float16 scales and offsets, as the CPU's C product does for
+    a GGUF's Q4_1 blocks)."""
     width = TORCH_DTYPES[dtype].itemsize
     heads, kv_heads = mc.num_heads // tp, kv_heads_per_rank(mc.num_kv_heads, tp)
     hd, hidden, inter = mc.head_dim, mc.hidden_size, mc.intermediate_size // tp
     projections = [  # (inputs, outputs) of one layer's matrices on one rank
         (hidden, (heads + 2 * kv_heads) * hd), (heads * hd, hidden), (hidden, 2 * inter), (inter, hidden)
     ]  # fmt: skip
-    per_layer = sum(_matrix_bytes(i, o, width, quantization) for i, o in projections)
+    per_layer = sum(_matrix_bytes(i, o, width, quantization, half_int4_scales) for i, o in projections)
     per_layer += 2 * hidden * width  # the two norms
     if mc.qkv_bias:
         per_layer += (heads + 2 * kv_heads) * hd * width
@@ -94,7 +99,9 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str | None, tp: int 
         per_layer += 2 * hd * width
     vocab = -(-mc.vocab_size // tp)
     embedding = vocab * hidden * width
-    head = 0 if mc.tie_word_embeddings else _matrix_bytes(hidden, vocab, width, _head_form(quantization))
+    # a tied head is the table itself, except under quantization: an int8 copy beside the float table
+    tied = mc.tie_word_embeddings and quantization is None
+    head = 0 if tied else _matrix_bytes(hidden, vocab, width, _head_form(quantization))
     return mc.num_layers * per_layer + embedding + head + hidden * width
 
 
@@ -103,13 +110,12 @@ def _head_form(quantization: str | None) -> str | None:
     return None if quantization is None else "int8"
 
 
-def _matrix_bytes(inputs: int, outputs: int, width: int, quantization: str | None) -> int:
+def _matrix_bytes(inputs: int, outputs: int, width: int, quantization: str | None, half: bool = False) -> int:
     if quantization is None:
         return inputs * outputs * width
-    # 4-bit codes, a float32 scale and offset per 32 inputs of a row (the C and Triton kernels'; at
-    # most: the C product keeps Q4_1 blocks' float16 ones, 4 bytes a group)
+    # 4-bit codes, a float32 (float16: `half`) scale and offset per 32 inputs of a row
     if quantization in FOUR_BIT:
-        return inputs * outputs // 2 + -(-inputs // 32) * outputs * 8
+        return inputs * outputs // 2 + -(-inputs // 32) * outputs * (4 if half else 8)
     return inputs * outputs + outputs * 4  # int8 / w8a8 / 8-bit checkpoints: a float32 scale per row
 
 
@@ -135,9 +141,12 @@ def make_plan(
     gpu_memory_utilization: float = 0.9,
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 256,
+    gguf_blocks: bool = False,
 ) -> Plan:
     """The plan for one rank. CPU (no `gpu`): `memory_gib` is the KV pool (`kv_cache_memory`, 1 GiB
-    when unset); GPU: `gpu` by name or `memory_gib` of device memory, shared as the engine shares it."""
+    when unset); GPU: `gpu` by name or `memory_gib` of device memory, shared as the engine shares it.
+    `gguf_blocks`: the folder keeps a GGUF's Q4_1 blocks (engine/gguf_blocks.py), which int4 on the
+    CPU serves with their float16 scales."""
     tp = tensor_parallel_size
     if tp < 1 or mc.num_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {mc.num_heads} attention heads")
@@ -145,7 +154,8 @@ def make_plan(
     if gpu is not None and gpu not in GPUS_MIB:
         raise ValueError(f"unknown GPU {gpu!r}: one of {', '.join(GPUS_MIB)}, or give --memory-gib")
     dtype = ("bfloat16" if on_gpu else "float32") if dtype == "auto" else dtype
-    weights = weight_bytes(mc, dtype, quantization, tp)
+    half = gguf_blocks and not on_gpu and tp == 1 and quantization == "int4"
+    weights = weight_bytes(mc, dtype, quantization, tp, half)
     per_block = kv_bytes_per_block(mc, block_size, TORCH_DTYPES[dtype], kv_cache_dtype, tp)
     if gpu is not None:
         total = GPUS_MIB[gpu] << 20 if memory_gib is None else int(memory_gib * GIB)
@@ -213,6 +223,15 @@ def load_model_config(model: str) -> ModelConfig:
     return ModelConfig.from_dir(resolve_model(model))
 
 
+def model_folder(model: str) -> Path | None:
+    """The folder `model` names (None for a bare config.json)."""
+    if Path(model).is_file():
+        return None
+    from engine.default_model import resolve_model
+
+    return resolve_model(model)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`python -m engine plan`'s flags."""
     parser.add_argument("--model", default="default", help="a model folder, 'default', or a config.json")
@@ -242,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan; 2 with a message for settings that cannot be planned."""
     try:
         mc = load_model_config(args.model)
+        folder = model_folder(args.model)
         plan = make_plan(
             args.model, mc, gpu=args.gpu, memory_gib=args.memory_gib,
             tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
@@ -249,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             context_lens=tuple(args.context_len or ()), block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            gguf_blocks=folder is not None and (folder / BLOCKS_FILE).is_file(),
         )  # fmt: skip
     except (ValueError, OSError) as exc:
         print(f"error: {exc}")

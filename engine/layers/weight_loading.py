@@ -62,7 +62,7 @@ def load_weights(
         blocks = read_blocks(model_dir) if asked == "int4" and gemm is not None and not triton else None
         if blocks is not None and gemm is not None and serve_blocks(model, blocks, gemm):
             llama.load_weights(iter_weights(model_dir, dtype, skip=blocks))
-            nbytes = quantize_head(model) + sum(p.nbytes for p in _projections(model))
+            nbytes = quantize_head(model) + sum(p.nbytes for p in projection_weights(model))
             logger.info(
                 "weights: int4 (the GGUF's Q4_1 blocks), %.1f MiB of projections and LM head", nbytes / 2**20
             )
@@ -150,7 +150,8 @@ def serve_blocks(model: nn.Module, blocks: dict[str, Q4Blocks], gemm: CpuGemm) -
     return True
 
 
-def _projections(model: nn.Module) -> list[Projection]:
+def projection_weights(model: nn.Module) -> list[Projection]:
+    """The model's projection weights, in their served forms."""
     return [
         getattr(module, name)
         for module in model.modules()

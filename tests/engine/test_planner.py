@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from engine import LLM
+from engine.layers.weight_loading import projection_weights
 from engine.models.config import ModelConfig
-from engine.planner import GIB, make_plan, weight_bytes
+from engine.planner import GIB, load_model_config, make_plan, weight_bytes
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -73,6 +74,19 @@ def test_weight_bytes_are_the_models_parameters(
     model = LLM(str(path), max_model_len=64).engine.runner.model
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes(ModelConfig.from_dir(path), "float32", None) == held
+
+
+def test_int4_weight_bytes_are_what_the_engine_holds_for_the_default_model() -> None:
+    """Its Q4_1 blocks keep float16 scales on the CPU (5/8 of a byte a weight), and its tied head
+    becomes an int8 copy beside the float table."""
+    model = LLM("default", quantization="int4", max_model_len=64).engine.runner.model
+    held = sum(p.numel() * p.element_size() for p in model.parameters())  # the table and the norms
+    held += sum(p.nbytes for p in projection_weights(model)) + model.head_weight.nbytes
+    plan = make_plan("default", load_model_config("default"), quantization="int4", gguf_blocks=True)
+    assert plan.weight_bytes_per_device == held
+    assert (
+        make_plan("default", load_model_config("default"), quantization="int4").weight_bytes_per_device > held
+    )
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_and_bad_splits_refused(
