@@ -41,7 +41,7 @@ from engine.http.protocol import (
     completion_prompts,
 )
 from engine.http.request_limits import check_guided_limits, check_request_limits
-from engine.http.special_text import SpecialText
+from engine.http.special_text import Shielded, SpecialText
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompt_length import tokens_at_least
 from engine.request_stream import RequestStream
@@ -162,10 +162,14 @@ class OpenAIServing:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages, listed = with_tools(chat_messages(req.messages), tools, template_takes_tools(tokenizer))
-        special, limit = self._special_text(tokenizer), self._max_model_len()
+        special = self._special_text(tokenizer)
         if sum(len(m["content"]) for m in messages) <= _RENDER_INLINE_CHARS:
-            return _render_prompt(tokenizer, special, messages, listed, limit)
-        return await asyncio.to_thread(_render_prompt, tokenizer, special, messages, listed, limit)
+            text, shielded = _render_shielded(tokenizer, special, messages, listed)
+        else:
+            text, shielded = await asyncio.to_thread(_render_shielded, tokenizer, special, messages, listed)
+        if shielded is None:
+            return text  # the engine tokenizes it in its tokenizer threads
+        return await asyncio.to_thread(_shielded_ids, tokenizer, shielded, text, self._max_model_len())
 
     def _max_model_len(self) -> int:
         info = self.engine.model_info
@@ -430,12 +434,22 @@ def _render_prompt(
     max_model_len: int,
 ) -> str | list[int]:
     """The rendered conversation: text, or token ids where client strings spelled special tokens
-    (a text surely over the context is refused first, without tokenizing all of it: see
-    engine/prompt_length.py; the engine does the same for the text of the other prompts)."""
+    (render_chat's two steps in one call)."""
+    text, shielded = _render_shielded(tokenizer, special, messages, tools)
+    return text if shielded is None else _shielded_ids(tokenizer, shielded, text, max_model_len)
+
+
+def _render_shielded(
+    tokenizer: Any, special: SpecialText, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> tuple[str, Shielded | None]:
+    """The conversation rendered with the special tokens its strings spell shielded, if any."""
     (messages, tools), shielded = special.shield((messages, tools))
-    text = _render(tokenizer, messages, tools)
-    if shielded is None:
-        return text
+    return _render(tokenizer, messages, tools), shielded
+
+
+def _shielded_ids(tokenizer: Any, shielded: Shielded, text: str, max_model_len: int) -> list[int]:
+    """A shielded rendering's token ids; a text surely over the context is refused first, without
+    tokenizing all of it (engine/prompt_length.py; the engine does the same for other prompts)."""
     # read with its special tokens, the text has at most the tokens it has read as plain text
     at_least = tokens_at_least(tokenizer, shielded.restore(text), max_model_len)
     if at_least is not None:
