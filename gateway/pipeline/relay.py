@@ -38,6 +38,7 @@ async def relay(call: Call, served: Served, wants_usage: bool,
     """The client's events of an open stream whose first lines (`served.head`) are read already;
     a resumable one goes on on another replica when its own fails mid-answer (resume.py)."""
     status, error = 200, None
+    answered = False  # the client has been handed the stream's end ([DONE]): a close is not a leave
     tokens = StreamTokens() if served.resume is not None else None
     current: Served | None = served
     perf_counter = time.perf_counter
@@ -55,6 +56,7 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     head = [e for e in events if e is not None]
                     mark = perf_counter()
                     if head:
+                        answered = ended
                         yield b"".join(head)
                     async for line in upstream.lines:
                         call.upstream_seconds += perf_counter() - mark
@@ -62,13 +64,17 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                         event = relay_line(call, line, wants_usage, tokens)
                         mark = perf_counter()
                         if event is not None:
+                            answered = ended
                             yield event
                     call.upstream_seconds += perf_counter() - mark
                     if not ended:  # the upstream closed the stream in the middle of the answer
                         raise ended_early()
                 current = None
             except (asyncio.CancelledError, GeneratorExit):
-                status, error = 499, "client_disconnected"
+                # a client that closes once it has the end (the official SDKs stop reading at [DONE],
+                # before the upstream's body has ended) got the whole answer
+                if not answered:
+                    status, error = 499, "client_disconnected"
                 raise
             except UpstreamRequestErrorEvent as exc:  # the request's own fault: passed on, never resumed
                 status, error = 400, exc.code
@@ -77,6 +83,7 @@ async def relay(call: Call, served: Served, wants_usage: bool,
             except Exception as exc:  # broke off mid-stream: resumed, or the client is told
                 if tokens is not None and tokens.finished and call.usage:  # all but the end: given
                     current = None
+                    answered = True
                     yield _DONE_EVENT
                     continue
                 mark = perf_counter()

@@ -6,7 +6,8 @@ prompt), one word per token; usage counts whitespace-separated words. `POST /con
 (answer every request with that status), `omit_usage` (report no usage), `card` (fields added
 to its model's entry in `GET /v1/models`, e.g. `max_model_len` and `capabilities`), and
 `break_after` / `break_mode` (a new stream breaks after that many words: `reset` the connection,
-send an `error_event` or a `request_error` (an `invalid_request_error` event), or `stall`);
+send an `error_event` or a `request_error` (an `invalid_request_error` event), or `stall`),
+`linger_after_done_ms` (the body ends that long after a stream's `[DONE]`, as an engine's may);
 `GET /stats` reports requests served, the usage reported so far, how many callers left during the
 latency wait or mid-stream, and streams resumed.
 
@@ -38,7 +39,7 @@ def create_app() -> FastAPI:
     app = FastAPI()
     app.state.control = {
         "latency_ms": 0.0, "fail_status": None, "chunk_delay_ms": 0.0, "omit_usage": False, "card": {},
-        "break_after": None, "break_mode": "reset",
+        "break_after": None, "break_mode": "reset", "linger_after_done_ms": 0.0,
     }  # fmt: skip
     app.state.stats = {
         "requests": 0,
@@ -232,6 +233,9 @@ async def _chunks(s: _Stream, app: FastAPI) -> AsyncIterator[bytes]:
         yield b"data: " + orjson.dumps({"id": s.rid, "object": obj, "created": s.created, "model": s.model,
                                         "choices": [], "usage": s.usage}) + b"\n\n"  # fmt: skip
     yield b"data: [DONE]\n\n"
+    linger = float(control.get("linger_after_done_ms") or 0.0) / 1000
+    if linger:
+        await asyncio.sleep(linger)
 
 
 def main() -> None:

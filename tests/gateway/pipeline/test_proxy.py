@@ -349,6 +349,29 @@ def test_client_leaving_before_a_whole_answer_cancels_the_upstream_call_and_logs
     assert row["status"] == 499 and row["requested_model"] == "fast"
 
 
+def test_a_client_that_closes_once_it_has_done_is_logged_200_not_499(stack: Stack) -> None:
+    """The official SDKs stop reading at [DONE] and close, maybe before the upstream's body ends."""
+    httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 1500})
+    ids = []
+    try:
+        for i in range(3):
+            raw = stack.client().chat.completions.with_raw_response.create(
+                model="fast", messages=[{"role": "user", "content": f"read to the end {i}"}], stream=True
+            )
+            ids.append(raw.headers["x-request-id"])
+            stream = raw.parse()
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == f"echo: read to the end {i}"
+            stream.close()
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 0})
+    deadline = time.monotonic() + 5
+    while len(rows := [r for r in stack.log_rows() if r["id"] in ids]) < 3:
+        assert time.monotonic() < deadline, "a stream has no log row"
+        time.sleep(0.1)
+    assert [(r["status"], r["error_type"]) for r in rows] == [(200, None)] * 3
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_completion_paths_refuse_other_methods_with_405(stack: Stack, path: str) -> None:
     r = httpx.get(f"{stack.gateway.base_url}{path}", headers={"Authorization": f"Bearer {stack.key}"})
