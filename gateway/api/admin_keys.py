@@ -13,6 +13,7 @@ from gateway.api.services import Keys, app_services
 from gateway.errors import GatewayError
 from gateway.governance.budgets import Period
 from gateway.governance.keys import AuthError, KeyNotFoundError
+from gateway.store.row_sanitizer import clean_text
 
 router = APIRouter(prefix="/admin/keys")
 
@@ -43,6 +44,22 @@ BudgetUsd = Annotated[
 MAX_EXPIRY_DAYS = 36_500  # a hundred years: longer is "never", which is leaving the expiry out
 
 
+def _text_only(value: Any, where: str = "") -> Any:
+    """`value` (JSON: dicts, lists, scalars) when every string in it is storable text: a lone
+    surrogate (JSON's "\\ud800") or NUL would be stored by one driver and break reading it back."""
+    if isinstance(value, str):
+        if "\x00" in value or clean_text(value) != value:
+            raise ValueError(f"{where or 'the value'} holds a NUL or a lone surrogate: not storable text")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _text_only(k, where)
+            _text_only(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            _text_only(v, where)
+    return value
+
+
 class KeyCreate(BaseModel):
     """POST /admin/keys."""
 
@@ -58,6 +75,11 @@ class KeyCreate(BaseModel):
     tpm_limit: PerMinute | None = None
     budget_usd: BudgetUsd | None = None
     budget_period: Period = "monthly"
+
+    @field_validator("name", "team", "allowed_models", "metadata")
+    @classmethod
+    def _storable(cls, value: object) -> object:
+        return _text_only(value, "a string")
 
     def expiry(self) -> datetime | None:
         """Absolute expiry from either field."""
@@ -92,6 +114,11 @@ class KeyUpdate(BaseModel):
         if value is None:
             raise ValueError("cannot be null (leave the field out to keep its value)")
         return value
+
+    @field_validator("name", "team", "allowed_models", "metadata")
+    @classmethod
+    def _storable(cls, value: object) -> object:
+        return _text_only(value, "a string")
 
 
 admin = [Depends(require_master_key)]

@@ -117,6 +117,50 @@ def test_bad_admin_bodies_are_400(admin: TestClient, body: dict[str, object]) ->
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"name": "x", "metadata": {"k": "\\ud800"}}',
+        '{"name": "x", "metadata": {"\\udfff": 1}}',
+        '{"name": "x", "metadata": {"deep": [{"k": "a\\u0000b"}]}}',
+        '{"name": "x", "allowed_models": ["\\ud800"]}',
+        '{"name": "x", "team": "\\ud800"}',
+    ],
+)
+def test_text_that_cannot_be_stored_is_400_and_writes_nothing(admin: TestClient, raw: str) -> None:
+    before = admin.get("/admin/keys", headers=ADMIN).json()["data"]
+    r = admin.post("/admin/keys", content=raw, headers={**ADMIN, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert admin.get("/admin/keys", headers=ADMIN).json()["data"] == before
+    made = admin.post("/admin/keys", json={"name": "ok"}, headers=ADMIN).json()
+    patch = raw.replace('"name": "x", ', "")
+    r = admin.patch(
+        f"/admin/keys/{made['id']}", content=patch, headers={**ADMIN, "content-type": "application/json"}
+    )
+    assert r.status_code == 400
+
+
+def test_a_stored_row_with_unreadable_metadata_does_not_break_listing(
+    admin: TestClient, migrated: str
+) -> None:
+    made = admin.post("/admin/keys", json={"name": "old", "metadata": {"k": "v"}}, headers=ADMIN).json()
+
+    async def spoil() -> None:  # as a row written before the admin API refused such text
+        db = create_async_engine(migrated, poolclass=NullPool)
+        async with db.begin() as conn:
+            await conn.execute(
+                text("UPDATE api_keys SET metadata = :m WHERE id = :id"),
+                {"m": '{"k": "\\ud800"}', "id": made["id"]},
+            )
+        await db.dispose()
+
+    asyncio.run(spoil())
+    listed = admin.get("/admin/keys", headers=ADMIN)
+    assert listed.status_code == 200
+    assert next(k for k in listed.json()["data"] if k["id"] == made["id"])["metadata"] == {"k": "\ufffd"}
+    assert admin.get(f"/admin/keys/{made['id']}", headers=ADMIN).json()["metadata"] == {"k": "\ufffd"}
+
+
 def test_unknown_key_id_is_404(admin: TestClient) -> None:
     r = admin.get("/admin/keys/nope", headers=ADMIN)
     assert r.status_code == 404 and r.json()["error"]["code"] == "key_not_found"
