@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -207,17 +207,18 @@ class Failover:
                           owner=owner, resume=state.plan)  # fmt: skip
         return _NEXT
 
-    def _candidates(self, decision: RouteDecision, state: _State) -> list[tuple[str, Upstream]]:
-        """The chain's models with their pools; those that cannot be called now are noted and skipped."""
-        usable = []
-        for model in decision.chain:
+    def _candidates(self, decision: RouteDecision, state: _State) -> Iterator[tuple[str, Upstream]]:
+        """The chain's models with their pools, in order, as the walk reaches them; those that cannot
+        be called now (and those the router skipped) are noted when the walk passes them, so that
+        a model after the one that answers is never reported as a failover."""
+        for i, model in enumerate(decision.chain):
+            state.reach(i)
             pool = self.pools[self.policy.models[model].backend]
             reason = pool.unavailable_reason
             if reason is None:
-                usable.append((model, pool))
+                yield model, pool
             else:
                 state.skipped(model, pool.name, reason)
-        return usable
 
     def _begin(self, state: _State, model: str, pool: Upstream, stream: bool) -> dict[str, str] | None:
         """The attempt's span, and the headers that carry it upstream (None: not traced)."""
@@ -250,9 +251,16 @@ class _State:
         self.last: UpstreamReply | None = None
         self.last_timeout = False
         self.calls = 0
-        for attempt in decision.skipped:  # models the router skipped (capabilities): noted, never called
+        # models the router skipped (capabilities), by where they sat in the chain: noted when reached
+        at = decision.skipped_at or (0,) * len(decision.skipped)
+        self._router_skipped = sorted(zip(at, range(len(at)), decision.skipped, strict=True))
+
+    def reach(self, index: int) -> None:
+        """The walk is at chain[index]: the router's skipped models before it are noted, never called."""
+        while self._router_skipped and self._router_skipped[0][0] <= index:
+            attempt = self._router_skipped.pop(0)[2]
             self.attempts.append(attempt)
-            trace.failed_over(attempt.model, attempt.backend, None, attempt.outcome, attempt.reason)
+            self.trace.failed_over(attempt.model, attempt.backend, None, attempt.outcome, attempt.reason)
 
     def affinity_arg(self) -> dict[str, int]:
         """`affinity=` for the call, only once there is a key: upstreams that balance otherwise (and
@@ -298,6 +306,7 @@ class _State:
     def exhausted(self) -> ChainExhaustedError:
         """The error for a chain that served nothing; its message is for the client (no URL, no
         upstream error text: those stay in the log row's failover column)."""
+        self.reach(len(self.decision.chain))
         tried = ", ".join(a.public() for a in self.attempts) or "nothing"
         called = any(a.called for a in self.attempts)
         residency = (

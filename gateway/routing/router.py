@@ -48,6 +48,8 @@ class RouteDecision:
     resume_streams: bool | None = None  # the route's word on stream resumption (None: each pool's)
     complexity: ComplexityResult | None = field(default=None, compare=False)
     skipped: tuple[Attempt, ...] = ()  # models of the chain that cannot serve the request, never called
+    # where each skipped model sat: before chain[i] (len(chain): after the last); none given: first
+    skipped_at: tuple[int, ...] = ()
 
     def header(self) -> str:
         """`x-gateway-route`: alias, tier, score."""
@@ -120,16 +122,20 @@ class Router:
         """The chain without the models that cannot serve the request; those are noted as skipped."""
         kept: list[str] = []
         skipped: list[Attempt] = []
+        at: list[int] = []
         for model in decision.chain:
             why = check(model)
             if why is None:
                 kept.append(model)
             else:
                 skipped.append(Attempt(model, self.policy.models[model].backend, None, why, called=False))
+                at.append(len(kept))
         if not kept:
             raise self.capabilities.refusal(decision.alias, needs, skipped)
         reason = decision.reason + (f" (needs {needs.label()})" if needs.capabilities else "")
-        return replace(decision, chain=tuple(kept), skipped=tuple(skipped), reason=reason)
+        return replace(
+            decision, chain=tuple(kept), skipped=tuple(skipped), skipped_at=tuple(at), reason=reason
+        )
 
     def explain(self, name: str, body: Mapping[str, Any]) -> ComplexityResult | None:
         """The complexity result a tiered alias would use (None for other names)."""

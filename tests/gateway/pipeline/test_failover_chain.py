@@ -7,11 +7,12 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from gateway.backends.base import UpstreamReply, UpstreamStream, UpstreamUnavailableError
+from gateway.backends.base import Attempt, UpstreamReply, UpstreamStream, UpstreamUnavailableError
 from gateway.config.policy import Policy, Retries, Timeouts, parse_policy
 from gateway.pipeline.failover import ChainExhaustedError, Failover, backoff
 from gateway.routing.router import RouteDecision
@@ -143,6 +144,26 @@ def test_unavailable_models_are_skipped_without_a_call() -> None:
         asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
     assert info.value.unavailable and "OPENAI_API_KEY" in info.value.detail()
     assert "OPENAI_API_KEY" not in str(info.value) and "http://" not in str(info.value)  # the client's text
+
+
+def test_only_what_came_before_the_answer_is_reported_in_chain_order() -> None:
+    failover, _, frontier = _setup({"http://r1": [200], "http://r2": [200]})
+    frontier.reason = "set OPENAI_API_KEY"  # after the model that answers: no failover happened
+    served = asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert served.backend == "pool" and served.attempts == []
+    lacks = Attempt("frontier", "hosted", None, "lacks logprobs", called=False)
+    late = replace(_decision(("local",)), skipped=(lacks,), skipped_at=(1,))  # skipped by the router, after
+    assert asyncio.run(failover.send(late, "/v1/chat/completions", {})).attempts == []
+    early = replace(_decision(("local",)), skipped=(lacks,), skipped_at=(0,))
+    assert [a.model for a in asyncio.run(failover.send(early, "/v1/chat/completions", {})).attempts] == [
+        "frontier"
+    ]
+    failover, _, _ = _setup({"http://r1": [500], "http://r2": [500]}, hosted=[503])
+    between = replace(_decision(), skipped=(lacks,), skipped_at=(1,))
+    with pytest.raises(ChainExhaustedError) as info:
+        asyncio.run(failover.send(between, "/v1/chat/completions", {}))
+    assert [a.model for a in info.value.attempts] == ["local", "local", "frontier", "frontier"]  # as walked
+    assert [a.called for a in info.value.attempts] == [True, True, False, True]
 
 
 def test_each_candidate_gets_its_own_upstream_model_name() -> None:

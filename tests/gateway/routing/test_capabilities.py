@@ -126,6 +126,7 @@ def test_a_forced_tier_is_kept_and_only_its_capable_models_are_tried() -> None:
         _route("auto", {"messages": CHAT, "tools": TOOLS}, team="legal")
     decision = _route("local", {"messages": CHAT, "tools": TOOLS})
     assert decision.chain == ("mid",) and [a.model for a in decision.skipped] == ["small"]
+    assert decision.skipped_at == (0,)  # where it sat: before the chain's first model
 
 
 def test_with_no_capable_model_the_answer_is_a_400_naming_the_capability_and_field() -> None:
