@@ -16,12 +16,17 @@ from gateway.pipeline.runtime import Runtime
 _ENGINE_INTERNAL = ("stream_token_ids", "resume")
 
 
-def prepare(rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
+_ECHOED_NAME = 200  # characters of an unknown model's name repeated in the 404
+
+
+def prepare(
+    rt: Runtime, call: Call, raw: bytes, path: str = "/v1/chat/completions"
+) -> tuple[dict[str, Any], bool]:
     """The request body to forward, and whether the client asked for a stream's usage.
 
-    Raises GatewayError (400 unparseable or without a model, 404 unknown model) or AuthError (403:
-    the key may not use the model). A stream always asks its upstream for usage (the log needs it);
-    the relay hides it again from a client that did not ask.
+    Raises GatewayError (400 unparseable, without a model, or not the request's shape; 404 unknown
+    model) or AuthError (403: the key may not use the model). A stream always asks its upstream for
+    usage (the log needs it); the relay hides it again from a client that did not ask.
     """
     try:
         body = orjson.loads(raw)
@@ -37,12 +42,14 @@ def prepare(rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
             400, "you must provide a model parameter", param="model", code="missing_required_parameter"
         )
     call.model = model
-    call.stream = bool(body.get("stream"))
+    call.stream = body.get("stream") is True
     call.trace.parsed(model, body)
     if model not in rt.policy.models and model not in rt.policy.routes:
-        raise GatewayError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+        shown = model if len(model) <= _ECHOED_NAME else model[:_ECHOED_NAME] + "…"
+        raise GatewayError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
     if not call.key.allows(model):
         raise AuthError(403, f"this key may not use the model '{model}'", "model_not_allowed")
+    _check_shape(body, path)
     if rt.policy.log_bodies:
         call.request_body = raw
     for field in _ENGINE_INTERNAL:  # the gateway's own dialogue with its engines, never a client's
@@ -53,3 +60,39 @@ def prepare(rt: Runtime, call: Call, raw: bytes) -> tuple[dict[str, Any], bool]:
     if body.get("stream") is True and not wants_usage:  # the log needs usage: ask, hide it later
         body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     return body, wants_usage
+
+
+def _check_shape(body: dict[str, Any], path: str) -> None:
+    """What every backend needs of the request, checked before any is chosen: an engine would refuse
+    the rest itself, but a hosted provider's library may take it as its own failure (a malformed
+    `messages` looked like an unreachable provider and was failed over)."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise GatewayError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if messages is None:
+            raise GatewayError(
+                400,
+                "you must provide a messages parameter",
+                param="messages",
+                code="missing_required_parameter",
+            )
+        if not isinstance(messages, list) or not messages:
+            raise GatewayError(
+                400, "'messages' must be a non-empty array", param="messages", code="invalid_type"
+            )
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise GatewayError(
+                    400,
+                    f"messages[{i}] must be an object with a string 'role'",
+                    param=f"messages[{i}]",
+                    code="invalid_type",
+                )
+    elif "prompt" not in body or body["prompt"] is None:
+        raise GatewayError(
+            400, "you must provide a prompt parameter", param="prompt", code="missing_required_parameter"
+        )
+    elif not isinstance(body["prompt"], str | list):
+        raise GatewayError(400, "'prompt' must be a string or an array", param="prompt", code="invalid_type")

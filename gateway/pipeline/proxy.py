@@ -84,7 +84,7 @@ class Proxy:
         rt = self.runtime  # one policy version for the whole request, even if a reload lands meanwhile
         call.prices = rt.prices
         try:
-            body, wants_usage = prepare(rt, call, raw)
+            body, wants_usage = prepare(rt, call, raw, path)
             model = call.model or ""
             needs = rt.router.capabilities.needs(model, body, len(raw))  # NO_NEEDS unless it needs something
             if needs.to_count:  # a body bigger than some model's context: count its prompt, off the loop
