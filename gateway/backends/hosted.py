@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import litellm  # LITELLM_LOCAL_MODEL_COST_MAP keeps its import off the network: gateway/cli/environment.py
+import openai
 import orjson
 
 from gateway.backends.base import (
@@ -164,12 +166,17 @@ class HostedModel:
             yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
             return
 
+        chat = path.endswith("chat/completions")
+
         async def next_line() -> str | None:  # runs on the side loop, where `resp` belongs
-            try:
-                chunk = await resp.__anext__()
-            except StopAsyncIteration:
-                return None
-            return "data: " + chunk.model_dump_json(exclude_none=True)  # type: ignore[no-any-return]
+            while True:
+                try:
+                    chunk = await resp.__anext__()
+                except StopAsyncIteration:
+                    return None
+                shaped = openai_chunk(chunk.model_dump(mode="json", exclude_none=True), chat)
+                if shaped is not None:
+                    return "data: " + orjson.dumps(shaped).decode()
 
         async def lines() -> AsyncIterator[str]:
             while True:
@@ -195,7 +202,12 @@ class HostedModel:
             raise UpstreamUnavailableError(
                 f"{self.spec.model} timed out", timeout=True, deployment=self.spec.model
             ) from exc
-        if isinstance(exc, litellm.exceptions.APIConnectionError):
+        failed = _connection_failure(exc)
+        if failed == "timeout":
+            raise UpstreamUnavailableError(
+                f"{self.spec.model} timed out", timeout=True, deployment=self.spec.model
+            ) from exc
+        if isinstance(exc, litellm.exceptions.APIConnectionError) or failed == "unreachable":
             raise UpstreamUnavailableError(
                 f"{self.spec.model} is unreachable: {exc}", timeout=False, deployment=self.spec.model
             ) from exc
@@ -217,6 +229,44 @@ class HostedModel:
     async def close(self) -> None:
         """Stop the side loop (litellm owns its clients)."""
         await self._side.close()
+
+
+def openai_chunk(chunk: dict[str, Any], chat: bool) -> dict[str, Any] | None:
+    """A litellm stream chunk in OpenAI's shape, or None for one that carries nothing: every choice
+    has its `delta` (chat) or `text` (completions: the SDK idiom joins them), and the usage chunk
+    has no choices (litellm gives it an empty one, and sends an empty chunk after the last)."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return chunk
+    field = "delta" if chat else "text"
+    for choice in choices:
+        if isinstance(choice, dict):
+            choice.setdefault(field, {} if chat else "")
+    empty = all(
+        isinstance(c, dict) and not c.get(field) and c.get("finish_reason") is None and not c.get("logprobs")
+        for c in choices
+    )
+    if empty and choices:
+        if chunk.get("usage") is None:
+            return None  # nothing in it
+        chunk["choices"] = []
+    return chunk
+
+
+def _connection_failure(exc: BaseException) -> str | None:
+    """ "unreachable" or "timeout" where the provider's answer never came: litellm reports a refused
+    connection (and some timeouts) as an InternalServerError, a "500", whose causes hold the
+    connection error itself; None for an answer the provider gave."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, openai.APITimeoutError | httpx.TimeoutException):
+            return "timeout"
+        if isinstance(cause, ConnectionError | httpx.TransportError | openai.APIConnectionError):
+            return "unreachable"
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def learned_from_litellm(model: str) -> Learned:

@@ -13,11 +13,14 @@ from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
+import litellm
 import orjson
 import pytest
 
 from gateway.api.completions import CompletionsEndpoint
-from gateway.backends.hosted import HostedModel, allowed_fields
+from gateway.backends.base import UpstreamUnavailableError
+from gateway.backends.hosted import HostedModel, allowed_fields, openai_chunk
 from gateway.config.policy import HostedBackend, parse_policy
 from gateway.errors import GatewayError
 from gateway.governance.costs import PriceBook
@@ -51,6 +54,34 @@ def test_hosted_calls_take_only_openai_fields_from_the_client() -> None:
     assert params["api_key"] == "sk-provider" and params["timeout"] == model.spec.timeouts.total
     assert "base_url" not in params and "api_base" not in params  # the policy set none: litellm's default
     assert params["temperature"] == 0.5 and params["stream"] is True
+
+
+def test_a_provider_never_reached_is_unreachable_not_a_provider_500() -> None:
+    """litellm reports a refused connection as an InternalServerError whose causes hold it."""
+    model = HostedModel("frontier", HostedBackend(type="hosted", model="openai/x"))
+
+    def wrapped(cause: BaseException) -> Exception:
+        try:
+            try:
+                raise cause
+            except BaseException as inner:
+                raise litellm.exceptions.InternalServerError("Connection error.", "openai", "x") from inner
+        except Exception as outer:
+            return outer
+
+    refused = wrapped(httpx.ConnectError("All connection attempts failed"))
+    with pytest.raises(UpstreamUnavailableError) as info:
+        model._error(refused)
+    assert not info.value.timeout and info.value.deployment == "openai/x"
+    with pytest.raises(UpstreamUnavailableError) as info:
+        model._error(wrapped(ConnectionRefusedError()))
+    assert not info.value.timeout
+    with pytest.raises(UpstreamUnavailableError) as info:
+        model._error(wrapped(httpx.ReadTimeout("slow")))
+    assert info.value.timeout
+    answered = litellm.exceptions.InternalServerError("boom", "openai", "x")  # the provider's own 500
+    reply = model._error(answered)
+    assert reply.status == 500 and orjson.loads(reply.body)["error"]["code"] == "provider_500"
 
 
 def test_a_policy_base_url_is_the_only_one_a_hosted_call_uses() -> None:
@@ -168,3 +199,21 @@ def test_an_unexpected_failure_before_the_proxy_is_an_openai_503_without_its_tex
     assert sent[0]["status"] == 503
     error = orjson.loads(sent[1]["body"])["error"]
     assert error["code"] == "authentication_unavailable" and "secret" not in error["message"]
+
+
+def test_hosted_stream_chunks_take_openai_shapes() -> None:
+    """litellm's usage chunk has an empty choice, a last empty chunk follows, text may be missing."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    assert openai_chunk(role, True) == role
+    finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    assert openai_chunk(finish, True) == finish
+    assert openai_chunk({"choices": [{"index": 0, "delta": {}}], "usage": usage}, True) == {
+        "choices": [],
+        "usage": usage,
+    }
+    assert openai_chunk({"choices": [{"index": 0, "delta": {}}]}, True) is None  # carries nothing
+    assert openai_chunk({"choices": [{"index": 0, "finish_reason": "length"}]}, False) == {
+        "choices": [{"index": 0, "finish_reason": "length", "text": ""}]
+    }
+    assert openai_chunk({"choices": [{"index": 0}], "usage": usage}, False) == {"choices": [], "usage": usage}
