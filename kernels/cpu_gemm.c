@@ -604,7 +604,8 @@ static inline __attribute__((always_inline)) void gemm(const void *x, RowCodes q
     }
 }
 
-/* Row r of x (rows, k_len) as integer codes round(x / s_r) with s_r = max(max |x_r|, FLT_MIN) / qmax,
+/* Row r of x (rows, k_len) as integer codes round(x / s_r) with s_r = max(max |x_r| / qmax, FLT_MIN)
+ * (a normal float: a subnormal scale keeps a few bits, and x / s_r could pass qmax),
  * rounded half to even (torch.round's rule): int16 codes, qmax 32767 (I16), or int8 codes, qmax 127,
  * and their sum (W8); `width` codes a row, zeros past k_len. A row holding a NaN or an infinity gets
  * zero codes and the scale NaN: its outputs are NaN, as a float product's. */
@@ -643,7 +644,7 @@ static inline __attribute__((always_inline)) void quantize_rows(const float *x, 
             if (MODE == W8) row_sums[r] = 0;
             continue;
         }
-        float scale = fmaxf(amax, FLT_MIN) / qmax;
+        float scale = fmaxf(amax / qmax, FLT_MIN);
         row_scales[r] = scale;
         int32_t sum = 0;
         k = 0;

@@ -322,11 +322,11 @@ def exactly_half(values: torch.Tensor) -> bool:
 
 def reference_int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """What `CpuGemm.int8` computes, bit for bit, in torch: x (rows, k) float32 rounded per row to
-    int16 codes (scale max(max |x_row|, tiny) / 32767, half to even), exact integer sums with the
+    int16 codes (scale max(max |x_row| / 32767, tiny), half to even), exact integer sums with the
     (n, k) codes over chunks of 512 inputs, each chunk's sum added in float32 in order, then times the
     row's scale and the column's (n,) float32 scale. Rows holding a NaN or an infinity give NaN."""
     rows = x.float()
-    row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 32767
+    row_scale = (rows.abs().amax(dim=1, keepdim=True) / 32767).clamp(min=torch.finfo(torch.float32).tiny)
     x_codes = torch.round(rows / row_scale).to(torch.int64)
     w_codes = codes.to(torch.int64)
     sums = torch.zeros(x.shape[0], codes.shape[0], dtype=torch.float32)
@@ -347,7 +347,7 @@ def reference_int4_gemm(
     multiply-add computed in float64 and rounded once to float32), then y times the row's scale;
     q (n, k) in 0..15, d and m (n, k / group) float32. Rows holding a NaN or an infinity give NaN."""
     rows = x.float()
-    row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 32767
+    row_scale = (rows.abs().amax(dim=1, keepdim=True) / 32767).clamp(min=torch.finfo(torch.float32).tiny)
     x_codes = torch.round(rows / row_scale).to(torch.int64)
     w = q.to(torch.int64)
     out = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float32)

@@ -129,7 +129,8 @@ class W8A8Weight:
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x @ w.T (+ bias) in x's dtype: each row quantized to int8 by its own maximum."""
         rows = x.reshape(-1, x.shape[-1]).float()
-        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny) / _QMAX
+        # a normal float: a subnormal scale keeps a few bits, and a code could pass 127 (and wrap)
+        row_scale = (rows.abs().amax(dim=1, keepdim=True) / _QMAX).clamp_(min=torch.finfo(torch.float32).tiny)
         codes = torch.round(rows / row_scale).to(torch.int8)
         out = torch._int_mm(codes, self.qweight).float().mul_(row_scale).mul_(self.scales)
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])

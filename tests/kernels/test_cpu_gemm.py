@@ -164,6 +164,24 @@ def test_int8_sums_of_the_largest_codes_do_not_overflow() -> None:
 
 
 @needs_gemm
+def test_rows_of_tiny_values_keep_their_codes_in_range() -> None:
+    """A scale max |x| / qmax below FLT_MIN would be subnormal (a few bits): x / scale passed 32767
+    (the vector lanes clamped, the scalar tail wrapped and flipped the sign). The scale stays normal."""
+    assert GEMM is not None
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (16, 9), generator=gen, dtype=torch.int8)
+    scales = torch.rand(16, generator=gen) + 0.01
+    for value in (1.2695e-38, 3.0e-35, 2.0e-34):
+        x = torch.full((2, 9), value)
+        x[1] = -value
+        got = GEMM.int8(x, GEMM.pack_int8(codes), GEMM.pack_scales(scales), 16)
+        assert torch.equal(got, reference_int8_gemm(x, codes, scales))
+        exact = x.double() @ (codes.double() * scales.double()[:, None]).T
+        # no wrapped code (a flipped sign); a row this close to zero keeps a few levels only
+        assert ((got.double() - exact).abs() <= 0.1 * exact.abs()).all()
+
+
+@needs_gemm
 def test_an_int8_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads() -> None:
     """Exact integer sums per chunk, added in chunk order: the same bits in any batch."""
     assert GEMM is not None
@@ -218,7 +236,7 @@ needs_vnni = pytest.mark.skipif(GEMM is None or not GEMM.vnni, reason="no VNNI (
 
 def _int_mm_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """w8a8 in torch: rows to int8 by their own maximum, torch._int_mm, then row and column scales."""
-    row_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    row_scale = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     x_codes = torch.round(x / row_scale).to(torch.int8)
     return torch._int_mm(x_codes, codes.t().contiguous()).float().mul_(row_scale).mul_(scales)
 
