@@ -34,7 +34,7 @@ from gateway.governance.ratelimit import Limit, refusal
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 from gateway.governance.singleflight import SingleFlight
 from gateway.store.db import DATABASE_ERRORS
-from gateway.store.models import UsageDaily, to_picousd
+from gateway.store.models import PICO, UsageDaily, to_picousd
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +92,24 @@ class BudgetExceededError(GatewayError):
     """A budget cannot take this request's reservation (429 `insufficient_quota`); `reset` is when
     the period ends (None: never), told to the client as Retry-After and X-Budget-Reset."""
 
-    def __init__(self, budget: Budget, reset: datetime | None) -> None:
+    def __init__(self, budget: Budget, reset: datetime | None, reserved: int | None = None) -> None:
+        """`reserved`: the picodollars the request would hold (its worst case), where known."""
+        whole = f"the {budget.period} budget of ${budget.limit_usd} for {budget.scope} {budget.subject}"
         when = f"; it resets at {reset.isoformat()}" if reset else " (a total budget: it does not reset)"
-        message = (f"the {budget.period} budget of ${budget.limit_usd} for {budget.scope} "
-                   f"{budget.subject} is spent{when}")  # fmt: skip
+        usd = None if reserved is None else (Decimal(reserved) / PICO).normalize()
+        cost = "" if usd is None else f" (it may cost up to ${usd:f})"
+        self.never_fits = reserved is not None and reserved > to_picousd(budget.limit_usd)
+        if self.never_fits:  # waiting does not help: a smaller max_tokens does
+            message = f"{whole} cannot cover this request even unspent{cost}: lower max_tokens"
+        else:
+            message = f"{whole} has too little left for this request{cost}{when}"
         super().__init__(429, message, "insufficient_quota", code="budget_exceeded")
         self.budget, self.reset = budget, reset
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """Retry-After (seconds from now to the reset) and X-Budget-Reset, when the budget resets."""
-        if self.reset is None:
+        """Retry-After (seconds from now to the reset) and X-Budget-Reset, when the budget resets
+        and the request could fit after it."""
+        if self.reset is None or self.never_fits:
             return []
         wait = (self.reset - datetime.now(UTC)).total_seconds()
         return [
@@ -189,7 +197,7 @@ class LocalBudgetStore:
                 self._spent.setdefault(charge.counter, value)
         for charge in charges:  # no await from here on: the check and the spend are atomic
             if self._spent[charge.counter] + charge.amount > to_picousd(charge.budget.limit_usd):
-                raise BudgetExceededError(charge.budget, charge.reset)
+                raise BudgetExceededError(charge.budget, charge.reset, charge.amount)
         for charge in charges:
             self._spent[charge.counter] += charge.amount
         return True
@@ -302,7 +310,7 @@ class RedisBudgetStore:
                 raise refusal(float(rest[0]), limits[int(rest[1]) - 1])
             charge = charges[int(rest[0]) - 1]
             if verdict == "over":
-                raise BudgetExceededError(charge.budget, charge.reset)
+                raise BudgetExceededError(charge.budget, charge.reset, charge.amount)
             await self._seeding.run(charge.counter, partial(self._seed_counter, charge, seed))
         logger.error("budget counters %s could not be seeded in three tries", keys[len(limits) :])
         raise BudgetUnavailableError("budgets cannot be checked: their counters could not be set up")

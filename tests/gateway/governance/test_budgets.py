@@ -73,6 +73,30 @@ def test_reservations_refuse_past_the_limit_and_settle_to_the_real_cost() -> Non
     asyncio.run(run())
 
 
+def test_a_refusal_says_what_the_request_may_cost_and_waits_only_when_waiting_helps() -> None:
+    store = LocalBudgetStore()
+    key = Budget("key", "k1", Decimal("1.00"), "daily")
+    now = _at(2026, 11, 22, 10)
+
+    async def run() -> None:
+        await store.reserve([_charge(key, now, "0.60")], _nothing_spent)
+        with pytest.raises(BudgetExceededError) as left:  # 0.40 left: after the reset it fits
+            await store.reserve([_charge(key, now, "0.50")], _nothing_spent)
+        assert "has too little left for this request (it may cost up to $0.5)" in str(left.value)
+        assert "spent" not in str(left.value) and [h for h, _ in left.value.headers()] == [
+            b"retry-after",
+            b"x-budget-reset",
+        ]
+        with pytest.raises(BudgetExceededError) as never:  # more than the whole budget: never fits
+            await store.reserve([_charge(key, now, "1.50")], _nothing_spent)
+        assert "cannot cover this request even unspent (it may cost up to $1.5): lower max_tokens" in str(
+            never.value
+        )
+        assert never.value.headers() == []  # no Retry-After: waiting would not help
+
+    asyncio.run(run())
+
+
 def test_a_new_period_starts_from_nothing() -> None:
     store = LocalBudgetStore()
     key = Budget("key", "k1", Decimal("1.00"), "daily")
