@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.api import admin_keys, admin_policy, admin_reports, openai_routes
 from gateway.api.admin_gate import AdminGate
-from gateway.api.asgi import Receive, Scope, Send
+from gateway.api.asgi import Message, Receive, Scope, Send
 from gateway.api.body_limit import BodyLimit
 from gateway.api.completions import COMPLETION_PATHS, CompletionsEndpoint
 from gateway.api.errors import install_error_handlers
@@ -65,10 +66,27 @@ class GatewayApp:
         return app_services(self.api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
+        if scope["type"] != "http":
+            await self.guarded(scope, receive, send)
+        elif scope["path"] in COMPLETION_PATHS:
             await self.completions(scope, receive, send)
         else:
-            await self.guarded(scope, receive, send)
+            await self.guarded(scope, receive, _with_request_id(send))
+
+
+def _with_request_id(send: Send) -> Send:
+    """`send` that gives every answer of the other routes an `x-request-id` too, as the completion
+    endpoint gives its own (docs/gateway.md: every response carries one)."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                headers.append((b"x-request-id", f"req-{uuid.uuid4().hex}".encode()))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None) -> GatewayApp:

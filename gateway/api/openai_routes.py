@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from gateway.api.services import Keys, ProxyDep
+from gateway.errors import GatewayError
 from gateway.governance.keys import KeyInfo
 
 router = APIRouter()
@@ -25,10 +26,22 @@ AuthedKey = Annotated[KeyInfo, Depends(authenticated_key)]
 @router.get("/v1/models")
 async def list_models(key: AuthedKey, service: ProxyDep) -> dict[str, Any]:
     """Only the models the calling key may use; unavailable ones say why."""
-    data = []
+    return {"object": "list", "data": [_entry(name, reason) for name, reason in service.models_for(key)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, key: AuthedKey, service: ProxyDep) -> dict[str, Any]:
+    """One model the calling key may use (`client.models.retrieve`); any other is 404, as OpenAI
+    answers for a model that does not exist or that the caller may not use."""
     for name, reason in service.models_for(key):
-        entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "switchboard"}
-        if reason is not None:
-            entry.update(available=False, unavailable_reason=reason)
-        data.append(entry)
-    return {"object": "list", "data": data}
+        if name == model:
+            return _entry(name, reason)
+    shown = model if len(model) <= 200 else model[:200] + "…"
+    raise GatewayError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
+
+
+def _entry(name: str, reason: str | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "switchboard"}
+    if reason is not None:
+        entry.update(available=False, unavailable_reason=reason)
+    return entry

@@ -134,6 +134,15 @@ def test_models_lists_only_what_the_key_may_use(stack: Stack) -> None:
             model="smart", messages=[{"role": "user", "content": "x"}]
         )
     assert info.value.code == "model_not_allowed"
+    assert stack.client(limited).models.retrieve("fast").id == "fast"
+    for hidden in ("smart", "nope", "a/b"):
+        with pytest.raises(openai.NotFoundError):
+            stack.client(limited).models.retrieve(hidden)
+    listed = httpx.get(f"{stack.gateway.base_url}/v1/models", headers={"Authorization": f"Bearer {limited}"})
+    refused = httpx.get(f"{stack.gateway.base_url}/v1/models")
+    missing = httpx.get(f"{stack.gateway.base_url}/no/such/route")
+    for r in (listed, refused, missing):  # every answer of every route carries a request id
+        assert r.headers["x-request-id"].startswith("req-"), r.status_code
 
 
 def test_auth_matrix(stack: Stack) -> None:
