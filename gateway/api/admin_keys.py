@@ -7,7 +7,7 @@ from decimal import Decimal
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from gateway.api.services import Keys, app_services
 from gateway.errors import GatewayError
@@ -37,7 +37,14 @@ async def require_master_key(request: Request) -> None:
 
 # What the columns hold: the limits are INTEGER, budgets BIGINT picodollars (at most ~9.2e18).
 # Non-finite values (NaN, Infinity, which Python's JSON parser accepts) are refused explicitly.
-PerMinute = Annotated[int, Field(ge=1, le=2**31 - 1)]
+def _not_a_flag(value: object) -> object:
+    if isinstance(value, bool):  # pydantic's lax int takes true as 1
+        raise ValueError("must be a number, not true or false")
+    return value
+
+
+# (a numeric string stays accepted: the console's forms send them)
+PerMinute = Annotated[int, BeforeValidator(_not_a_flag), Field(ge=1, le=2**31 - 1)]
 BudgetUsd = Annotated[
     Decimal, Field(gt=0, le=Decimal(9_000_000), max_digits=20, decimal_places=12, allow_inf_nan=False)
 ]
@@ -80,6 +87,12 @@ class KeyCreate(BaseModel):
     @classmethod
     def _storable(cls, value: object) -> object:
         return _text_only(value, "a string")
+
+    @model_validator(mode="after")
+    def _one_expiry(self) -> KeyCreate:
+        if self.expires_at is not None and self.expires_in_days is not None:
+            raise ValueError("give expires_at or expires_in_days, not both")
+        return self
 
     def expiry(self) -> datetime | None:
         """Absolute expiry from either field."""

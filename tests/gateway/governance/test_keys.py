@@ -110,6 +110,9 @@ def test_a_virtual_key_is_not_an_admin_key(admin: TestClient) -> None:
         {"name": 5},
         {"name": "x", "rpm_limit": 2**31},  # past the column's INTEGER range
         {"name": "x", "budget_usd": "10000000"},  # past BIGINT picodollars
+        {"name": "x", "rpm_limit": True},  # a limit is a number, not a flag
+        {"name": "x", "tpm_limit": False},
+        {"name": "x", "expires_at": "2030-01-01T00:00:00Z", "expires_in_days": 3},  # which one?
     ],
 )
 def test_bad_admin_bodies_are_400(admin: TestClient, body: dict[str, object]) -> None:
