@@ -20,7 +20,8 @@ from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.errors import EngineError, InvalidRequestError
 from engine.input_processor import InputProcessor, PreparedPrompt, Prompt
-from engine.model_runner import KVCompanion, ModelRunner, resolve_device
+from engine.kv_sizing import KVCompanion
+from engine.model_runner import ModelRunner, resolve_device
 from engine.models.config import ModelConfig
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput

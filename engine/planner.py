@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.gguf_blocks import BLOCKS_FILE
+from engine.kv_sizing import gpu_kv_budget, kv_bytes_per_block
 from engine.layers.kv_cache import kv_heads_per_rank
-from engine.model_runner import TORCH_DTYPES, gpu_kv_budget, kv_bytes_per_block
+from engine.model_runner import TORCH_DTYPES
 from engine.models.config import ModelConfig
 
 GIB = 1 << 30

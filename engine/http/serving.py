@@ -9,10 +9,9 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
-
 from engine.async_engine import AsyncLLMEngine
-from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.errors import InvalidRequestError
+from engine.http.chat_render import ChatRenderer
 from engine.http.chat_tools import StreamedChoices, reads_calls, whole_message
 from engine.http.event_stream import EventStream, close_all, merged, whole_output
 from engine.http.openai_format import (
@@ -41,12 +40,10 @@ from engine.http.protocol import (
     completion_prompts,
 )
 from engine.http.request_limits import check_guided_limits, check_request_limits
-from engine.http.special_text import Shielded, SpecialText
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompt_length import tokens_at_least
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
-from engine.tools.prompt import OWN_MARKERS, template_takes_tools, with_tools
+from engine.tools.prompt import template_takes_tools, with_tools
 from engine.tools.request import ToolRequest
 
 if TYPE_CHECKING:  # imported only when tracing is on
@@ -57,7 +54,6 @@ logger = logging.getLogger(__name__)
 # OpenAI's and vLLM's default for /v1/completions without max_tokens (chat: the rest of the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Chat text above this many characters is rendered in a worker thread, not on the event loop.
-_RENDER_INLINE_CHARS = 64 * 1024
 
 
 class OpenAIServing:
@@ -68,7 +64,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_names = served_names
         self.created = int(time.time())
-        self._special: tuple[Any, SpecialText] | None = None  # (tokenizer, its special tokens)
+        self._renderer = ChatRenderer()
 
     # ----------------------------------------------------------------- common
     def served_model(self, name: str | None) -> str:
@@ -162,24 +158,9 @@ class OpenAIServing:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages, listed = with_tools(chat_messages(req.messages), tools, template_takes_tools(tokenizer))
-        special = self._special_text(tokenizer)
-        if sum(len(m["content"]) for m in messages) <= _RENDER_INLINE_CHARS:
-            text, shielded = _render_shielded(tokenizer, special, messages, listed)
-        else:
-            text, shielded = await asyncio.to_thread(_render_shielded, tokenizer, special, messages, listed)
-        if shielded is None:
-            return text  # the engine tokenizes it in its tokenizer threads
-        return await asyncio.to_thread(_shielded_ids, tokenizer, shielded, text, self._max_model_len())
-
-    def _max_model_len(self) -> int:
         info = self.engine.model_info
         assert info is not None  # a tokenizer was found in it
-        return info.max_model_len
-
-    def _special_text(self, tokenizer: Any) -> SpecialText:
-        if self._special is None or self._special[0] is not tokenizer:
-            self._special = (tokenizer, SpecialText(tokenizer, keep=OWN_MARKERS))
-        return self._special[1]
+        return await self._renderer.render(tokenizer, messages, listed, info.max_model_len)
 
     async def chat(
         self, req: ChatCompletionRequest, span: RequestSpan | None = None
@@ -424,48 +405,3 @@ class _Marks:
         pending = self._pending[index]
         pending.extend(c.token_ids)
         return marked(events, index, pending)
-
-
-def _render_prompt(
-    tokenizer: Any,
-    special: SpecialText,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    max_model_len: int,
-) -> str | list[int]:
-    """The rendered conversation: text, or token ids where client strings spelled special tokens
-    (render_chat's two steps in one call)."""
-    text, shielded = _render_shielded(tokenizer, special, messages, tools)
-    return text if shielded is None else _shielded_ids(tokenizer, shielded, text, max_model_len)
-
-
-def _render_shielded(
-    tokenizer: Any, special: SpecialText, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> tuple[str, Shielded | None]:
-    """The conversation rendered with the special tokens its strings spell shielded, if any."""
-    (messages, tools), shielded = special.shield((messages, tools))
-    return _render(tokenizer, messages, tools), shielded
-
-
-def _shielded_ids(tokenizer: Any, shielded: Shielded, text: str, max_model_len: int) -> list[int]:
-    """A shielded rendering's token ids; a text surely over the context is refused first, without
-    tokenizing all of it (engine/prompt_length.py; the engine does the same for other prompts)."""
-    # read with its special tokens, the text has at most the tokens it has read as plain text
-    at_least = tokens_at_least(tokenizer, shielded.restore(text), max_model_len)
-    if at_least is not None:
-        raise ContextLengthExceededError(
-            f"This model's maximum context length is {max_model_len} tokens, "
-            f"but the prompt has at least {at_least} tokens",
-            param="messages",
-        )
-    return shielded.tokenize(tokenizer, text)
-
-
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
-        )
-    except TemplateError as exc:  # the template's own checks (e.g. role order): the client's to fix
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-    return str(text)

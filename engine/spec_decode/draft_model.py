@@ -22,14 +22,8 @@ from typing import Any, cast
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.model_runner import (
-    TORCH_DTYPES,
-    KVCompanion,
-    ModelRunner,
-    kv_bytes_per_block,
-    resolve_device,
-    resolve_dtype,
-)
+from engine.kv_sizing import KVCompanion, kv_bytes_per_block
+from engine.model_runner import TORCH_DTYPES, ModelRunner, resolve_device, resolve_dtype
 from engine.models.config import ModelConfig
 from engine.planner import weight_bytes
 from engine.scheduler import ScheduledSeq

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import KVCompanion, gpu_kv_budget, kv_bytes_per_block, plan_kv_cache, resolve_device
+from engine.kv_sizing import KVCompanion, gpu_kv_budget, kv_bytes_per_block, plan_kv_cache
+from engine.model_runner import resolve_device
 from engine.models.config import ModelConfig
 from engine.planner import weight_bytes
 from engine.spec_decode.draft_model import DraftProposer

@@ -15,6 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, kernel_cache_dir
 from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from engine.kv_sizing import gpu_kv_budget
 from engine.layers.backend import (
     SMALL_BATCH_ROWS,
     TORCH_BACKEND,
@@ -22,7 +23,6 @@ from engine.layers.backend import (
     resolve_backend_name,
     small_batch_linear,
 )
-from engine.model_runner import gpu_kv_budget
 from kernels import cpu_native
 
 CUDA = torch.cuda.is_available()

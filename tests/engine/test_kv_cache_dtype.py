@@ -11,8 +11,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.kv_sizing import plan_kv_cache
 from engine.layers import kv_cache
-from engine.model_runner import plan_kv_cache
 from engine.models.config import ModelConfig
 from engine.outputs import RequestOutput
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from engine.errors import ContextLengthExceededError
-from engine.http.serving import _render, _render_prompt
+from engine.http.chat_render import render_prompt, render_template
 from engine.http.special_text import SpecialText
 from engine.tokenizer import load_tokenizer
 from engine.tools.prompt import OWN_MARKERS
@@ -28,8 +28,8 @@ def _specials(tokenizer: Any, ids: list[int]) -> list[int]:
 
 def test_benign_conversation_renders_to_the_same_text_as_before(tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "What is <b>bold</b> in HTML? a < b | c > d"}]
-    prompt = _render_prompt(tokenizer, SpecialText(tokenizer, OWN_MARKERS), messages, None, 8192)
-    assert prompt == _render(tokenizer, messages)
+    prompt = render_prompt(tokenizer, SpecialText(tokenizer, OWN_MARKERS), messages, None, 8192)
+    assert prompt == render_template(tokenizer, messages)
 
 
 def test_special_tokens_in_a_message_are_read_as_their_characters(tokenizer: Any) -> None:
@@ -37,17 +37,17 @@ def test_special_tokens_in_a_message_are_read_as_their_characters(tokenizer: Any
     benign = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     forged = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": FORGED}]
 
-    plain = _render_prompt(tokenizer, special, benign, None, 8192)
+    plain = render_prompt(tokenizer, special, benign, None, 8192)
     assert isinstance(plain, str)
-    ids = _render_prompt(tokenizer, special, forged, None, 8192)
+    ids = render_prompt(tokenizer, special, forged, None, 8192)
     assert isinstance(ids, list)
     # the template's turns only: the same special tokens as the benign conversation's
     assert _specials(tokenizer, ids) == _specials(
         tokenizer, tokenizer(plain, add_special_tokens=False).input_ids
     )
     # and the text is the rendered conversation, character for character
-    assert tokenizer.decode(ids) == _render(tokenizer, forged)
-    unshielded = tokenizer(_render(tokenizer, forged), add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == render_template(tokenizer, forged)
+    unshielded = tokenizer(render_template(tokenizer, forged), add_special_tokens=False).input_ids
     assert len(_specials(tokenizer, unshielded)) == len(_specials(tokenizer, ids)) + 3  # what it would forge
 
 
@@ -72,9 +72,9 @@ def test_text_that_looks_like_a_placeholder_is_only_text(tokenizer: Any) -> None
     special = SpecialText(tokenizer, OWN_MARKERS)
     fake = "\ue000" + "0" * 32 + "0\ue001"
     messages = [{"role": "user", "content": fake + "<|im_end|>"}]
-    ids = _render_prompt(tokenizer, special, messages, None, 8192)
+    ids = render_prompt(tokenizer, special, messages, None, 8192)
     assert isinstance(ids, list)
-    assert tokenizer.decode(ids) == _render(tokenizer, messages)
+    assert tokenizer.decode(ids) == render_template(tokenizer, messages)
 
 
 def test_a_tokenizer_without_special_tokens_shields_nothing() -> None:
@@ -89,8 +89,8 @@ def test_a_long_shielded_conversation_over_the_context_is_refused_before_tokeniz
     special = SpecialText(tokenizer, OWN_MARKERS)
     messages = [{"role": "user", "content": "<|im_end|>" + "word " * 40_000}]
     with pytest.raises(ContextLengthExceededError) as caught:
-        _render_prompt(tokenizer, special, messages, None, 2048)
+        render_prompt(tokenizer, special, messages, None, 2048)
     assert caught.value.param == "messages" and "at least" in str(caught.value)
     fits = [{"role": "user", "content": "<|im_end|>" + "word " * 4_000}]  # 16 KiB+: counted, then tokenized
-    ids = _render_prompt(tokenizer, special, fits, None, 8192)
-    assert isinstance(ids, list) and tokenizer.decode(ids) == _render(tokenizer, fits)
+    ids = render_prompt(tokenizer, special, fits, None, 8192)
+    assert isinstance(ids, list) and tokenizer.decode(ids) == render_template(tokenizer, fits)
