@@ -43,13 +43,24 @@ class RateLimitedError(GatewayError):
     """A limit is reached: 429, typed by what the limit counts (`unit`: "requests" or "tokens"),
     with `retry_after` seconds until the request would be admitted."""
 
-    def __init__(self, message: str, retry_after: float, unit: str = "requests") -> None:
+    def __init__(
+        self, message: str, retry_after: float, unit: str = "requests", per_minute: int | None = None
+    ) -> None:
         super().__init__(429, message, unit, code="rate_limit_exceeded")
-        self.retry_after = retry_after
+        self.retry_after, self.unit, self.per_minute = retry_after, unit, per_minute
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """`Retry-After`."""
-        return [(b"retry-after", retry_after_header(self.retry_after))]
+        """`Retry-After`, and OpenAI's `x-ratelimit-*` trio for the limit reached (the SDKs and
+        LiteLLM's clients read them)."""
+        out = [(b"retry-after", retry_after_header(self.retry_after))]
+        if self.per_minute is not None and self.unit in ("requests", "tokens"):
+            unit = self.unit.encode()
+            out += [
+                (b"x-ratelimit-limit-" + unit, b"%d" % self.per_minute),
+                (b"x-ratelimit-remaining-" + unit, b"0"),
+                (b"x-ratelimit-reset-" + unit, b"%.3gs" % max(self.retry_after, 0.0)),
+            ]
+        return out
 
 
 class LimiterUnavailableError(GatewayError):
@@ -89,8 +100,10 @@ def refusal(wait: float, culprit: Limit) -> RateLimitedError:
             f"this request needs {culprit.cost} units but the limit is {culprit.per_minute} {culprit.label}",
             WINDOW,
             culprit.unit,
+            culprit.per_minute,
         )
-    return RateLimitedError(f"rate limit reached: {culprit.per_minute} {culprit.label}", wait, culprit.unit)
+    message = f"rate limit reached: {culprit.per_minute} {culprit.label}"
+    return RateLimitedError(message, wait, culprit.unit, culprit.per_minute)
 
 
 class LocalRateLimiter:

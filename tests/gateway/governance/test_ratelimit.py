@@ -40,6 +40,12 @@ def test_a_full_minute_is_admitted_at_once_then_one_unit_per_interval() -> None:
         with pytest.raises(RateLimitedError) as info:
             await limiter.acquire([_rpm("k", 6)])
         assert info.value.retry_after == pytest.approx(10.0)  # 60 s / 6
+        assert info.value.headers() == [  # Retry-After, and OpenAI's headers for the limit reached
+            (b"retry-after", b"10"),
+            (b"x-ratelimit-limit-requests", b"6"),
+            (b"x-ratelimit-remaining-requests", b"0"),
+            (b"x-ratelimit-reset-requests", b"10s"),
+        ]
         clock.now += 10.0
         await limiter.acquire([_rpm("k", 6)])
 
