@@ -27,6 +27,7 @@ class TensorParallelGroup:
     group: Any  # ProcessGroupGloo / ProcessGroupNCCL
     store: Any  # the rendezvous store (kept alive with the group)
     device: torch.device
+    timeout: datetime.timedelta = datetime.timedelta(seconds=60)  # a step's collectives
 
     @property
     def is_driver(self) -> bool:
@@ -54,8 +55,14 @@ class TensorParallelGroup:
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         if idle:
-            options.timeout = _IDLE_WAIT
-        self.group.broadcast([length], options).wait()
+            options.timeout = _IDLE_WAIT  # gloo reads the operation's own limit
+            self._default_timeout(_IDLE_WAIT)  # NCCL's watchdog: the group's, when the work is made
+        try:
+            work = self.group.broadcast([length], options)
+        finally:
+            if idle:
+                self._default_timeout(self.timeout)
+        work.wait()
         payload = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
             if self.is_driver
@@ -63,6 +70,11 @@ class TensorParallelGroup:
         )
         self.group.broadcast(payload, 0).wait()
         return obj if self.is_driver else pickle.loads(payload.cpu().numpy().tobytes())
+
+    def _default_timeout(self, limit: datetime.timedelta) -> None:
+        setter = getattr(self.group, "_set_default_timeout", None)
+        if setter is not None:
+            setter(limit)
 
     def close(self) -> None:
         """Leave the group (its sockets close; a rank still waiting on it gets an error)."""
@@ -88,4 +100,4 @@ def init_group(
         group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
         group = dist.ProcessGroupGloo(store, rank, size, limit)
-    return TensorParallelGroup(rank, size, group, store, device)
+    return TensorParallelGroup(rank, size, group, store, device, limit)
