@@ -213,6 +213,11 @@ class LocalBudgetStore:
 # all or nothing. KEYS: limit counters, then budget counters. ARGV: n_limits, n_budgets, then
 # interval_i, cost_i per limit, then limit_j, amount_j per budget. Returns "ok", "missing <j>",
 # "over <j>" or "limit <wait> <i>".
+# a settle's change, on a counter that still exists (an expired one is seeded again from the log)
+_SETTLE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('INCRBY', KEYS[1], ARGV[1]) end
+return false
+"""
 _ADMIT = """
 local nl, nb = tonumber(ARGV[1]), tonumber(ARGV[2])
 for j = 1, nb do
@@ -266,6 +271,9 @@ class RedisBudgetStore:
         self._redis: Any = pool.client(url)
         self._seeding: SingleFlight[str, None] = SingleFlight()
         self._admit = self._redis.register_script(_ADMIT)
+        self._settle_script = self._redis.register_script(_SETTLE)
+        self._unsettled: dict[str, int] = {}  # counter -> picodollars owed to it (Redis was away)
+        self._writing = False
         self._prefix = prefix
         self.fail_open = fail_open
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
@@ -295,6 +303,8 @@ class RedisBudgetStore:
         SpendUnavailableError propagate to the caller, which applies its fail-open/closed settings.
         Nothing is spent when one of them is raised.
         """
+        if self._unsettled:  # Redis may be back: what earlier settles owe is written first
+            await self._write_unsettled()
         keys = [limit_prefix + limit.name for limit in limits] + [self._prefix + c.counter for c in charges]
         args: list[float | int] = [len(limits), len(charges)]
         for limit in limits:
@@ -329,12 +339,34 @@ class RedisBudgetStore:
         return self._errors
 
     async def settle(self, charge: Charge, actual: int) -> None:
+        """The reservation becomes the real cost. One Redis could not take (it was away) is kept
+        and written by a later settle or reservation: dropping it left the whole worst case on the
+        budget until the counter expired (never, for a total budget)."""
         delta = actual - charge.amount
         if delta:
-            try:
-                await self._redis.incrby(self._prefix + charge.counter, delta)
-            except self._errors as exc:
-                logger.error("budget %s: could not settle %d picodollars: %s", charge.counter, delta, exc)
+            key = self._prefix + charge.counter
+            self._unsettled[key] = self._unsettled.get(key, 0) + delta
+        await self._write_unsettled()
+
+    async def _write_unsettled(self) -> None:
+        """Write the changes still owed, one writer at a time (a second would write them twice);
+        a counter gone meanwhile (expired) is left to be seeded again from the request log."""
+        if not self._unsettled or self._writing:
+            return
+        self._writing = True
+        try:
+            while self._unsettled:
+                key, delta = next(iter(self._unsettled.items()))
+                try:
+                    await self._settle_script(keys=[key], args=[delta])
+                except self._errors as exc:
+                    logger.error("budget %s: %d picodollars not settled yet: %s", key, delta, exc)
+                    return
+                left = self._unsettled.pop(key) - delta  # what other settles owed meanwhile
+                if left:
+                    self._unsettled[key] = left
+        finally:
+            self._writing = False
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -136,8 +136,10 @@ class PriceBook:
         return self._prices.get(backend)
 
     def worst_case(self, chain: Sequence[str], body: dict[str, Any], body_bytes: int) -> Decimal:
-        """The most a request may cost anywhere on its chain: prompt ~ body bytes / 4, plus n x max_tokens
-        (or the dearest model's output cap, else DEFAULT_OUTPUT_CAP) at the dearest prices."""
+        """The most a request may cost anywhere on its chain: a prompt token per body byte (a token
+        is at least a byte; bytes / 4, an average, let concurrent requests overspend a budget by
+        more than one reservation), plus n x max_tokens (or the dearest model's output cap, else
+        DEFAULT_OUTPUT_CAP) at the dearest prices."""
         prices = [p for p in (self._prices.get(self._backend_of.get(m, "")) for m in chain) if p is not None]
         if not prices:
             return Decimal(0)
@@ -146,7 +148,7 @@ class PriceBook:
             caps = [self._caps.get(m) for m in chain]
             out = max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
         out *= choices(body)  # every one of n answers is billed
-        return body_bytes // 4 * max(p.input for p in prices) + out * max(p.output for p in prices)
+        return body_bytes * max(p.input for p in prices) + out * max(p.output for p in prices)
 
     def costs(self, backend: str, usage: dict[str, Any]) -> tuple[Decimal | None, Decimal | None]:
         """(what the request cost, what the reference model would have charged: self-hosted only)."""

@@ -44,7 +44,11 @@ class Finish:
         if call.logged:
             return
         call.logged = True
-        served = call.backend is not None and (status in (200, 499) or (status == 502 and bool(call.lines)))
+        # a stream that broke off (502) or was ended by the upstream's request error (400) after
+        # sending answer lines was served as far as it went: those tokens are counted and billed
+        served = call.backend is not None and (
+            status in (200, 499) or (status in (400, 502) and bool(call.lines))
+        )
         if not served or (call.usage and not says_zero(call.usage)):
             self._finish(call, status, error, False)
             return

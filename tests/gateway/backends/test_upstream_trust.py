@@ -155,11 +155,11 @@ def test_fallbacks_a_key_may_not_call_are_never_reached() -> None:
 def test_reservations_cover_every_answer_asked_for() -> None:
     prices = PriceBook(parse_policy(POLICY))
     one = prices.worst_case(("fast",), {"max_tokens": 100}, 400)
-    assert prices.worst_case(("fast",), {"max_tokens": 100, "n": 4}, 400) == 100 * Decimal(1) / 10**6 + 4 * (
-        one - 100 * Decimal(1) / 10**6
-    )
+    prompt = 400 * Decimal(1) / 10**6  # a token per body byte: a token is at least one byte
+    assert one == prompt + 100 * Decimal(2) / 10**6
+    assert prices.worst_case(("fast",), {"max_tokens": 100, "n": 4}, 400) == prompt + 4 * (one - prompt)
     huge = prices.worst_case(("fast",), {"max_tokens": 10**30, "n": 10**9}, 400)
-    assert huge <= (MAX_TOKENS * 128 + 100) * Decimal(2) / 10**6  # clamped: stays a number Redis can count
+    assert huge <= MAX_TOKENS * 128 * Decimal(2) / 10**6 + prompt  # clamped: stays a number Redis can count
     ticket = Ticket()
     limits = Admission._limits(_runtime(), _key(None, tpm=10**9), {"max_tokens": 50, "n": 3}, 400, ticket)
     assert ticket.reserved_tokens == 100 + 150 and all(lim.cost == 250 for lim in limits)

@@ -9,6 +9,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry
 
 from gateway.governance.budgets import (
@@ -312,3 +313,32 @@ def test_budget_errors_name_redis_or_the_database_but_never_their_error_text(
     for message in messages:
         assert "127.0.0.1" not in message and "Connect call failed" not in message and "111" not in message
     assert "127.0.0.1" in caplog.text  # the details are in the gateway's log
+
+
+def test_a_settle_redis_could_not_take_is_written_once_it_is_back() -> None:
+    """Dropping it left the whole worst-case reservation on the budget until the counter expired."""
+    subject = uuid.uuid4().hex
+    budget = Budget("key", subject, Decimal("1.00"), "total")
+    now = datetime.now(UTC)
+
+    async def run() -> None:
+        store = RedisBudgetStore(REDIS)
+        counter = "switchboard:" + _charge(budget, now, "0").counter
+        first = _charge(budget, now, "0.80")  # a worst case of 80 cents
+        await store.reserve([first], _nothing_spent)
+        script = store._settle_script
+
+        async def away(**kwargs: object) -> None:
+            raise redis.ConnectionError("Redis is away")
+
+        store._settle_script = away
+        await store.settle(first, to_picousd(Decimal("0.05")))  # it really cost 5 cents: not written
+        assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.80"))
+        store._settle_script = script  # back: the next admission writes what is owed first
+        await store.reserve([_charge(budget, now, "0.90")], _nothing_spent)  # fits only once settled
+        assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.95"))
+        assert store._unsettled == {}
+        await store._redis.delete(counter)
+        await store.close()
+
+    asyncio.run(run())

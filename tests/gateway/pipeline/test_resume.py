@@ -208,6 +208,8 @@ def test_a_mid_stream_invalid_request_error_is_passed_on_once_never_resumed(stac
     assert sum(served_after) - sum(served_before) == 1  # not resumed elsewhere
     row = stack.row(headers["x-request-id"])
     assert row["status"] == 400 and row["error_type"] == "invalid_json_schema" and row["resumptions"] == 0
+    # the words streamed before the error were served: counted and billed, not free
+    assert row["completion_tokens"] and row["prompt_tokens"] and int(row["cost_picousd"]) > 0
 
 
 def test_with_no_other_replica_left_the_stream_ends_with_an_error_event(stack: Stack) -> None:
