@@ -19,6 +19,7 @@ that way reserved nothing, so nothing is settled for it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -213,6 +214,7 @@ class LocalBudgetStore:
 # all or nothing. KEYS: limit counters, then budget counters. ARGV: n_limits, n_budgets, then
 # interval_i, cost_i per limit, then limit_j, amount_j per budget. Returns "ok", "missing <j>",
 # "over <j>" or "limit <wait> <i>".
+_SETTLE_RETRY_SECONDS = 1.0
 # a settle's change, on a counter that still exists (an expired one is seeded again from the log)
 _SETTLE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('INCRBY', KEYS[1], ARGV[1]) end
@@ -274,6 +276,7 @@ class RedisBudgetStore:
         self._settle_script = self._redis.register_script(_SETTLE)
         self._unsettled: dict[str, int] = {}  # counter -> picodollars owed to it (Redis was away)
         self._writing = False
+        self._retry_at = 0.0  # monotonic time before which owed changes are not tried again
         self._prefix = prefix
         self.fail_open = fail_open
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
@@ -351,7 +354,7 @@ class RedisBudgetStore:
     async def _write_unsettled(self) -> None:
         """Write the changes still owed, one writer at a time (a second would write them twice);
         a counter gone meanwhile (expired) is left to be seeded again from the request log."""
-        if not self._unsettled or self._writing:
+        if not self._unsettled or self._writing or time.monotonic() < self._retry_at:
             return
         self._writing = True
         try:
@@ -360,6 +363,8 @@ class RedisBudgetStore:
                 try:
                     await self._settle_script(keys=[key], args=[delta])
                 except self._errors as exc:
+                    # tried again in a second: an admission meanwhile does not wait on Redis twice
+                    self._retry_at = time.monotonic() + _SETTLE_RETRY_SECONDS
                     logger.error("budget %s: %d picodollars not settled yet: %s", key, delta, exc)
                     return
                 left = self._unsettled.pop(key) - delta  # what other settles owed meanwhile

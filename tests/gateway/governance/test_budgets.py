@@ -334,7 +334,8 @@ def test_a_settle_redis_could_not_take_is_written_once_it_is_back() -> None:
         store._settle_script = away
         await store.settle(first, to_picousd(Decimal("0.05")))  # it really cost 5 cents: not written
         assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.80"))
-        store._settle_script = script  # back: the next admission writes what is owed first
+        store._settle_script = script  # back: the next admission a second later writes what is owed first
+        await asyncio.sleep(1.05)
         await store.reserve([_charge(budget, now, "0.90")], _nothing_spent)  # fits only once settled
         assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.95"))
         assert store._unsettled == {}
