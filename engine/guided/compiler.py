@@ -105,6 +105,8 @@ class GuidedCompiler:
         tokenizer = self._tokenizer.result()
         matcher = LLMatcher(tokenizer, _grammar(spec, tokenizer), log_level=0, limits=self._limits)
         if matcher.is_error():
+            for part in spec.parts:  # name the part to blame, if one is refused on its own
+                self._compile(part)
             raise _refusal(spec, matcher.get_error())
         return CompiledGrammar(spec, matcher, self.vocab_size)
 
@@ -163,7 +165,8 @@ def _for_request(exc: GuidedDecodingError, spec: GuidedSpec) -> GuidedDecodingEr
     """A fresh error naming this request's field: a cached refusal may come from another request
     (equal specs may arrive through different fields), and one exception object shared by many
     raisers would collect all their tracebacks."""
-    return GuidedDecodingError(str(exc), code=exc.code, param=spec.param)
+    own = exc.param is not None and any(part.param == exc.param for part in spec.parts)
+    return GuidedDecodingError(str(exc), code=exc.code, param=exc.param if own else spec.param)
 
 
 def _result(future: Future[CompiledGrammar], spec: GuidedSpec) -> CompiledGrammar:

@@ -42,6 +42,9 @@ class GuidedSpec:
     any_whitespace: bool = True  # JSON kinds: whitespace allowed between tokens
     whitespace_pattern: str | None = None  # JSON kinds: a regex for that whitespace instead
     param: str | None = field(default=None, compare=False)  # the request field a 400 names
+    # specs this one is built from (each function's parameters in a tools grammar): when the whole
+    # is refused, the first refused part is named instead (`tools[1].function.parameters`)
+    parts: tuple[GuidedSpec, ...] = field(default=(), compare=False)
 
     @classmethod
     def json_schema(

@@ -19,6 +19,7 @@ none is not constrained at all (the answer is text; tags in it are not parsed as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from engine.guided.spec import GuidedSpec
@@ -67,7 +68,12 @@ def tool_spec(tools: ToolRequest) -> GuidedSpec | None:
         lexemes = []
     lexemes.append("SEP: /\\n{1,2}/")
     grammar = "\n".join(["%llguidance {}", start, *rules, *lexemes]) + "\n"
-    return GuidedSpec.grammar(grammar, param="tools")
+    parts = tuple(
+        GuidedSpec.json_schema(f.parameters, param=f"tools[{i}].function.parameters", any_whitespace=False)
+        for i, f in enumerate(tools.functions)
+        if f in functions
+    )
+    return dataclasses.replace(GuidedSpec.grammar(grammar, param="tools"), parts=parts)
 
 
 def _arguments(function: Function) -> str:

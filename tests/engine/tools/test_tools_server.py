@@ -304,6 +304,26 @@ class TestTinyModel:
                 "tool_choice.function.name",
             ),
             ({"tool_choice": "required"}, "tool_choice"),
+            # a parameters schema no value satisfies: the grammar names the tool, not the whole list
+            (
+                {
+                    "tools": [
+                        *TOOLS,
+                        {
+                            "type": "function",
+                            "function": {
+                                "name": "impossible",
+                                "parameters": {
+                                    "type": "object",
+                                    "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+                                    "required": ["n"],
+                                },
+                            },
+                        },
+                    ]
+                },
+                "tools[2].function.parameters",
+            ),
             ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ]
         for extra, param in bad:
