@@ -58,3 +58,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def retry_after_header(seconds: float) -> bytes:
     """`Retry-After` in whole seconds, at least 1."""
     return str(max(1, math.ceil(seconds))).encode()
+
+
+_ECHOED_NAME = 200  # characters of a model's name repeated in its 404 (a 2 MB name is not echoed)
+
+
+def model_not_found(model: str) -> GatewayError:
+    """The 404 for a model the gateway does not serve (or that the key may not list)."""
+    shown = model if len(model) <= _ECHOED_NAME else model[:_ECHOED_NAME] + "…"
+    return GatewayError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")

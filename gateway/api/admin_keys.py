@@ -13,7 +13,7 @@ from gateway.api.services import Keys, app_services
 from gateway.errors import GatewayError
 from gateway.governance.budgets import Period
 from gateway.governance.keys import AuthError, KeyNotFoundError
-from gateway.store.row_sanitizer import clean_text
+from gateway.store.row_sanitizer import clean_json
 
 router = APIRouter(prefix="/admin/keys")
 
@@ -51,19 +51,11 @@ BudgetUsd = Annotated[
 MAX_EXPIRY_DAYS = 36_500  # a hundred years: longer is "never", which is leaving the expiry out
 
 
-def _text_only(value: Any, where: str = "") -> Any:
-    """`value` (JSON: dicts, lists, scalars) when every string in it is storable text: a lone
-    surrogate (JSON's "\\ud800") or NUL would be stored by one driver and break reading it back."""
-    if isinstance(value, str):
-        if "\x00" in value or clean_text(value) != value:
-            raise ValueError(f"{where or 'the value'} holds a NUL or a lone surrogate: not storable text")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _text_only(k, where)
-            _text_only(v, where)
-    elif isinstance(value, list):
-        for v in value:
-            _text_only(v, where)
+def _text_only(value: Any) -> Any:
+    """`value` (JSON) when every string in it, keys included, is storable text: a lone surrogate
+    (JSON's "\\ud800") or NUL would be stored by one driver and break reading it back."""
+    if clean_json(value) != value:
+        raise ValueError("a string holds a NUL or a lone surrogate: not storable text")
     return value
 
 
@@ -86,7 +78,7 @@ class KeyCreate(BaseModel):
     @field_validator("name", "team", "allowed_models", "metadata")
     @classmethod
     def _storable(cls, value: object) -> object:
-        return _text_only(value, "a string")
+        return _text_only(value)
 
     @model_validator(mode="after")
     def _one_expiry(self) -> KeyCreate:
@@ -131,7 +123,7 @@ class KeyUpdate(BaseModel):
     @field_validator("name", "team", "allowed_models", "metadata")
     @classmethod
     def _storable(cls, value: object) -> object:
-        return _text_only(value, "a string")
+        return _text_only(value)
 
 
 admin = [Depends(require_master_key)]

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from gateway.api.services import Keys, ProxyDep
-from gateway.errors import GatewayError
+from gateway.errors import model_not_found
 from gateway.governance.keys import KeyInfo
 
 router = APIRouter()
@@ -36,8 +36,7 @@ async def retrieve_model(model: str, key: AuthedKey, service: ProxyDep) -> dict[
     for name, reason in service.models_for(key):
         if name == model:
             return _entry(name, reason)
-    shown = model if len(model) <= 200 else model[:200] + "…"
-    raise GatewayError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
+    raise model_not_found(model)
 
 
 def _entry(name: str, reason: str | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from gateway.governance.key_cache import KeyCache
 from gateway.governance.singleflight import SingleFlight
 from gateway.store.db import DATABASE_ERRORS, translated_errors, unavailable
 from gateway.store.models import ApiKey
-from gateway.store.row_sanitizer import clean_text
+from gateway.store.row_sanitizer import clean_json
 
 logger = logging.getLogger(__name__)
 
@@ -168,18 +168,6 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else _aware(value).isoformat()
 
 
-def _readable(value: Any) -> Any:
-    """Stored JSON with any unencodable text (a row written before the admin API refused it) made
-    readable, so that one such row cannot break listing the keys."""
-    if isinstance(value, str):
-        return clean_text(value)
-    if isinstance(value, dict):
-        return {clean_text(str(k)): _readable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_readable(v) for v in value]
-    return value
-
-
 def _info(row: ApiKey) -> KeyInfo:
     return KeyInfo(
         id=row.id,
@@ -187,7 +175,8 @@ def _info(row: ApiKey) -> KeyInfo:
         key_prefix=row.key_prefix,
         team=row.team,
         allowed_models=tuple(row.allowed_models) if row.allowed_models is not None else None,
-        metadata=_readable(dict(row.metadata_ or {})),
+        # a row written before the admin API refused unstorable text: read with U+FFFD in its place
+        metadata=clean_json(dict(row.metadata_ or {})),
         created_at=_aware(row.created_at),
         expires_at=_aware(row.expires_at) if row.expires_at else None,
         revoked_at=_aware(row.revoked_at) if row.revoked_at else None,

@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, model_not_found
 from gateway.governance.keys import AuthError
 from gateway.pipeline.call import Call
 from gateway.pipeline.runtime import Runtime
@@ -14,9 +14,6 @@ from gateway.pipeline.runtime import Runtime
 # Fields the gateway sends its engines for stream resumption (pipeline/resume.py): a client's
 # would make an engine report token ids to it, or go on from tokens it made up.
 _ENGINE_INTERNAL = ("stream_token_ids", "resume")
-
-
-_ECHOED_NAME = 200  # characters of an unknown model's name repeated in the 404
 
 
 def prepare(
@@ -45,8 +42,7 @@ def prepare(
     call.stream = body.get("stream") is True
     call.trace.parsed(model, body)
     if model not in rt.policy.models and model not in rt.policy.routes:
-        shown = model if len(model) <= _ECHOED_NAME else model[:_ECHOED_NAME] + "…"
-        raise GatewayError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
+        raise model_not_found(model)
     if not call.key.allows(model):
         raise AuthError(403, f"this key may not use the model '{model}'", "model_not_allowed")
     _check_shape(body, path)

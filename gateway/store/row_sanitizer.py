@@ -63,6 +63,18 @@ def clean_text(value: str) -> str:
     return value
 
 
+def clean_json(value: Any) -> Any:
+    """A JSON value (dicts, lists, scalars) with `clean_text` applied to every string in it, keys
+    included: equal to `value` exactly when all of its text is storable."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, dict):
+        return {clean_text(str(k)): clean_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean_json(v) for v in value]
+    return value
+
+
 def _text(limit: int | None) -> Cleaner:
     def clean(value: Any) -> Any:
         if type(value) is str:
