@@ -198,12 +198,8 @@ class HostedModel:
         field, clipped); our credentials being refused (401/403) is our fault, not the client's: a
         502 that fails over. Nothing else of litellm's text reaches the client: it is logged.
         """
-        if isinstance(exc, (litellm.exceptions.Timeout,)):
-            raise UpstreamUnavailableError(
-                f"{self.spec.model} timed out", timeout=True, deployment=self.spec.model
-            ) from exc
         failed = _connection_failure(exc)
-        if failed == "timeout":
+        if isinstance(exc, litellm.exceptions.Timeout) or failed == "timeout":
             raise UpstreamUnavailableError(
                 f"{self.spec.model} timed out", timeout=True, deployment=self.spec.model
             ) from exc

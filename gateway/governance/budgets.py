@@ -210,16 +210,17 @@ class LocalBudgetStore:
         return None
 
 
-# One round trip for a whole admission: rate limits (GCRA, as in gateway/governance/ratelimit.py) and budgets,
-# all or nothing. KEYS: limit counters, then budget counters. ARGV: n_limits, n_budgets, then
-# interval_i, cost_i per limit, then limit_j, amount_j per budget. Returns "ok", "missing <j>",
-# "over <j>" or "limit <wait> <i>".
 _SETTLE_RETRY_SECONDS = 1.0
 # a settle's change, on a counter that still exists (an expired one is seeded again from the log)
 _SETTLE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('INCRBY', KEYS[1], ARGV[1]) end
 return false
 """
+
+# One round trip for a whole admission: rate limits (GCRA, as in gateway/governance/ratelimit.py) and budgets,
+# all or nothing. KEYS: limit counters, then budget counters. ARGV: n_limits, n_budgets, then
+# interval_i, cost_i per limit, then limit_j, amount_j per budget. Returns "ok", "missing <j>",
+# "over <j>" or "limit <wait> <i>".
 _ADMIT = """
 local nl, nb = tonumber(ARGV[1]), tonumber(ARGV[2])
 for j = 1, nb do
