@@ -86,7 +86,7 @@ class OutputProcessor:
         return entry
 
     def _logprob(self, token_id: int, value: float, rank: int) -> Logprob:
-        if self.tokenizer is None or self._bytes is None:
+        if self._bytes is None:  # no tokenizer: ids only
             return Logprob(value, rank)
         text = str(self.tokenizer.decode([token_id]))
         return Logprob(value, rank, text, self._bytes.partial(token_id, text))

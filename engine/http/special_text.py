@@ -22,6 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def _placeholder(nonce: str, index: int | str) -> str:
+    """What stands for a shielded string: private-use characters around a nonce and its index (an
+    index pattern, for matching them)."""
+    return f"\ue000{nonce}{index}\ue001"
+
+
 @dataclass(frozen=True)
 class Shielded:
     """Placeholders put in one conversation: `placeholder(i)` stands for `originals[i]`."""
@@ -30,16 +36,16 @@ class Shielded:
     originals: tuple[str, ...]
 
     def placeholder(self, index: int) -> str:
-        """The text that stands for originals[index] (private-use characters around a nonce)."""
-        return f"\ue000{self.nonce}{index}\ue001"
+        """The text that stands for originals[index]."""
+        return _placeholder(self.nonce, index)
 
     def restore(self, text: str) -> str:
         """The rendered `text` with the original characters in place of the placeholders."""
-        return re.sub(f"\ue000{self.nonce}(\\d+)\ue001", lambda m: self.originals[int(m.group(1))], text)
+        return re.sub(_placeholder(self.nonce, r"(\d+)"), lambda m: self.originals[int(m.group(1))], text)
 
     def tokenize(self, tokenizer: Any, text: str) -> list[int]:
         """The rendered `text`'s token ids, each placeholder read as its original plain text."""
-        pieces = re.split(f"\ue000{self.nonce}(\\d+)\ue001", text)
+        pieces = re.split(_placeholder(self.nonce, r"(\d+)"), text)
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if i % 2:  # a placeholder's index
@@ -69,11 +75,11 @@ class SpecialText:
         if self.pattern is None:
             return value, None
         originals: list[str] = []
-        shielded = Shielded(uuid.uuid4().hex, ())
+        nonce = uuid.uuid4().hex
 
         def swap(match: re.Match[str]) -> str:
             originals.append(match.group(0))
-            return shielded.placeholder(len(originals) - 1)
+            return _placeholder(nonce, len(originals) - 1)
 
         pattern = self.pattern
 
@@ -89,4 +95,4 @@ class SpecialText:
         out = walk(value)
         if not originals:
             return value, None
-        return out, Shielded(shielded.nonce, tuple(originals))
+        return out, Shielded(nonce, tuple(originals))
