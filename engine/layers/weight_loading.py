@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from engine.weights import iter_weights
 from kernels.cpu_gemm import CpuGemm
 
 logger = logging.getLogger(__name__)
+_Part = TypeVar("_Part")
 
 
 def load_weights(
@@ -96,7 +97,7 @@ def serve_prequantized(
     (loaded as floats) as per-channel int8. The LM head stays as the checkpoint has it. Returns (the
     forms used, bytes of the projections)."""
     llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
-    fused = fuse_grids(grids, llama.param_name_of)
+    fused = fuse_shards(grids, llama.param_name_of, Grid.concat)
     kinds: set[str] = set()
 
     def form(name: str, weight: torch.Tensor) -> Projection:
@@ -128,12 +129,7 @@ def serve_blocks(model: nn.Module, blocks: dict[str, Q4Blocks], gemm: CpuGemm) -
     in place, before the rest of the checkpoint loads; False (nothing changed) unless the blocks are
     every projection's."""
     llama: Any = model  # engine/models/llama.py's LlamaForCausalLM
-    shards: dict[str, dict[int, Q4Blocks]] = {}
-    for hf_name, b in blocks.items():
-        mapped = llama.param_name_of(hf_name)
-        if mapped is not None:
-            shards.setdefault(mapped[0], {})[mapped[1] or 0] = b
-    fused = {name: Q4Blocks.concat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}
+    fused = fuse_shards(blocks, llama.param_name_of, Q4Blocks.concat)
     wanted = {
         (f"{prefix}.{name}", tuple(getattr(module, name).shape))
         for prefix, module in model.named_modules()
@@ -159,15 +155,18 @@ def projection_weights(model: nn.Module) -> list[Projection]:
     ]
 
 
-def fuse_grids(
-    grids: dict[str, Grid], map_name: Callable[[str], tuple[str, int | None] | None]
-) -> dict[str, Grid]:
-    """HF-named grids (q_proj, k_proj, ...) -> the model's fused projections' (qkv_proj, ...)."""
-    shards: dict[str, dict[int, Grid]] = {}
-    for hf_name, grid in grids.items():
+def fuse_shards(
+    parts: dict[str, _Part],
+    map_name: Callable[[str], tuple[str, int | None] | None],
+    concat: Callable[[list[_Part]], _Part],
+) -> dict[str, _Part]:
+    """HF-named parts (q_proj, k_proj, ...: a checkpoint's grids, a GGUF's blocks) -> the model's
+    fused projections' (qkv_proj, ...), each the concatenation of its shards in order."""
+    shards: dict[str, dict[int, _Part]] = {}
+    for hf_name, part in parts.items():
         mapped = map_name(hf_name)
         if mapped is None:
             continue
         name, shard = mapped
-        shards.setdefault(name, {})[shard or 0] = grid
-    return {name: Grid.concat([parts[i] for i in sorted(parts)]) for name, parts in shards.items()}
+        shards.setdefault(name, {})[shard or 0] = part
+    return {name: concat([found[i] for i in sorted(found)]) for name, found in shards.items()}
