@@ -8,7 +8,11 @@ without it, for float32, int8, int4 and w8a8; the ratio to float32 in the same m
 (issue 17's target: int8 >= 1.5x float32 at batch 32).
 
 Usage: python bench/batch_decode.py [--batch 32] [--prompt-len 128] [--new-tokens 64] [--runs 3]
-           [--threads 2] [--quantization int8 --quantization w8a8 ...]
+           [--threads 2] [--quantization int8 --quantization w8a8 ...] [--march haswell]
+
+`--march` builds the C kernels for another instruction set than this CPU's (`-march=haswell`:
+AVX2 and FMA, no AVX-512, no VNNI) to measure here the code a CPU of that generation runs; its
+speed is this CPU's running that code, not the older CPU's.
 """
 
 from __future__ import annotations
@@ -31,10 +35,15 @@ from engine.layers.cpu_blas import request_strict_mkl
 
 
 def decode_tok_s(
-    threads: int, batch: int, prompt_len: int, new_tokens: int, runs: int, **options: Any
+    threads: int, batch: int, prompt_len: int, new_tokens: int, runs: int, march: str | None = None,
+    **options: Any,
 ) -> float:
     """Best-of-`runs` decode tokens/s of `batch` sequences for one engine configuration."""
     torch.set_num_threads(threads)
+    if march is not None:  # before the engine loads the kernels (the flags are part of the build's key)
+        from kernels import cpu_native
+
+        cpu_native.FLAGS = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in cpu_native.FLAGS)
     if options.get("batch_invariant", True):
         request_strict_mkl()
     llm = LLM("default", max_model_len=1024, enable_prefix_caching=False, max_num_seqs=batch, **options)
@@ -70,13 +79,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantization", action="append", default=None, help="int8, int4, w8a8 (repeatable)")
+    parser.add_argument("--march", default=None, help="build the C kernels with -march=M (default: native)")
     args = parser.parse_args()
     prepare_default_model()
     forms = args.quantization or ["int8", "int4", "w8a8"]
     print(f"default model, {args.threads} threads, batch {args.batch}, {args.prompt_len}-token prompts, "
-          f"{args.new_tokens} greedy tokens, best of {args.runs}: decode tok/s")  # fmt: skip
+          f"{args.new_tokens} greedy tokens, best of {args.runs}, C kernels -march={args.march or 'native'}: "
+          "decode tok/s")  # fmt: skip
     common = dict(threads=args.threads, batch=args.batch, prompt_len=args.prompt_len,
-                  new_tokens=args.new_tokens, runs=args.runs)  # fmt: skip
+                  new_tokens=args.new_tokens, runs=args.runs, march=args.march)  # fmt: skip
     for invariant in (True, False):
         mode = "batch-invariant" if invariant else "--no-batch-invariant"
         base = isolated(**common, batch_invariant=invariant)
