@@ -253,12 +253,15 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             turn["tool_calls"] = checked_tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
         if role == "tool":
             call_id = msg.get("tool_call_id")
-            if call_id is not None and not isinstance(call_id, str):
+            if not isinstance(call_id, str):  # required, as OpenAI's API has it
+                missing = call_id is None
                 raise APIError(
                     400,
-                    f"messages[{i}].tool_call_id must be a string",
+                    f"Missing required parameter: 'messages[{i}].tool_call_id'"
+                    if missing
+                    else f"messages[{i}].tool_call_id must be a string",
                     param=f"messages[{i}].tool_call_id",
-                    code="invalid_type",
+                    code="missing_required_parameter" if missing else "invalid_type",
                 )
             turn["tool_call_id"] = call_id
         out.append(turn)

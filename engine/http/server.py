@@ -28,6 +28,7 @@ from engine.http.error_mapping import api_error
 from engine.http.h11_protocol import limited_h11_protocol
 from engine.http.limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
 from engine.http.openai_format import dumps
+from engine.http.request_id import RequestIdMiddleware
 from engine.http.protocol import (
     INTERNAL_ERROR,
     APIError,
@@ -118,7 +119,8 @@ def create_app(
         read_timeout=limits.body_read_timeout,
         max_header_bytes=limits.max_header_bytes,
     )
-    app.add_middleware(ConcurrencyLimit, limit=limits.limit_concurrency)  # outermost: refuses unread
+    app.add_middleware(ConcurrencyLimit, limit=limits.limit_concurrency)  # refuses unread
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer, refusals too, has its id
     return app
 
 

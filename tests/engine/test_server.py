@@ -298,6 +298,14 @@ BAD_CHAT_FIELDS = [
         {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
         "messages[0].content[0].text",
     ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "3"}]},
+        "messages[1].tool_call_id",
+    ),
+    (
+        {"messages": [{"role": "tool", "content": "3", "tool_call_id": 7}]},
+        "messages[0].tool_call_id",
+    ),
     ({"top_k": -5}, "top_k"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),

@@ -4,6 +4,7 @@ huge prompts, failing steps and disconnects at every phase (a live subprocess)."
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import threading
@@ -276,6 +277,44 @@ def test_a_client_leaving_at_any_phase_aborts_cleanly(server: ServerProcess, pha
     _clean_log(server, log_start)
 
 
+@pytest.mark.parametrize(
+    ("sent", "echoed"),
+    [
+        ("client-42.a:b_c", True),
+        ("x" * 128, True),
+        ("x" * 129, False),  # too long
+        ("a b", False),  # not a plain token
+        ("<script>", False),
+        (None, False),
+    ],
+)
+def test_every_answer_has_a_request_id_echoing_only_a_plain_one_from_the_client(
+    server: ServerProcess, sent: str | None, echoed: bool
+) -> None:
+    headers = {} if sent is None else {"x-request-id": sent}
+    body = {"prompt": "a", "max_tokens": 1}
+    answers = [
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=30),
+        httpx.get(f"{server.base_url}/health", headers=headers),
+        httpx.post(f"{server.base_url}/v1/completions", json={"prompt": 5}, headers=headers, timeout=30),
+        httpx.post(  # refused by the body limit before any route
+            f"{server.base_url}/v1/completions",
+            content=b"x" * (BODY_LIMIT + 1),
+            headers={**headers, "content-type": "application/json"},
+            timeout=30,
+        ),
+    ]
+    assert [r.status_code for r in answers] == [200, 200, 400, 413]
+    for r in answers:
+        assert r.headers.get_list("x-request-id") == [r.headers["x-request-id"]]  # exactly one
+        if echoed:
+            assert r.headers["x-request-id"] == sent
+        else:
+            assert re.fullmatch(r"req-[0-9a-f]{32}", r.headers["x-request-id"])
+    if not echoed:
+        assert len({r.headers["x-request-id"] for r in answers}) == len(answers)  # one per request
+
+
 def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model: Path) -> None:
     proc = ServerProcess(
         tiny_chat_model,
@@ -299,6 +338,7 @@ def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model:
             time.sleep(0.5)
             refused = httpx.get(f"{url}/health", timeout=5)
             assert refused.status_code == 503 and _error(refused)["code"] == "server_overloaded"
+            assert refused.headers["x-request-id"].startswith("req-")
             assert [f.result().status_code for f in waiting] == [200, 200, 200]
         # connections: uvicorn's backstop at twice the limit (idle keep-alive connections count)
         held = [socket.create_connection(("127.0.0.1", proc.port)) for _ in range(6)]
