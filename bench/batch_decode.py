@@ -35,7 +35,12 @@ from engine.layers.cpu_blas import request_strict_mkl
 
 
 def decode_tok_s(
-    threads: int, batch: int, prompt_len: int, new_tokens: int, runs: int, march: str | None = None,
+    threads: int,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    runs: int,
+    march: str | None = None,
     **options: Any,
 ) -> float:
     """Best-of-`runs` decode tokens/s of `batch` sequences for one engine configuration."""
@@ -43,7 +48,8 @@ def decode_tok_s(
     if march is not None:  # before the engine loads the kernels (the flags are part of the build's key)
         from kernels import cpu_native
 
-        cpu_native.FLAGS = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in cpu_native.FLAGS)
+        flags = cpu_native.FLAGS
+        cpu_native.FLAGS = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in flags)
     if options.get("batch_invariant", True):
         request_strict_mkl()
     llm = LLM("default", max_model_len=1024, enable_prefix_caching=False, max_num_seqs=batch, **options)

@@ -96,6 +96,7 @@ def weight_bytes(
     per_layer += 2 * hidden * width  # the two norms
     if mc.qkv_bias:
         per_layer += (heads + 2 * kv_heads) * hd * width
+    per_layer += (int(mc.o_bias) + int(mc.mlp_bias)) * hidden * width + int(mc.mlp_bias) * 2 * inter * width
     if mc.qk_norm:
         per_layer += 2 * hd * width
     vocab = -(-mc.vocab_size // tp)

@@ -93,6 +93,9 @@ class StackLayer:
     down: PanelProduct
     k_cache: torch.Tensor  # (num_blocks, block_size, kv_heads, head_dim) float32
     v_cache: torch.Tensor
+    o_bias: torch.Tensor | None = None  # the other projections' biases (Llama's attention_bias, mlp_bias)
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 def _contiguous_f32(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
@@ -146,28 +149,24 @@ class CpuStack:
                         f"layer {i}'s {name} {tuple(cache.shape)} does not hold blocks of {block_size} "
                         f"tokens x {s.kv_heads} heads of {s.head_dim}"
                     )
-            if layer.qkv_bias is not None:
-                _contiguous_f32(f"layer {i}'s qkv_bias", layer.qkv_bias, (q_size + 2 * kv_size,))
             products = (
-                ("qkv", layer.qkv, s.hidden, q_size + 2 * kv_size),
-                ("o", layer.o, q_size, s.hidden),
-                ("gate_up", layer.gate_up, s.hidden, 2 * s.intermediate),
-                ("down", layer.down, s.intermediate, s.hidden),
+                ("qkv", layer.qkv, layer.qkv_bias, s.hidden, q_size + 2 * kv_size),
+                ("o", layer.o, layer.o_bias, q_size, s.hidden),
+                ("gate_up", layer.gate_up, layer.gate_up_bias, s.hidden, 2 * s.intermediate),
+                ("down", layer.down, layer.down_bias, s.intermediate, s.hidden),
             )
-            for name, product, k, n in products:
+            for name, product, bias, k, n in products:
                 if (product.k, product.n) != (k, n):
                     raise ValueError(
                         f"layer {i}'s {name} multiplies {product.k} inputs into {product.n} outputs, "
                         f"expected {k} into {n}"
                     )
-            bias = layer.qkv_bias
+                if bias is not None:
+                    _contiguous_f32(f"layer {i}'s {name}_bias", bias, (n,))
             structs[i] = _Layer(
                 layer.input_norm.data_ptr(),
                 layer.post_norm.data_ptr(),
-                _projection(layer.qkv, bias),
-                _projection(layer.o, None),
-                _projection(layer.gate_up, None),
-                _projection(layer.down, None),
+                *(_projection(product, bias) for _, product, bias, _, _ in products),
                 layer.k_cache.data_ptr(),
                 layer.v_cache.data_ptr(),
             )

@@ -99,6 +99,17 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         sliding_window=None,
     ),
 }
+# Llama with every bias (attention_bias: Q/K/V and output; mlp_bias: gate, up, down) and YaRN RoPE
+# stretched 4x from a 64-token original context (the tests' prompts run past it)
+TINY_CONFIGS["llama-biased"] = dict(
+    TINY_CONFIGS["llama"],
+    attention_bias=True,
+    mlp_bias=True,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    max_position_embeddings=256,
+)
+# Qwen3's attention_bias: Q/K/V and output biases beside its q/k norms
+TINY_CONFIGS["qwen3-biased"] = dict(TINY_CONFIGS["qwen3"], attention_bias=True)
 
 
 def build_tiny_model(arch: str, out: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:

@@ -28,7 +28,6 @@ from engine.http.error_mapping import api_error
 from engine.http.h11_protocol import limited_h11_protocol
 from engine.http.limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
 from engine.http.openai_format import dumps
-from engine.http.request_id import RequestIdMiddleware
 from engine.http.protocol import (
     INTERNAL_ERROR,
     APIError,
@@ -36,6 +35,7 @@ from engine.http.protocol import (
     CompletionRequest,
     validation_error,
 )
+from engine.http.request_id import RequestIdMiddleware
 from engine.http.serving import OpenAIServing
 from engine.metrics import CONTENT_TYPE
 

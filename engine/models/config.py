@@ -42,6 +42,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: str
+    o_bias: bool = False  # the output projection's bias (Llama, Qwen3 with attention_bias)
+    mlp_bias: bool = False  # gate, up and down projections' biases (Llama with mlp_bias)
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
@@ -74,14 +76,30 @@ class ModelConfig:
         rope = dict(raw.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        partial = (scaling or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"partial_rotary_factor {partial!r} is not supported (1.0 only)")
         if scaling is not None:
             scaling = dict(scaling)
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
+            if kind not in ("default", "linear", "llama3", "yarn"):
                 raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
             scaling["rope_type"] = kind
+            if kind in ("llama3", "yarn"):  # HF's default: the config's own length
+                original = (  # outside the dict first: Phi-3's place, which HF reads first
+                    raw.get("original_max_position_embeddings")
+                    or scaling.get("original_max_position_embeddings")
+                    or raw["max_position_embeddings"]
+                )
+                scaling["original_max_position_embeddings"] = int(original)
+            if kind == "yarn" and scaling.get("factor") is None:  # DeepSeek's way: the lengths' ratio
+                length = int(raw["max_position_embeddings"])
+                scaling["factor"] = length / scaling["original_max_position_embeddings"]
             if kind == "default":
                 scaling = None
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # every kernel's MLP is SwiGLU
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (silu only)")
         eos: list[int] = []
         for source in (raw.get("eos_token_id"), (generation or {}).get("eos_token_id")):
             if isinstance(source, int):
@@ -104,10 +122,13 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            # Mistral's projections have no biases whatever its config says (as in HF's model)
+            qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3") and bool(raw.get("attention_bias"))),
             qk_norm=arch == "qwen3",
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=raw.get("bos_token_id"),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            o_bias=arch in ("llama", "qwen3") and bool(raw.get("attention_bias")),
+            mlp_bias=arch == "llama" and bool(raw.get("mlp_bias")),
         )

@@ -82,18 +82,20 @@ def fuse_stack(
             products.append(product)
             if limit is not None:
                 max_rows = limit if max_rows is None else min(max_rows, limit)
-        bias = None if attn.qkv_bias is None else attn.qkv_bias.data
         layers.append(
             StackLayer(
                 layer.input_layernorm.weight.data,
                 layer.post_attention_layernorm.weight.data,
                 products[0],
-                bias,
+                _data(attn.qkv_bias),
                 products[1],
                 products[2],
                 products[3],
                 cache.k,
                 cache.v,
+                o_bias=_data(attn.o_bias),
+                gate_up_bias=_data(mlp.gate_up_bias),
+                down_bias=_data(mlp.down_bias),
             )
         )
     first = decoders[0].self_attn
@@ -108,3 +110,7 @@ def fuse_stack(
         logger.info("the decoder stack runs layer by layer: %s", exc)
         return None
     return FusedStack(bound, kv_caches, max_rows)
+
+
+def _data(bias: torch.nn.Parameter | None) -> torch.Tensor | None:
+    return None if bias is None else bias.data

@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k norm) over paged KV."""
+"""Llama-family decoder (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k norm) over paged KV.
+
+Llama's `attention_bias` / `mlp_bias` and Qwen3's `attention_bias` give the output, gate/up and
+down projections biases too."""
 
 from __future__ import annotations
 
@@ -38,6 +41,10 @@ def _linear_weight(out_features: int, in_features: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
 
+def _bias(features: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(features), requires_grad=False)
+
+
 _LOGITS_CHUNK = 1024  # vocabulary rows per LM-head GEMM on CPU
 
 
@@ -57,12 +64,10 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = _linear_weight(self.q_size + 2 * self.kv_size, cfg.hidden_size)
-        self.qkv_bias = (
-            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size), requires_grad=False)
-            if cfg.qkv_bias
-            else None
-        )
+        self.qkv_bias = _bias(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.o_proj = _linear_weight(cfg.hidden_size, self.q_size)
+        # under tensor parallelism rank 0 holds it and the others zeros (the ranks' outputs are summed)
+        self.o_bias = _bias(cfg.hidden_size) if cfg.o_bias else None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary = rotary
@@ -117,7 +122,7 @@ class Attention(nn.Module):
             )
             if rows != n:
                 out = torch.cat((out, out.new_zeros(n - rows, out.shape[1])))
-            projected = self.linear(out, self.o_proj, None)
+            projected = self.linear(out, self.o_proj, self.o_bias)
             return projected if self.tp is None else self.tp.all_reduce(projected)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -127,7 +132,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, kv_cache, meta)
-        projected = self.linear(out.reshape(n, self.q_size), self.o_proj, None)
+        projected = self.linear(out.reshape(n, self.q_size), self.o_proj, self.o_bias)
         return projected if self.tp is None else self.tp.all_reduce(projected)
 
 
@@ -141,9 +146,12 @@ class MLP(nn.Module):
         self.linear = backend.linear
         self.gate_up_proj = _linear_weight(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _linear_weight(cfg.hidden_size, cfg.intermediate_size)
+        self.gate_up_bias = _bias(2 * cfg.intermediate_size) if cfg.mlp_bias else None
+        self.down_bias = _bias(cfg.hidden_size) if cfg.mlp_bias else None  # rank 0's, as o_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear(self.silu_and_mul(self.linear(x, self.gate_up_proj, None)), self.down_proj, None)
+        gate_up = self.linear(x, self.gate_up_proj, self.gate_up_bias)
+        out = self.linear(self.silu_and_mul(gate_up), self.down_proj, self.down_bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -295,6 +303,7 @@ class LlamaForCausalLM(nn.Module):
             "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
             "qkv_bias": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
             "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+            "gate_up_bias": [(0, inter), (inter, 2 * inter)],
         }
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -334,8 +343,10 @@ def _map_weight_name(hf_name: str, tied: bool) -> tuple[str, int | None] | None:
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _STACKED:
         fused, shard = _STACKED[parts[-2]]
-        leaf = "qkv_bias" if parts[-1] == "bias" else fused
+        leaf = fused.replace("_proj", "_bias") if parts[-1] == "bias" else fused
         return ".".join([*parts[:-2], leaf]), shard
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return name.removesuffix(".weight"), None
+    if name.endswith(("o_proj.bias", "down_proj.bias")):
+        return name.replace("_proj.bias", "_bias"), None
     return name, None

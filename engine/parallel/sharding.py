@@ -1,8 +1,9 @@
 """Megatron-style sharding of the Llama family: what one rank's model holds and loads.
 
-Column-parallel (each rank a slice of the outputs): the fused QKV and gate/up projections (and the
-QKV bias). Row-parallel (a slice of the inputs; the ranks' outputs summed by one all-reduce): the
-output and down projections. Vocabulary-parallel: the embedding and the LM head (rows split, the
+Column-parallel (each rank a slice of the outputs): the fused QKV and gate/up projections (and their
+biases). Row-parallel (a slice of the inputs; the ranks' outputs summed by one all-reduce): the
+output and down projections (their biases held by rank 0, zeros elsewhere, so that the sum adds
+them once). Vocabulary-parallel: the embedding and the LM head (rows split, the
 last rank padded). KV heads are split across ranks, or, with fewer KV heads than ranks, each rank
 holds the one its query heads read. Norms are replicated.
 """
@@ -57,7 +58,9 @@ def shard_weights(
     for name, tensor in weights:
         leaf = name.rsplit(".", 2)
         kind = leaf[-2] if len(leaf) >= 2 else ""
-        if kind == "q_proj":
+        if kind in ("o_proj", "down_proj") and tensor.dim() == 1:  # a row-parallel bias: added once
+            yield name, tensor if rank == 0 else torch.zeros_like(tensor)
+        elif kind == "q_proj":
             yield name, tensor[rank * q_rows : (rank + 1) * q_rows]
         elif kind in ("k_proj", "v_proj"):
             yield name, tensor[first_kv * hd : (first_kv + kv_heads) * hd]

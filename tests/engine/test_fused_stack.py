@@ -46,6 +46,7 @@ def _counted(stack: FusedStack) -> list[int]:
     [
         ("llama", {}),
         ("qwen2", {"batch_invariant": False}),  # QKV bias, a tied head
+        ("llama-biased", {}),  # biases on every projection, YaRN's scaled rotary tables
         ("llama", {"quantization": "int8"}),
         ("llama", {"quantization": "int4", "batch_invariant": False}),
     ],

@@ -34,7 +34,8 @@ def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "size"), [("llama", 2), ("mistral", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)]
+    ("arch", "size"),
+    [("llama", 2), ("mistral", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4), ("llama-biased", 2)],
 )
 def test_greedy_tokens_equal_one_ranks(tiny_model_factory: Callable[..., Path], arch: str, size: int) -> None:
     path = str(tiny_model_factory(arch))
