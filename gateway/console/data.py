@@ -14,6 +14,7 @@ from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.governance.budgets import Period, period_bounds
@@ -187,16 +188,34 @@ def parse_cursor(cursor: str | None) -> tuple[datetime, str] | None:
         return None
     at, _, rid = cursor.partition("|")
     try:
-        parsed = datetime.fromisoformat(at)
+        parsed = utc_time(at)
     except ValueError:
         return None
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)), rid
+    return (parsed, rid) if plain_text(rid) else None
+
+
+def utc_time(text: str) -> datetime:
+    """An ISO date and time as UTC (one without a zone is UTC); ValueError for anything else,
+    including a time whose UTC reading falls outside the calendar (9999-12-31T23:00-14:00)."""
+    parsed = datetime.fromisoformat(text)
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError as exc:
+        raise ValueError(f"{text!r} is outside the calendar in UTC") from exc
+
+
+def plain_text(text: str) -> bool:
+    """No control characters: what a filter may compare (PostgreSQL's text refuses NUL outright)."""
+    return text.isprintable()
 
 
 LIST_COLUMNS = (
     RequestLog.created_at, RequestLog.id, RequestLog.key_id, RequestLog.team, RequestLog.requested_model,
     RequestLog.backend, RequestLog.route_tier, RequestLog.status, RequestLog.error_type,
-    RequestLog.prompt_tokens, RequestLog.completion_tokens, RequestLog.latency_ms, RequestLog.cost_usd,
+    RequestLog.prompt_tokens, RequestLog.completion_tokens, RequestLog.latency_ms,
+    RequestLog.cost_usd.label("cost_usd"),  # (its column is cost_picousd; the value is in USD)
     RequestLog.failover,
 )  # fmt: skip
 
@@ -239,7 +258,9 @@ async def requests_page(
 
 async def request_detail(db: AsyncEngine, request_id: str) -> dict[str, Any] | None:
     """Every column of one logged request (bodies are there only when the policy logs them)."""
-    query = select(*RequestLog.__table__.columns).where(RequestLog.id == request_id)
+    # named as the model's attributes: cost_usd, whose column is cost_picousd, holds USD
+    columns = [attr.columns[0].label(attr.key) for attr in sa_inspect(RequestLog).column_attrs]
+    query = select(*columns).where(RequestLog.id == request_id)
     async with db.connect() as conn:
         row = (await conn.execute(query)).first()
     return dict(row._mapping) if row is not None else None

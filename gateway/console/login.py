@@ -17,6 +17,7 @@ from gateway.console.web import (
     page,
     read_form,
     redirect,
+    same_origin,
     signer,
 )
 from gateway.errors import GatewayError
@@ -38,6 +39,9 @@ async def login_form(next_: Annotated[str | None, Query(alias="next")] = None) -
 async def login(request: Request, services: ServicesDep) -> Response:
     """Check the master key once; answer with a session cookie, never the key."""
     form = await read_form(request)
+    if not same_origin(request):  # another site's page posting here: refused before the key is checked
+        message = "The login form came from another site: open the console's own page"
+        raise GatewayError(403, message, "permission_error", code="csrf_failed")
     target = local_path(form.get("next"))
     client = (request.client.host, request.client.port) if request.client else None
     try:

@@ -12,6 +12,7 @@ from gateway.api.services import Database, Watcher
 from gateway.console.data import Window, recent_failovers, window
 from gateway.console.web import SECURITY_HEADERS, ConsoleSession, page
 from gateway.store.db import DATABASE_ERRORS, unavailable
+from gateway.store.reports import usd
 
 router = APIRouter(prefix="/ui")
 
@@ -26,7 +27,7 @@ def _window(w: Window) -> dict[str, Any]:
         "overhead_p50_ms": w.overhead_p50, "overhead_p99_ms": w.overhead_p99, "sampled": w.sampled,
         "backends": [
             {"backend": b.backend, "requests": b.requests, "prompt_tokens": b.prompt_tokens,
-             "completion_tokens": b.completion_tokens, "cost_usd": str(b.cost_usd)}
+             "completion_tokens": b.completion_tokens, "cost_usd": usd(b.cost_usd)}
             for b in w.backends
         ],
     }  # fmt: skip

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
+from decimal import Decimal
 from typing import Annotated
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Query, Response
 
 from gateway.api.services import Database
-from gateway.console.data import RequestFilter, parse_cursor, request_detail, requests_page
+from gateway.console.data import (
+    RequestFilter,
+    parse_cursor,
+    plain_text,
+    request_detail,
+    requests_page,
+    utc_time,
+)
 from gateway.console.web import ConsoleSession, page
 from gateway.errors import GatewayError
 from gateway.store.db import DATABASE_ERRORS, unavailable
+from gateway.store.reports import usd
 
 router = APIRouter(prefix="/ui/requests")
 
@@ -24,11 +33,18 @@ def _time(value: str | None, param: str) -> datetime | None:
     if not value:
         return None
     try:
-        parsed = datetime.fromisoformat(value)
+        return utc_time(value)
     except ValueError as exc:
         message = f"'{param}' is not a date and time"
         raise GatewayError(400, message, param=param, code="invalid_value") from exc
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _plain(value: str | None, param: str) -> str | None:
+    """A text filter, refused when it holds control characters (no key, model or backend does)."""
+    if value and not plain_text(value):
+        message = f"'{param}' holds control characters"
+        raise GatewayError(400, message, param=param, code="invalid_value")
+    return value or None
 
 
 @router.get("")
@@ -45,8 +61,9 @@ async def requests_list(
 ) -> Response:
     """Newest first, 50 a page; the filters are exact matches (status, key id, model, backend)."""
     search = RequestFilter(
-        key or None, model or None, backend or None, status, _time(since, "since"), _time(until, "until")
-    )
+        _plain(key, "key"), _plain(model, "model"), _plain(backend, "backend"), status,
+        _time(since, "since"), _time(until, "until"),
+    )  # fmt: skip
     try:
         rows, cursor = await requests_page(db, search, parse_cursor(after))
     except DATABASE_ERRORS as exc:
@@ -64,7 +81,7 @@ async def requests_list(
 @router.get("/{request_id}")
 async def request_page(request_id: str, db: Database, session: ConsoleSession) -> Response:
     """Every logged field of one request (bodies only when the policy logs them)."""
-    if len(request_id) > 64:
+    if len(request_id) > 64 or not plain_text(request_id):
         raise GatewayError(404, "No such request", code="not_found")
     try:
         row = await request_detail(db, request_id)
@@ -73,5 +90,6 @@ async def request_page(request_id: str, db: Database, session: ConsoleSession) -
     if row is None:
         raise GatewayError(404, "No such request", code="not_found")
     bodies = {name: row.pop(name) for name in ("request_body", "response_body")}
+    row = {name: usd(value) if isinstance(value, Decimal) else value for name, value in row.items()}
     context = {"title": f"Request {request_id}", "active": "Requests", "row": row, "bodies": bodies}
     return page("request.html", context, 200, session)

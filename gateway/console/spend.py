@@ -23,7 +23,7 @@ router = APIRouter(prefix="/ui/spend")
 def _range(start: date | None, end: date | None) -> tuple[date, date]:
     """The asked range, by default the last 7 days (UTC) up to today."""
     end = end or datetime.now(UTC).date()
-    start = start or end - timedelta(days=6)
+    start = start or (end - timedelta(days=6) if end.toordinal() > 6 else date.min)  # (the calendar's start)
     if end < start:
         message = f"The range ends ({end}) before it starts ({start})"
         raise GatewayError(400, message, param="to", code="invalid_value")

@@ -8,6 +8,7 @@ lets a page load only its own origin's script and style, so injected markup coul
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,6 +20,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from gateway.api.services import Services, ServicesDep
 from gateway.console.session import COOKIE, Session, SessionSigner
 from gateway.errors import GatewayError
+from gateway.store.reports import usd
 
 HERE = Path(__file__).parent
 MAX_FORM_FIELDS = 40
@@ -34,12 +36,15 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 
+_PRINTABLE = re.compile(r"[\x21-\x7e]{1,2000}")
+
 templates = Environment(
     loader=FileSystemLoader(HERE / "templates"),
     autoescape=select_autoescape(default=True, default_for_string=True),
     trim_blocks=True,
     lstrip_blocks=True,
 )
+templates.filters["usd"] = usd  # exact amounts without exponents
 
 
 class LoginRequired(GatewayError):
@@ -115,8 +120,11 @@ def redirect(location: str, status: int = 303) -> Response:
 
 
 def local_path(target: str | None, default: str = "/ui") -> str:
-    """`target` when it is a console path, else `default`: no open redirect after login."""
+    """`target` when it is a console path, else `default`: no open redirect after login, and no
+    Location header that could not be sent (only printable ASCII: a browser percent-encodes the rest)."""
     if not target or not target.startswith("/ui") or target.startswith("//") or "\\" in target:
+        return default
+    if not _PRINTABLE.fullmatch(target):
         return default
     parts = urlsplit(target)
     return default if parts.scheme or parts.netloc else target

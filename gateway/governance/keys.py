@@ -155,7 +155,7 @@ class KeyInfo:
             "rotated_at": _iso(self.rotated_at),
             "rpm_limit": self.rpm_limit,
             "tpm_limit": self.tpm_limit,
-            "budget_usd": str(self.budget_usd) if self.budget_usd is not None else None,
+            "budget_usd": format(self.budget_usd, "f") if self.budget_usd is not None else None,
             "budget_period": self.budget_period,
         }
 

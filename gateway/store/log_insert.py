@@ -96,6 +96,7 @@ def _new(rows: list[Mapping[str, Any]], inserted: set[str]) -> list[Mapping[str,
 
 
 _GROUP = ("day", "key_id", "team", "requested_model", "backend")
+UNKNOWN_MODEL = "(unknown model)"  # usage_daily's requested_model for requests naming no known model
 _SUMS = ("requests", "errors", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_picousd",
          "reference_cost_picousd", "reference_basis_picousd")  # fmt: skip
 
@@ -116,9 +117,12 @@ def _daily_totals(rows: list[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
     totals: dict[tuple[Any, ...], list[int]] = {}
     for row in rows:
         created = row["created_at"]
+        # a name no model has (404) is the client's own text: one group for all, not one per name
+        model = (
+            UNKNOWN_MODEL if row.get("error_type") == "model_not_found" else row.get("requested_model") or ""
+        )
         group = (created.astimezone(UTC).date() if created.tzinfo else created.date(),
-                 row.get("key_id") or "", row.get("team") or "", row.get("requested_model") or "",
-                 row.get("backend") or "")  # fmt: skip
+                 row.get("key_id") or "", row.get("team") or "", model, row.get("backend") or "")  # fmt: skip
         sums = totals.setdefault(group, [0] * len(_SUMS))
         sums[0] += 1
         sums[1] += row.get("status") != 200

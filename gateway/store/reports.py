@@ -106,7 +106,7 @@ def render(rows: list[SpendRow], fmt: Format, by: Dimension) -> str:
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=list(_record(_total(rows)).keys()))
         writer.writeheader()
-        writer.writerows(records)
+        writer.writerows({**r, "group": _inert(r["group"]), "label": _inert(r["label"])} for r in records)
         return out.getvalue()
     header = (f"{by:<28} {'requests':>9} {'errors':>7} {'prompt tok':>11} {'output tok':>11} "
               f"{'cost USD':>14} {'saved USD':>12}")  # fmt: skip
@@ -120,9 +120,24 @@ def render(rows: list[SpendRow], fmt: Format, by: Dimension) -> str:
 def _record(row: SpendRow) -> dict[str, Any]:
     record = asdict(row)
     for money in ("cost_usd", "reference_cost_usd", "reference_basis_usd"):
-        record[money] = str(record[money])
-    record["savings_usd"] = str(row.savings_usd)
+        record[money] = usd(record[money])
+    record["savings_usd"] = usd(row.savings_usd)
     return record
+
+
+def usd(amount: Decimal | float | int) -> str:
+    """An amount in plain positional notation (never `7.4E-7`, which spreadsheets misread); a
+    Decimal exactly, a float (a database that returns one) as its shortest repr's digits."""
+    return format(amount if isinstance(amount, Decimal) else Decimal(str(amount)), "f")
+
+
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _inert(text: str) -> str:
+    """A text cell a spreadsheet will not run as a formula: key, team and model names are chosen by
+    clients and admins, so one that starts like a formula gets a leading apostrophe (OWASP's advice)."""
+    return "'" + text if text.startswith(_FORMULA_STARTS) else text
 
 
 def _total(rows: list[SpendRow]) -> SpendRow:

@@ -330,6 +330,7 @@ def _seed_requests(url: str, count: int) -> list[str]:
             completion_tokens=5,
             latency_ms=12.5,
             attempts=1,
+            cost_usd=Decimal("7.4E-7") if i == 7 else None,
         )
         for i in range(count)
     ]
@@ -356,6 +357,9 @@ def test_the_request_log_pages_by_index_and_filters(url: str) -> None:
         assert ids and all(int(i[4:]) % 5 == 0 and int(i[4:]) % 2 == 0 for i in ids)
         detail = client.get("/ui/requests/req-0007", headers=HTML)
         assert detail.status_code == 200 and "Not logged" in detail.text
+        assert "<dt>cost_usd</dt><dd>0.00000074</dd>" in detail.text and "picousd" not in detail.text
+        listed = client.get("/ui/requests?until=2026-11-01T00:00:04Z", headers=HTML).text
+        assert "<td>0.00000074</td>" in listed  # the list's cost column (it used to stay empty)
         assert client.get("/ui/requests/nope", headers=HTML).status_code == 404
         assert client.get("/ui/requests?status=abc", headers=HTML).status_code == 400
         assert client.get("/ui/requests?since=yesterday", headers=HTML).status_code == 400
@@ -405,3 +409,73 @@ def test_overview_and_routing_explain(ops: tuple[TestClient, str]) -> None:
     assert refused.status_code == 400 and "neither a model nor a route" in refused.text
     broken = client.post("/ui/routing/explain", data={"csrf": csrf, "request": "{not json"}, headers=HTML)
     assert broken.status_code == 400 and "not valid JSON" in broken.text
+
+
+def test_a_login_posted_from_another_site_is_refused_and_not_counted_as_a_failure(anon: TestClient) -> None:
+    foreign = {"origin": "http://evil.example"}
+    posts = [anon.post("/ui/login", data={"master_key": "x"}, headers=foreign) for _ in range(7)]
+    statuses = [answer.status_code for answer in posts]
+    assert statuses == [403] * 7  # a page elsewhere cannot lock the operator out
+    assert anon.post("/ui/login", data={"master_key": MASTER}, headers=foreign).status_code == 403
+    own = {"origin": BASE}
+    answer = anon.post("/ui/login", data={"master_key": MASTER}, headers=own, follow_redirects=False)
+    assert answer.status_code == 303
+
+
+@pytest.mark.parametrize("target", ["/ui/€", "/ui\r\nX-Evil: 1", "/ui/\u2028", "/ui/a b", "/ui/\x00"])
+def test_a_next_target_that_cannot_be_a_location_header_falls_back_to_the_console(
+    anon: TestClient, target: str
+) -> None:
+    assert local_path(target) == "/ui"
+    form = anon.get("/ui/login", params={"next": target}, headers=HTML)
+    assert form.status_code == 200
+    answer = anon.post("/ui/login", data={"master_key": MASTER, "next": target}, follow_redirects=False)
+    assert answer.status_code == 303 and answer.headers["location"] == "/ui"
+
+
+def test_spend_ranges_at_the_calendars_start_and_money_without_exponents(url: str) -> None:
+    day = date(2026, 11, 2)
+    insert_rows(
+        url,
+        [
+            UsageDaily(day=day, key_id="k1", team="=HYPERLINK(\"http://x\")", requested_model="@SUM(A1)",
+                       backend="local", requests=1, errors=0, prompt_tokens=3, completion_tokens=1,
+                       cached_tokens=0, cost_usd=Decimal("7.4E-7"), reference_cost_usd=Decimal(0),
+                       reference_basis_usd=Decimal(0))
+        ],
+    )  # fmt: skip
+    with _client(url) as client:
+        _login(client)
+        for query in ("to=0001-01-01", "to=0001-01-06", "from=0001-01-01&to=0001-01-01"):
+            assert client.get(f"/ui/spend?{query}", headers=HTML).status_code == 200, query
+        page = client.get(f"/ui/spend?from={day}&to={day}&by=model", headers=HTML).text
+        csv_text = client.get(f"/ui/spend?from={day}&to={day}&by=team&format=csv").text
+        model_csv = client.get(f"/ui/spend?from={day}&to={day}&by=model&format=csv").text
+    assert '<td class="cost">0.00000074</td>' in page, re.findall(r"<tr data-group.*?</tr>", page, re.S)
+    assert "E-7" not in page
+    assert "E-7" not in csv_text and ",0.00000074," in csv_text
+    assert '\n"\'=HYPERLINK(""http://x"")",' in csv_text  # a text cell, not a formula
+    assert "\n'@SUM(A1),'@SUM(A1)," in model_csv
+
+
+def test_request_log_filters_read_zones_and_refuse_control_characters(url: str) -> None:
+    _seed_requests(url, 10)  # 2026-11-01T00:00:00Z .. 00:00:04Z
+    with _client(url) as client:
+        _login(client)
+
+        def ids(query: str) -> list[str]:
+            page = client.get(f"/ui/requests?{query}", headers=HTML)
+            assert page.status_code == 200, page.text
+            return re.findall(r'href="/ui/requests/(req-\d+)"', page.text)
+
+        # 2026-10-31T19:00:03-05:00 is 00:00:03Z: the rows from then on, not every row
+        later = ["req-0006", "req-0007", "req-0008", "req-0009"]
+        assert sorted(ids("since=2026-10-31T19:00:03-05:00")) == later
+        assert ids("until=2026-11-01T05:00:01%2B05:00") == ["req-0001", "req-0000"]  # before 00:00:01Z
+        for query in ("model=%00", "key=a%00b", "backend=%01", "since=9999-12-31T23:59:59-14:00",
+                      "until=0001-01-01T00:00:00%2B14:00"):  # fmt: skip
+            answer = client.get(f"/ui/requests?{query}", headers=HTML)
+            assert answer.status_code == 400, query
+        assert client.get("/ui/requests/%00", headers=HTML).status_code == 404
+        assert len(ids("after=9999-12-31T23:59:59-14:00|x")) == 10  # a cursor no page made: the first page
+        assert len(ids("after=2026-11-01T00:00:09Z|a%00")) == 10

@@ -158,3 +158,31 @@ def test_html_report_is_one_self_contained_file_with_its_charts(tmp_path: Path) 
     assert f"{100 * own / whole:.1f}%" in html
     total = Decimal(sum(int(r["cost_picousd"]) for r in raw)) / PICO
     assert f"${total:,.4f}" in html
+
+
+def test_names_no_model_has_are_one_group_in_the_aggregates(database_url: str) -> None:
+    upgrade(database_url)
+    rows = [
+        {"id": f"u{i}", "created_at": datetime(2026, 11, 20, 12, tzinfo=UTC), "status": 404, "key_id": "k1",
+         "requested_model": f"=bogus-{i}", "error_type": "model_not_found"}
+        for i in range(30)
+    ] + [{"id": "ok", "created_at": datetime(2026, 11, 20, 12, tzinfo=UTC), "status": 200, "key_id": "k1",
+          "requested_model": "fast", "backend": "pool", "prompt_tokens": 5, "completion_tokens": 2,
+          "cost_picousd": Decimal(7)}]  # fmt: skip
+
+    async def run() -> list:  # type: ignore[type-arg]
+        db = create_db(database_url)
+        writer = RequestLogWriter(db, CollectorRegistry(), batch_size=7, interval=0.05)
+        writer.start()
+        for row in rows:
+            writer.queue(row)
+        await writer.stop()
+        try:
+            return await spend(db, date(2026, 11, 20), date(2026, 11, 20), "model")
+        finally:
+            await db.dispose()
+
+    report = asyncio.run(run())
+    assert {(r.group, r.requests, r.errors) for r in report} == {("(unknown model)", 30, 30), ("fast", 1, 0)}
+    logged = {r["id"]: r["requested_model"] for r in read_log_rows(database_url)}
+    assert logged["u3"] == "=bogus-3"  # the request log keeps what the client asked for
