@@ -177,14 +177,16 @@ class InputProcessor:
                 f"This model's maximum context length is {limit} tokens, "
                 f"but the prompt has {prompt_len} tokens"
             )
+        # the last token sampled is never fed back, so its KV is never stored: a request holds at
+        # most prompt + max_tokens - 1 slots
+        if prompt_len > capacity:
+            raise KVCacheCapacityError(
+                f"the prompt needs {prompt_len} tokens of KV cache but the whole pool holds "
+                f"{capacity}: shorten the prompt or give the engine more kv_cache_memory",
+                param="prompt",
+            )
         if params.max_tokens is None:  # as much as fits, in the context and in the whole KV pool
-            max_tokens = min(limit, capacity) - prompt_len
-            if max_tokens < 1:
-                raise KVCacheCapacityError(
-                    f"the prompt needs {prompt_len} tokens of KV cache but the whole pool holds "
-                    f"{capacity}: give the engine more kv_cache_memory"
-                )
-            return max_tokens
+            return min(limit - prompt_len, capacity + 1 - prompt_len)
         max_tokens = params.max_tokens
         if prompt_len + max_tokens > limit:
             raise ContextLengthExceededError(
@@ -193,11 +195,11 @@ class InputProcessor:
                 f"{max_tokens} for the completion)",
                 param="max_tokens",
             )
-        if prompt_len + max_tokens > capacity:
+        if prompt_len + max_tokens - 1 > capacity:
             raise KVCacheCapacityError(
-                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache "
-                "but the whole pool holds "
-                f"{capacity}: lower max_tokens or give the engine more kv_cache_memory",
+                f"the request needs up to {prompt_len + max_tokens - 1} tokens of KV cache "
+                f"({prompt_len} in the prompt, {max_tokens - 1} for the completion) but the whole pool "
+                f"holds {capacity}: lower max_tokens or give the engine more kv_cache_memory",
                 param="max_tokens",
             )
         return max_tokens

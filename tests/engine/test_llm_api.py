@@ -73,10 +73,26 @@ def test_request_that_can_never_fit_the_pool_is_rejected(tiny_model_factory: Cal
     cfg = ModelConfig.from_dir(path)
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
     llm = LLM(str(path), kv_cache_memory=4 * per_block)  # 64 token slots
-    with pytest.raises(KVCacheCapacityError, match="whole pool holds 64"):
+    with pytest.raises(KVCacheCapacityError, match="whole pool holds 64") as refused:
         llm.generate([[1] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
-    ok = llm.generate([[1] * 54], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
-    assert len(ok.token_ids) == 10
+    assert refused.value.param == "max_tokens"
+    with pytest.raises(KVCacheCapacityError, match="prompt needs 65 tokens") as refused:
+        llm.generate([[1] * 65], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert refused.value.param == "prompt"  # no max_tokens would help
+    # the last token sampled is never stored: prompt + max_tokens - 1 slots, the pool's 64 exactly
+    for prompt, max_tokens in ((55, 10), (64, 1)):
+        ok = llm.generate(
+            [[1] * prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+        )
+        assert len(ok[0].outputs[0].token_ids) == max_tokens
+    unbounded = llm.generate([[1] * 60], SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(unbounded[0].outputs[0].token_ids) == 5  # as many as fit the pool
+    # four of them at once: preempted in turn, all finish
+    many = llm.generate(
+        [[i + 1] * 55 for i in range(4)], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
+    assert [len(o.outputs[0].token_ids) for o in many] == [10] * 4
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 @pytest.mark.parametrize(
