@@ -378,6 +378,13 @@ def build_sampling_params(
     def pick(value: float | None, name: str, fallback: float) -> float:
         return value if value is not None else defaults.get(name, fallback)
 
+    if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {req.min_tokens}",
+                       param="min_tokens", code="invalid_value")  # fmt: skip
+    if any(token < 0 for token in req.stop_token_ids or []):
+        raise APIError(400, "stop_token_ids must be non-negative token ids", param="stop_token_ids",
+                       code="invalid_value")  # fmt: skip
+
     temperature = pick(req.temperature, "temperature", 1.0)
     top_p = pick(req.top_p, "top_p", 1.0)
     if top_p == 0.0:  # only the most likely token survives: that is greedy decoding

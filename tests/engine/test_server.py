@@ -306,6 +306,8 @@ BAD_CHAT_FIELDS = [
         {"messages": [{"role": "tool", "content": "3", "tool_call_id": 7}]},
         "messages[0].tool_call_id",
     ),
+    ({"min_tokens": 11, "max_tokens": 10}, "min_tokens"),
+    ({"stop_token_ids": [5, -1]}, "stop_token_ids"),
     ({"top_k": -5}, "top_k"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
