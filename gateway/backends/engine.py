@@ -176,8 +176,8 @@ class EnginePool:
             raise
         try:
             error = b""
-            if resp.status != 200:
-                async with self._translated(replica):
+            if resp.status != 200:  # its body is due as soon as a first token would be
+                async with self._translated(replica), asyncio.timeout(t.first_token):
                     error = await resp.read(MAX_REPLY_BYTES)
                 verdict(resp.status < 500)
             slo = self.health.first_token_slo

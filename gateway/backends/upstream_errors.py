@@ -3,7 +3,13 @@ the error event that ends a stream the gateway cannot relay further."""
 
 from __future__ import annotations
 
+import re
+
 import orjson
+
+_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # an error code or type as OpenAI spells them
+MAX_ERROR_MESSAGE = 1000  # characters of an upstream's client error message passed on
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S*")  # a URL inside a message: an upstream's, never shown
 
 
 def error_event(message: str, code: str | None, kind: str = "api_error", param: str | None = None) -> bytes:
@@ -28,3 +34,30 @@ def error_code(body: bytes) -> str:
         return str(error.get("code") or error.get("type") or "upstream_error")
     except (orjson.JSONDecodeError, AttributeError):
         return "upstream_error"
+
+
+def reduced_error(body: bytes, status: int, model: str) -> bytes:
+    """An upstream's OpenAI error as the client gets it: its four fields, nothing else of the
+    upstream's object. A client error (4xx) keeps its message, at most MAX_ERROR_MESSAGE characters
+    with URLs masked: it says what to change, such as a context length. A server error's or a 429's
+    message is replaced: it can only describe the upstream (its hosts, load, internals). Codes and
+    types that are not plain tokens are dropped. `body` must pass `is_openai_error`."""
+    error = orjson.loads(body)["error"]
+
+    def token(value: object) -> str | None:
+        return value if isinstance(value, str) and _CODE.fullmatch(value) else None
+
+    param = error.get("param")
+    if status < 500 and status != 429:
+        message = _URL.sub("[url]", error["message"][:MAX_ERROR_MESSAGE])
+        kind = token(error.get("type")) or "invalid_request_error"
+    else:
+        message = f"the upstream for '{model}' could not answer (HTTP {status})"
+        kind = "rate_limit_error" if status == 429 else "api_error"
+    out = {
+        "message": message,
+        "type": kind,
+        "param": param[:200] if isinstance(param, str) else None,
+        "code": token(error.get("code")),
+    }
+    return orjson.dumps({"error": out})

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 # A reader that falls this far behind pauses the socket (the replica waits) until it catches up.
 _PAUSE_BYTES = 1 << 20
+MAX_HEAD_BYTES = 64 << 10  # a response's status line and headers (an engine's are ~200 bytes)
 
 
 class WireError(Exception):
@@ -59,6 +60,9 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self.fail(WireError(f"the upstream's answer is not valid HTTP/1.1 ({type(exc).__name__})"))
+            return
+        if not self.status and self.received > MAX_HEAD_BYTES:  # headers without end: refused early
+            self.fail(WireError(f"the upstream's response head passed {MAX_HEAD_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is None and self.status and not self.framed and not self.complete:

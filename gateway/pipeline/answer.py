@@ -8,7 +8,7 @@ import logging
 import orjson
 
 from gateway.backends.base import UpstreamReply
-from gateway.backends.upstream_errors import error_code, is_openai_error
+from gateway.backends.upstream_errors import error_code, is_openai_error, reduced_error
 from gateway.errors import GatewayError
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
@@ -33,7 +33,8 @@ def passed_on(call: Call, status: int, body: bytes) -> tuple[Reply, str]:
         message = f"the upstream for '{call.model}' answered HTTP {status}"
         replaced = GatewayError(client_status, message, kind, code="upstream_error")
         return error_reply(replaced), "upstream_error"
-    return Reply(client_status, [JSON_HEADER], body), error_code(body)
+    reduced = reduced_error(body, status, call.model or "the model")
+    return Reply(client_status, [JSON_HEADER], reduced), error_code(body)
 
 
 def whole(call: Call, reply: UpstreamReply, log_bodies: bool) -> tuple[Reply, str | None]:

@@ -43,6 +43,7 @@ class Call:
     body_bytes: int = 0  # its size: a bound on its prompt tokens while they are counted
     reply_body: bytes | None = None  # a whole answer (same reason)
     lines: list[str] = field(default_factory=list)  # a stream's data lines (same reason)
+    stream_chars: int = 0  # their size so far: a stream is bounded as a whole answer is
     stream: bool = False
     response_model: str | None = None  # the `model` the upstream answered with (for the trace)
     trace: Trace = NO_TRACE

@@ -27,7 +27,7 @@ from gateway.backends.base import (
 from gateway.config.policy import EngineBackend, Policy, Retries
 from gateway.errors import GatewayError
 from gateway.pipeline.prefix_keys import PrefixKeys
-from gateway.pipeline.resume import ResumePlan, resumable_body
+from gateway.pipeline.resume import TOKEN_IDS, ResumePlan, resumable_body
 from gateway.pipeline.served import Served
 from gateway.routing.router import RouteDecision
 from gateway.telemetry.trace import NO_TRACE, Trace
@@ -367,13 +367,29 @@ def _has_token(line: str) -> bool:
     return False
 
 
+_HEAD_EVENTS = 64  # events before the first token (a role chunk, a few empty deltas) at most
+_SSE_FIELDS = (":", "event:", "id:", "retry:")  # SSE lines that carry no data: skipped
+
+
 async def _until_first_token(lines: AsyncIterator[str]) -> list[str]:
-    """Lines up to and including the first that carries a token (the role chunk alone does not)."""
+    """Data lines up to and including the first that carries a token (the role chunk alone does
+    not). A body that is not an event stream (an HTML page, a JSON answer), an end before any
+    token, or more than _HEAD_EVENTS events without one is a stream that broke before its first
+    token: the caller tries the next candidate, and nothing of it reaches the client."""
     head: list[str] = []
     async for line in lines:
+        if not line.startswith("data:"):
+            if line.startswith(TOKEN_IDS):  # an engine's token ids (resumption): the relay's to read
+                head.append(line)
+                continue
+            if line.startswith(_SSE_FIELDS):
+                continue
+            raise UpstreamStreamError("the answer is not an event stream")
         head.append(line)
         if _has_token(line):
             return head
+        if len(head) >= _HEAD_EVENTS:
+            raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")
     if not head:
         raise UpstreamStreamError("the stream ended before its first event")
-    return head
+    raise UpstreamStreamError("the stream ended before its first token")

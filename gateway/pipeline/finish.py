@@ -18,7 +18,7 @@ import orjson
 
 from gateway.config.policy import EngineBackend, Policy
 from gateway.governance import tokens
-from gateway.governance.usage import ZERO_COUNTS, says_zero
+from gateway.governance.usage import MAX_TOKENS, ZERO_COUNTS, says_zero
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.call import Call
 from gateway.pipeline.runtime import RuntimeHolder
@@ -139,6 +139,7 @@ def estimated_usage(call: Call, policy: Policy) -> dict[str, Any]:
             continue
         if isinstance(parsed, dict):
             chunks.append(parsed)
-    prompt = tokens.count(tokens.prompt_text(call.body or {}), model or "", tokenizer)
-    completion = tokens.count(tokens.completion_text(chunks), model or "", tokenizer)
+    # bounded as reported usage is (governance/usage.py): a count past it would lock a key out
+    prompt = min(tokens.count(tokens.prompt_text(call.body or {}), model or "", tokenizer), MAX_TOKENS)
+    completion = min(tokens.count(tokens.completion_text(chunks), model or "", tokenizer), MAX_TOKENS)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

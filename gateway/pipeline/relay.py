@@ -14,7 +14,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 
 import orjson
@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 
 _DONE = "data: [DONE]"
 _DONE_EVENT = b"data: [DONE]\n\n"
+MAX_STREAM_CHARS = 64 << 20  # a stream's events in all, as a whole answer's bytes (MAX_REPLY_BYTES)
+_AFTER_DONE_SECONDS = 1.0  # how long the upstream may take to end its body once it has sent [DONE]
+
+
+class StreamTooLongError(UpstreamStreamError):
+    """The stream passed MAX_STREAM_CHARS: ended with an error event, never resumed elsewhere."""
 
 
 async def relay(call: Call, served: Served, wants_usage: bool,
@@ -51,24 +57,30 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                 async with aclosing(current):
                     ended = _DONE in current.head  # the upstream's end arrived (it may be in the head)
                     call.upstream_seconds += perf_counter() - mark
-                    # read before committing to this upstream: one event for the client (one send)
-                    events = (relay_line(call, ln, wants_usage, tokens) for ln in current.head)
+                    # read before committing to this upstream: one event for the client (one send);
+                    # nothing after the end is the client's
+                    lines = current.head[: current.head.index(_DONE) + 1] if ended else current.head
+                    events = (relay_line(call, ln, wants_usage, tokens) for ln in lines)
                     head = [e for e in events if e is not None]
                     mark = perf_counter()
                     if head:
                         answered = ended
                         yield b"".join(head)
-                    async for line in upstream.lines:
+                    if not ended:
+                        async for line in upstream.lines:
+                            call.upstream_seconds += perf_counter() - mark
+                            ended = line == _DONE
+                            event = relay_line(call, line, wants_usage, tokens)
+                            mark = perf_counter()
+                            if event is not None:
+                                answered = ended
+                                yield event
+                            if ended:
+                                break
                         call.upstream_seconds += perf_counter() - mark
-                        ended = ended or line == _DONE
-                        event = relay_line(call, line, wants_usage, tokens)
-                        mark = perf_counter()
-                        if event is not None:
-                            answered = ended
-                            yield event
-                    call.upstream_seconds += perf_counter() - mark
                     if not ended:  # the upstream closed the stream in the middle of the answer
                         raise ended_early()
+                    await _drained(upstream.lines)
                 current = None
             except (asyncio.CancelledError, GeneratorExit):
                 # a client that closes once it has the end (the official SDKs stop reading at [DONE],
@@ -88,7 +100,8 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     continue
                 mark = perf_counter()
                 try:
-                    current = await _resumed(call, reading, tokens, exc)
+                    oversized = isinstance(exc, StreamTooLongError)  # another replica would send as much
+                    current = None if oversized else await _resumed(call, reading, tokens, exc)
                 except asyncio.CancelledError:
                     status, error = 499, "client_disconnected"
                     raise
@@ -103,6 +116,17 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     yield error_event(f"the upstream stream ({call.backend}) failed", error)
     finally:
         done(call, status, error)
+
+
+async def _drained(lines: AsyncIterator[str]) -> None:
+    """Reads what an upstream sends after [DONE] (dropped: the client has its end) so that its
+    connection, read to the end, can serve again; one that does not end soon is closed instead."""
+    try:
+        async with asyncio.timeout(_AFTER_DONE_SECONDS):
+            async for _ in lines:
+                pass
+    except Exception:  # late bytes, a break or a stall after the end: the answer is whole already
+        logger.debug("an upstream's stream did not end cleanly after [DONE]", exc_info=True)
 
 
 async def _resumed(call: Call, failed: Served, tokens: StreamTokens | None, exc: Exception) -> Served | None:
@@ -136,11 +160,17 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
         return None
     if call.ttft is None:
         call.ttft = time.perf_counter() - call.started
-    if not line.startswith("data:") or line == _DONE:
+    if line == _DONE:
+        return _DONE_EVENT
+    if not line.startswith("data:"):  # comments, other fields, stray text: none of it is the client's
         if tokens is not None and line.startswith(TOKEN_IDS):
             tokens.announce(line)
-            return None
-        return line.encode() + b"\n\n"
+        return None
+    call.stream_chars += len(line)
+    if call.stream_chars > MAX_STREAM_CHARS:
+        logger.warning("request %s: the stream from %s passed %d characters: ended", call.id, call.backend,
+                       MAX_STREAM_CHARS)  # fmt: skip
+        raise StreamTooLongError(f"the stream passed {MAX_STREAM_CHARS} characters")
     # Every event is parsed (about a microsecond each): one that is not a JSON object would
     # break the client's SDK mid-answer, so it ends the stream with an error event instead.
     try:
@@ -160,9 +190,11 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     call.lines.append(line)  # kept for the token count if the stream ends without usage
     usage = chunk.get("usage")
     if isinstance(usage, dict):
-        call.usage = checked_usage(usage) or {}
-        model = chunk.get("model")
-        call.response_model = model if isinstance(model, str) else None
+        checked = checked_usage(usage)
+        if checked:  # one not believable leaves a believable one before it in place
+            call.usage = checked
+            model = chunk.get("model")
+            call.response_model = model if isinstance(model, str) else None
         if not wants_usage:
             if not chunk.get("choices"):
                 return None  # the usage-only chunk the client did not ask for

@@ -25,6 +25,13 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   status:CODE        that HTTP status with a non-JSON body
   error_event        a stream whose second event is an error object, then [DONE]
   odd_chunk          a stream opening with role chunks of the wrong shapes (choices 7, delta a string)
+  html               a stream answered 200 with an HTML page that names an internal host
+  after_done         a stream that goes on after its [DONE]: text, a second usage, [DONE] again
+  role_spam          a stream of 200 role-only chunks before its text
+  two_usage          a stream with a believable usage chunk, then an unbelievable one (2**40)
+  big_stream:MIB     a stream of MIB one-MiB text chunks, no usage
+  huge_head          a response head that never ends (256 KiB of one header, then the close)
+  error_leak:CODE    that status with an OpenAI error naming an internal host, plus extra fields
 
 `GET /stats` lists every request received (method, path, headers, body as text) and how many
 connections the fake cut itself; `GET /seen/TOKEN` says whether a received body held TOKEN;
@@ -164,6 +171,8 @@ class HostileUpstream:
 
     async def _whole(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
+        if mode in ("huge_head", "error_leak"):
+            return await _hostile_head(writer, mode, arg)
         if mode == "status":
             return await _send(writer, int(arg or 500), b"<html>upstream exploded</html>", "text/html")
         if mode == "not_json":
@@ -203,6 +212,13 @@ class HostileUpstream:
 
     async def _stream(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
+        if mode in ("huge_head", "error_leak"):
+            return await _hostile_head(writer, mode, arg)
+        if mode == "html":
+            page = b"<html><body>Internal upstream http://10.9.8.7:9999 db=secret</body></html>\n"
+            writer.write(_head(200, "text/html", None) + _chunk(page) + b"0\r\n\r\n")
+            await writer.drain()
+            return True
         if mode == "status":
             return await _send(writer, int(arg or 500), b"upstream exploded", "text/plain")
         if mode == "stall_first":
@@ -312,6 +328,10 @@ class Answer:
         elif mode == "odd_chunk":  # a role chunk whose shapes are wrong: choices not a list, delta a string
             out.insert(0, b'data: {"role":"assistant","choices":7}\n\n')
             out.insert(1, b'data: {"role":"assistant","choices":[{"index":0,"delta":"text"}]}\n\n')
+        elif mode == "role_spam":
+            out[1:1] = out[:1] * 200
+        elif mode == "big_stream":
+            out.extend(self._event("B" * (1 << 20)) for _ in range(int(arg or 1)))
         elif mode == "error_event":
             error = {"error": {"message": "upstream failed mid-way", "type": "api_error", "code": None}}
             out.append(b"data: " + orjson.dumps(error) + b"\n\n")
@@ -319,8 +339,17 @@ class Answer:
         out.append(self._event(None, "stop"))
         usage = {"id": "hostile-1", "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": 0, "model": self.model, "choices": [], "usage": self.usage}  # fmt: skip
-        out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+        if mode != "big_stream":  # (its count is the gateway's to make)
+            out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+        if mode == "two_usage":
+            later = {**usage, "usage": USAGE["huge"]}
+            out.append(b"data: " + orjson.dumps(later) + b"\n\n")
         out.append(b"data: [DONE]\n\n")
+        if mode == "after_done":
+            out.append(self._event(" INJECTED after done"))
+            injected = {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+            out.append(b"data: " + orjson.dumps({**usage, "usage": injected}) + b"\n\n")
+            out.append(b"data: [DONE]\n\n")
         return out
 
 
@@ -366,6 +395,25 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
     else:
         body = await reader.readexactly(int(headers.get("content-length", "0")))
     return Request(method, path, headers, body)
+
+
+async def _hostile_head(writer: asyncio.StreamWriter, mode: str, arg: str | None) -> bool:
+    """huge_head: a header that never ends; error_leak: an error that tells too much."""
+    if mode == "huge_head":
+        writer.write(b"HTTP/1.1 200 OK\r\nx-big: ")
+        for _ in range(64):
+            writer.write(b"a" * 4096)
+            await writer.drain()
+        return False
+    error = {
+        "message": "failed at http://10.0.0.5:8001/internal token=abc on gpu-7.internal",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "bad_thing",
+        "internal_url": "http://10.0.0.5",
+    }
+    body = orjson.dumps({"error": error, "debug": {"host": "gpu-7.internal"}})
+    return await _send(writer, int(arg or 400), body)
 
 
 def _head(status: int, content_type: str, length: int | None) -> bytes:

@@ -310,3 +310,74 @@ def test_a_stream_that_ends_right_after_its_role_chunk_ends_cleanly(stack: Hosti
     assert stream_error(answer.body) is None and answer.body.rstrip().endswith(b"data: [DONE]")
     assert answer.request_id is not None
     assert stack.rows_for({answer.request_id})[answer.request_id]["status"] == 200
+
+
+def _row(stack: HostileStack, answer: Answer) -> dict[str, object]:
+    assert answer.request_id is not None
+    return stack.rows_for({answer.request_id})[answer.request_id]
+
+
+def test_a_stream_answered_with_an_html_page_is_a_failure_nothing_of_which_reaches_the_client(
+    stack: HostileStack,
+) -> None:
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=html", True)))
+    assert answer.status == 502 and problems(answer) == []
+    assert b"<html" not in answer.body and b"10.9.8.7" not in answer.body
+    assert _row(stack, answer)["status"] == 502
+
+
+def test_nothing_after_done_reaches_the_client_or_the_bill(stack: HostileStack) -> None:
+    answer = asyncio.run(
+        _one(stack, stack.key, chat("eng", "mode=after_done", True, stream_options={"include_usage": True}))
+    )
+    assert answer.status == 200 and problems(answer) == []
+    assert b"INJECTED" not in answer.body and answer.body.count(b"data: [DONE]") == 1
+    row = _row(stack, answer)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (5, 3)
+    assert row["cost_estimated"] in (False, 0)
+
+
+def test_an_unbelievable_usage_chunk_leaves_the_believable_one_before_it(stack: HostileStack) -> None:
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=two_usage", True)))
+    assert answer.status == 200 and problems(answer) == []
+    row = _row(stack, answer)
+    assert (row["prompt_tokens"], row["completion_tokens"], row["cost_estimated"]) in (
+        (5, 3, False),
+        (5, 3, 0),
+    )
+
+
+def test_a_stream_of_role_chunks_without_a_token_is_a_failure_not_held_in_memory(stack: HostileStack) -> None:
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=role_spam", True)))
+    assert answer.status == 502 and problems(answer) == []
+    assert _row(stack, answer)["status"] == 502
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_response_head_that_never_ends_is_refused_at_its_bound(stack: HostileStack, stream: bool) -> None:
+    start = time.monotonic()
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=huge_head", stream)))
+    assert answer.status == 502 and problems(answer) == []
+    assert time.monotonic() - start < 3  # refused at 64 KiB, not at the total timeout
+
+
+def test_an_engines_error_reaches_the_client_as_its_four_fields_without_urls(stack: HostileStack) -> None:
+    client_error = asyncio.run(_one(stack, stack.key, chat("eng", "mode=error_leak:400", False)))
+    assert client_error.status == 400
+    body = orjson.loads(client_error.body)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert "10.0.0.5" not in body["error"]["message"] and "[url]" in body["error"]["message"]
+    assert body["error"]["code"] == "bad_thing"
+    server_error = asyncio.run(_one(stack, stack.key, chat("eng", "mode=error_leak:503", False)))
+    assert server_error.status == 503
+    error = orjson.loads(server_error.body)["error"]
+    assert "internal" not in error["message"] and error["message"].startswith("the upstream for 'eng'")
+
+
+def test_a_stream_past_64_mib_ends_with_an_error_and_a_bounded_estimate(stack: HostileStack) -> None:
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=big_stream:66", True)))
+    assert answer.status == 200 and problems(answer) == []
+    assert stream_error(answer.body) is not None
+    row = _row(stack, answer)
+    assert row["status"] == 502
+    assert isinstance(row["completion_tokens"], int) and row["completion_tokens"] <= 1 << 24
