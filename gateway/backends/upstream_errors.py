@@ -37,27 +37,32 @@ def error_code(body: bytes) -> str:
 
 
 def reduced_error(body: bytes, status: int, model: str) -> bytes:
-    """An upstream's OpenAI error as the client gets it: its four fields, nothing else of the
-    upstream's object. A client error (4xx) keeps its message, at most MAX_ERROR_MESSAGE characters
-    with URLs masked: it says what to change, such as a context length. A server error's or a 429's
-    message is replaced: it can only describe the upstream (its hosts, load, internals). Codes and
-    types that are not plain tokens are dropped. `body` must pass `is_openai_error`."""
-    error = orjson.loads(body)["error"]
+    """An upstream's whole OpenAI error answer as the client gets it (`reduced_fields`); `body`
+    must pass `is_openai_error`."""
+    return orjson.dumps({"error": reduced_fields(orjson.loads(body)["error"], status, model)})
+
+
+def reduced_fields(error: dict[str, object], status: int, model: str) -> dict[str, str | None]:
+    """An upstream's OpenAI error object reduced to its four fields, nothing else of it. A client
+    error (4xx) keeps its message, at most MAX_ERROR_MESSAGE characters with URLs masked: it says
+    what to change, such as a context length. A server error's or a 429's message is replaced: it
+    can only describe the upstream (its hosts, load, internals). Codes and types that are not plain
+    tokens are dropped; `param` is cut at 200 characters."""
 
     def token(value: object) -> str | None:
         return value if isinstance(value, str) and _CODE.fullmatch(value) else None
 
-    param = error.get("param")
+    message, param = error.get("message"), error.get("param")
     if status < 500 and status != 429:
-        message = _URL.sub("[url]", error["message"][:MAX_ERROR_MESSAGE])
+        kept = _URL.sub("[url]", message[:MAX_ERROR_MESSAGE]) if isinstance(message, str) else ""
+        message = kept or "the request cannot be completed"
         kind = token(error.get("type")) or "invalid_request_error"
     else:
         message = f"the upstream for '{model}' could not answer (HTTP {status})"
         kind = "rate_limit_error" if status == 429 else "api_error"
-    out = {
+    return {
         "message": message,
         "type": kind,
         "param": param[:200] if isinstance(param, str) else None,
         "code": token(error.get("code")),
     }
-    return orjson.dumps({"error": out})

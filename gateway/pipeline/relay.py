@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -20,7 +19,7 @@ from contextlib import aclosing
 import orjson
 
 from gateway.backends.base import UpstreamErrorEvent, UpstreamRequestErrorEvent, UpstreamStreamError
-from gateway.backends.upstream_errors import error_event
+from gateway.backends.upstream_errors import error_event, reduced_fields
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
 from gateway.pipeline.resume import TOKEN_IDS, StreamTokens, break_reason, ended_early
@@ -205,18 +204,9 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     return line.encode() + b"\n\n"
 
 
-_CODE = re.compile(r"[a-z][a-z0-9_]{0,63}")
-
-
 def _request_error(error: dict[str, object]) -> UpstreamRequestErrorEvent:
-    """The client's event for an upstream's mid-stream `invalid_request_error`: its four fields,
-    strings bounded, nothing else of the upstream's object."""
-
-    def text(value: object, limit: int) -> str | None:
-        return value[:limit] if isinstance(value, str) else None
-
-    code = text(error.get("code"), 64)
-    message = text(error.get("message"), 1000) or "the request cannot be completed"
-    event = error_event(message, code, "invalid_request_error", text(error.get("param"), 200))
-    label = code if code is not None and _CODE.fullmatch(code) else "invalid_request"
-    return UpstreamRequestErrorEvent(event, label)
+    """The client's event for an upstream's mid-stream `invalid_request_error`: reduced as a whole
+    4xx answer is (upstream_errors.reduced_fields), its code (else `invalid_request`) for the log."""
+    fields = reduced_fields(error, 400, "")
+    event = error_event(fields["message"] or "", fields["code"], "invalid_request_error", fields["param"])
+    return UpstreamRequestErrorEvent(event, fields["code"] or "invalid_request")
