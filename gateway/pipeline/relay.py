@@ -79,7 +79,9 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                         call.upstream_seconds += perf_counter() - mark
                     if not ended:  # the upstream closed the stream in the middle of the answer
                         raise ended_early()
-                    await _drained(upstream.lines)
+                    mark = perf_counter()
+                    await _drained(upstream.lines)  # the upstream's time, as the lines before were
+                    call.upstream_seconds += perf_counter() - mark
                 current = None
             except (asyncio.CancelledError, GeneratorExit):
                 # a client that closes once it has the end (the official SDKs stop reading at [DONE],
