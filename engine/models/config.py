@@ -76,7 +76,11 @@ class ModelConfig:
         rope = dict(raw.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        partial = (scaling or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        partial = next(
+            (p for p in ((scaling or {}).get("partial_rotary_factor"), rope.get("partial_rotary_factor"),
+                         raw.get("partial_rotary_factor")) if p is not None),
+            1.0,
+        )  # fmt: skip
         if partial not in (None, 1, 1.0):
             raise UnsupportedModelError(f"partial_rotary_factor {partial!r} is not supported (1.0 only)")
         if scaling is not None:

@@ -100,6 +100,10 @@ def test_yarn_without_a_factor_takes_the_lengths_ratio_and_the_original_length_d
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+            "partial_rotary_factor 0.25",
+        ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "'longrope'"),
     ],
