@@ -56,8 +56,10 @@ class GatewayApp:
 
     def __init__(self, api: FastAPI, settings: GatewaySettings) -> None:
         self.api = api
-        self.completions = CompletionsEndpoint(lambda: app_services(api), settings.max_body_bytes)
-        limited = BodyLimit(api, settings.max_admin_body_bytes)
+        self.completions = CompletionsEndpoint(
+            lambda: app_services(api), settings.max_body_bytes, settings.body_timeout
+        )
+        limited = BodyLimit(api, settings.max_admin_body_bytes, settings.body_timeout)
         self.guarded = AdminGate(limited, api, settings.max_admin_body_bytes)
 
     @property

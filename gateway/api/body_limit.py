@@ -1,12 +1,15 @@
 """Request bodies read with a size limit, before any parsing: the completion endpoint's and BodyLimit's.
 
 A body is refused with 413 as soon as its Content-Length, or the bytes counted while a chunked body
-streams in, pass the limit; nothing past the limit is kept. The refusal closes the connection, so
-the server does not read the rest of a body it refused; the close lingers (gateway/api/http_protocol.py:
-what still arrives is dropped unparsed for a bounded time) so that the answer is not reset away.
+streams in, pass the limit; nothing past the limit is kept; and with 408 when it has not all arrived
+within the body timeout. The refusal closes the connection, so the server does not read the rest of
+a body it refused; the close lingers (gateway/api/http_protocol.py: what still arrives is dropped
+unparsed for a bounded time) so that the answer is not reset away.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from gateway.api.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
 from gateway.errors import GatewayError
@@ -38,22 +41,30 @@ def may_exceed(declared: bytes | None, limit: int) -> bool:
     return declared is not None and not (declared.isdigit() and int(declared) <= limit)
 
 
-async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
-    """The request body; GatewayError 413 as soon as it is declared or grows past `limit` bytes."""
+async def read_body(receive: Receive, declared: bytes | None, limit: int, timeout: float) -> bytes:
+    """The request body; GatewayError 413 as soon as it is declared or grows past `limit` bytes,
+    408 when it has not all arrived `timeout` seconds after the headers (a client that starts a body
+    and never ends it would hold its connection, and a concurrency slot, for ever: the header
+    timeout no longer applies once the headers are in). Both are answered with a close."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientLeftError
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientLeftError
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except TimeoutError:
+        late = f"the request body did not arrive within {timeout:g} seconds"
+        raise GatewayError(408, late, code="request_timeout") from None
 
 
 class BodyLimit:
@@ -63,16 +74,17 @@ class BodyLimit:
     otherwise read a body of any size, then parse it, before a route's dependencies run.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout: float) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         try:
-            body = await read_body(receive, declared_length(scope), self.limit)
+            body = await read_body(receive, declared_length(scope), self.limit, self.timeout)
         except GatewayError as exc:
             await send_error(send, exc, close=True)
             return

@@ -30,9 +30,10 @@ class CompletionsEndpoint:
     The key is checked before the body is read, and the body is read at most `max_body_bytes`.
     """
 
-    def __init__(self, services: Callable[[], Services], max_body_bytes: int) -> None:
+    def __init__(self, services: Callable[[], Services], max_body_bytes: int, body_timeout: float) -> None:
         self._services = services
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -49,9 +50,9 @@ class CompletionsEndpoint:
         try:
             key = await keys.authenticate(_bearer(authorization), scope.get("client"))
             trace.authenticated(key)
-            raw = await read_body(receive, declared, self.max_body_bytes)
-        except GatewayError as exc:  # the key refused (or its database away), the body too large
-            await _send_whole(proxy.refuse(started, exc, trace), send, close or exc.status == 413)
+            raw = await read_body(receive, declared, self.max_body_bytes, self.body_timeout)
+        except GatewayError as exc:  # the key refused (or its database away), the body too large or slow
+            await _send_whole(proxy.refuse(started, exc, trace), send, close or exc.status in (408, 413))
             return
         except ClientLeftError:
             left = GatewayError(499, "the client left", code="client_disconnected")

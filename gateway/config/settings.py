@@ -68,6 +68,7 @@ class GatewaySettings(BaseSettings):
     max_admin_body_bytes: int = Field(default=64 << 10, ge=1 << 10)  # every other route's body
     max_header_bytes: int = Field(default=32 << 10, ge=4 << 10)  # request line and headers
     header_timeout: float = Field(default=10.0, gt=0.0)  # seconds to send a request's headers
+    body_timeout: float = Field(default=30.0, gt=0.0)  # seconds to send its body once the headers are in
     limit_concurrency: int = Field(default=1000, ge=1)  # connections or requests per process; then 503
     keep_alive_timeout: int = Field(default=5, ge=1)  # seconds an idle kept-alive connection stays open
     backlog: int = Field(default=2048, ge=1)  # connections the kernel queues before accept

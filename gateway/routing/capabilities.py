@@ -127,7 +127,8 @@ def _has_image(messages: Any) -> bool:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind in _IMAGE_PARTS:  # (a client's dict is unhashable)
                     return True
     return False
 

@@ -28,6 +28,7 @@ LIMITS = {
     "GATEWAY_MAX_ADMIN_BODY_BYTES": "4096",
     "GATEWAY_MAX_HEADER_BYTES": "8192",
     "GATEWAY_HEADER_TIMEOUT": "1",
+    "GATEWAY_BODY_TIMEOUT": "1",
     "GATEWAY_LIMIT_CONCURRENCY": "6",
 }
 MIB = 1 << 20
@@ -270,6 +271,32 @@ def test_a_client_that_never_finishes_its_headers_is_cut_off_after_the_header_ti
         assert openai_error(body)["code"] == "headers_timeout"
         assert time.monotonic() - started < 5
         assert sock.recv(1) == b""  # closed
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab",  # no key needed
+        b"POST /nope HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer KEY\r\n"
+        b"Content-Length: 100\r\n\r\n{",
+    ],
+    ids=["admin route", "chunked unknown route", "completion"],
+)
+def test_a_body_that_never_ends_is_cut_off_after_the_body_timeout(
+    gateway: ManagedServer, key: str, head: bytes
+) -> None:
+    sock = connect(gateway)
+    try:
+        started = time.monotonic()
+        sock.sendall(head.replace(b"KEY", key.encode()))
+        status, _, body = read_response(sock)
+        assert status == 408 and openai_error(body)["code"] == "request_timeout"
+        assert time.monotonic() - started < 5
+        sock.settimeout(5)
+        assert sock.recv(1) == b""  # closed: the slot is free again
     finally:
         sock.close()
 

@@ -184,7 +184,8 @@ class _Refusals:
 
 
 def test_an_unexpected_failure_before_the_proxy_is_an_openai_503_without_its_text() -> None:
-    endpoint = CompletionsEndpoint(lambda: SimpleNamespace(keys=_BrokenKeys(), proxy=_Refusals()), 1 << 20)  # type: ignore[arg-type, return-value]
+    services = lambda: SimpleNamespace(keys=_BrokenKeys(), proxy=_Refusals())  # noqa: E731
+    endpoint = CompletionsEndpoint(services, 1 << 20, 30.0)  # type: ignore[arg-type]
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:

@@ -94,6 +94,8 @@ def _route(name: str, body: dict[str, Any], score: float = 0.1, team: str | None
     ({"messages": IMAGE}, (("vision", "messages"),)),
     ({"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      (("vision", "messages"),)),
+    ({"messages": [{"role": "user", "content": [{"type": {}, "text": "hi"}, {"type": []}]}]}, ()),
+    ({"messages": CHAT, "response_format": {"type": {}}}, ()),
     ({"messages": CHAT, "logprobs": True}, (("logprobs", "logprobs"),)),
     ({"messages": CHAT, "logprobs": False}, ()),
     ({"messages": CHAT, "top_logprobs": 2}, (("logprobs", "top_logprobs"),)),
