@@ -54,6 +54,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.unsent: list[_CycleTransport] = []  # requests' transports holding writes, oldest first
         self.lingering: int | None = None  # bytes discarded since a refusal (None: not refused)
         self.linger_timer: asyncio.TimerHandle | None = None
+        # a refusal waiting for the answers of the requests before it (pipelining): (status, message, code)
+        self.refusal: tuple[int, str, str] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """A new connection has `header_timeout` seconds to send its first request's headers."""
@@ -73,6 +75,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self.lingering += len(data)
             if self.lingering > LINGER_BYTES:
                 self.transport.close()
+            return
+        if self.refusal is not None:  # past a request the parser refused: nothing more is parsed
             return
         if self.header_bytes is not None:
             if self.header_timer is None:  # the first bytes of a next request on a kept-alive connection
@@ -97,6 +101,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _CycleTransport(self, self.cycle)  # type: ignore[assignment]
+
+    def on_response_complete(self) -> None:
+        """An answer is out: a refusal that waited for it (and those before it) goes now."""
+        super().on_response_complete()
+        if self.refusal is not None and not self._answering():
+            status, message, code = self.refusal
+            self.refusal = None
+            self._refuse(status, message, code)
+
+    def _answering(self) -> bool:
+        """Whether a request of this connection is still being answered (or waits in the pipeline)."""
+        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
 
     def on_message_complete(self) -> None:
         """The request's body is in: bytes after it belong to the next request's headers."""
@@ -145,11 +161,20 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._refuse(408, message, "headers_timeout")
 
     def _refuse(self, status: int, message: str, code: str) -> None:
-        """Answer `status` and close, unless an answer has begun (pipelining): then just close."""
+        """Answer `status` and close. Bytes refused after a whole request (pipelining: a valid
+        request, then bytes that are not one) are answered after that request's answer; a request
+        refused while its own body arrives is answered now, unless its answer has begun (then the
+        connection is just closed)."""
         if self.transport.is_closing() or self.lingering is not None:
             return
+        reading = self.cycle is not None and self.cycle.more_body  # the refused bytes are its body
+        if not reading and self._answering():
+            if self.refusal is None:
+                self.refusal = (status, message, code)
+                self._cancel_header_timer()
+            return
         self.flush_all()  # an answer's tail still waiting goes out before ours
-        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+        if not (reading and self.cycle.response_started):  # (a started answer is just cut off)
             body = error_answer(GatewayError(status, message, code=code)).body
             head = (
                 f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"

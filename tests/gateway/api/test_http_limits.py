@@ -456,3 +456,29 @@ def test_pipelined_requests_get_whole_answers_in_order(gateway: ManagedServer) -
                           if k.lower() == b"content-length"))  # fmt: skip
         assert len(body) == length, answer
         json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [b"\x00\x00\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"],
+    ids=["not a request", "two lengths"],
+)
+def test_requests_before_a_malformed_one_are_answered_first_then_the_400_and_the_close(
+    gateway: ManagedServer, key: str, broken: bytes
+) -> None:
+    sock = connect(gateway)
+    try:
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        payload = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+        completion = (  # answered after the routing: takes a while
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+            + b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+        )  # fmt: skip
+        sock.sendall(health + completion + broken)
+        statuses = [read_response(sock)[0] for _ in range(3)]
+        sock.settimeout(5)
+        assert sock.recv(1) == b""  # then closed
+    finally:
+        sock.close()
+    assert statuses[0] == 200 and statuses[1] != 400 and statuses[2] == 400, statuses
+    assert "write_eof" not in gateway.output(), "a write after the close"
