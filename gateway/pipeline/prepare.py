@@ -65,6 +65,13 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise GatewayError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
+    options = body.get("stream_options")  # the gateway rewrites it: a malformed one must not be hidden
+    if options is not None and not isinstance(options, dict):
+        raise GatewayError(400, "'stream_options' must be an object", param="stream_options",
+                           code="invalid_type")  # fmt: skip
+    if isinstance(options, dict) and not isinstance(options.get("include_usage", False), bool):
+        raise GatewayError(400, "'stream_options.include_usage' must be a boolean",
+                           param="stream_options.include_usage", code="invalid_type")  # fmt: skip
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if messages is None:

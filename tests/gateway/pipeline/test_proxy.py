@@ -188,6 +188,18 @@ def test_auth_matrix(stack: Stack) -> None:
             400,
             "invalid_type",
         ),
+        (
+            b'{"model": "fast", "messages": [{"role": "user", "content": "x"}], "stream": true, '
+            b'"stream_options": [1]}',
+            400,
+            "invalid_type",
+        ),
+        (
+            b'{"model": "fast", "messages": [{"role": "user", "content": "x"}], "stream": true, '
+            b'"stream_options": {"include_usage": "x"}}',
+            400,
+            "invalid_type",
+        ),
         (b'{"model": "' + b"n" * 100_000 + b'", "messages": []}', 404, "model_not_found"),
         (b'{"model": "fast", "pad": "' + b"x" * (9 << 20) + b'"}', 413, "body_too_large"),
     ],
