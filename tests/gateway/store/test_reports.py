@@ -40,14 +40,15 @@ def _rows() -> list[dict[str, object]]:
     return rows
 
 
-def _write(url: str) -> None:
+def _write(url: str, rows: list[dict[str, object]] | None = None) -> None:
+    """The rows (default `_rows()`) through the request-log writer, in batches of 17."""
     upgrade(url)
 
     async def run() -> None:
         db = create_db(url)
         writer = RequestLogWriter(db, CollectorRegistry(), batch_size=17, interval=0.05)
         writer.start()
-        for row in _rows():
+        for row in _rows() if rows is None else rows:
             writer.queue(row)
         await writer.stop()
         await db.dispose()
@@ -161,7 +162,6 @@ def test_html_report_is_one_self_contained_file_with_its_charts(tmp_path: Path) 
 
 
 def test_names_no_model_has_are_one_group_in_the_aggregates(database_url: str) -> None:
-    upgrade(database_url)
     rows = [
         {"id": f"u{i}", "created_at": datetime(2026, 11, 20, 12, tzinfo=UTC), "status": 404, "key_id": "k1",
          "requested_model": f"=bogus-{i}", "error_type": "model_not_found"}
@@ -170,13 +170,10 @@ def test_names_no_model_has_are_one_group_in_the_aggregates(database_url: str) -
           "requested_model": "fast", "backend": "pool", "prompt_tokens": 5, "completion_tokens": 2,
           "cost_picousd": Decimal(7)}]  # fmt: skip
 
+    _write(database_url, rows)
+
     async def run() -> list:  # type: ignore[type-arg]
         db = create_db(database_url)
-        writer = RequestLogWriter(db, CollectorRegistry(), batch_size=7, interval=0.05)
-        writer.start()
-        for row in rows:
-            writer.queue(row)
-        await writer.stop()
         try:
             return await spend(db, date(2026, 11, 20), date(2026, 11, 20), "model")
         finally:
