@@ -2,8 +2,11 @@
 not ask for it, and, when the upstream breaks off, another replica of the pool going on from where
 the client is (a resumable stream: resume.py) or an error event (never a silent switch).
 
-The relay owns the served upstream: it closes it (`aclosing`) however the stream ends, then
-hands the request's status to `done` (the log row, exactly once). Gateway time is what the relay
+The relay owns the served upstream: it closes it (`aclosing`) however the stream ends, and hands
+the request's status to `done` (the log row and the release of its reservations, exactly once):
+just before the event that carries `[DONE]` goes out, so that a client that asks again the moment
+it has the end finds its budget settled (what the upstream sends after its `[DONE]`, drained for up
+to a second, is nobody's time); otherwise when the stream ends. Gateway time is what the relay
 spends between reading a line and handing its event on; everything else (waiting on the upstream,
 the client reading) is upstream time. Two clock reads a line.
 """
@@ -64,6 +67,8 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     mark = perf_counter()
                     if head:
                         answered = ended
+                        if ended:
+                            done(call, status, error)  # released before the client can ask again
                         yield b"".join(head)
                     if not ended:
                         async for line in upstream.lines:
@@ -73,6 +78,8 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                             mark = perf_counter()
                             if event is not None:
                                 answered = ended
+                                if ended:
+                                    done(call, status, error)  # released before the client can ask again
                                 yield event
                             if ended:
                                 break
@@ -97,6 +104,7 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                 if tokens is not None and tokens.finished and call.usage:  # all but the end: given
                     current = None
                     answered = True
+                    done(call, status, error)
                     yield _DONE_EVENT
                     continue
                 mark = perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -403,6 +404,29 @@ def test_a_client_that_closes_once_it_has_done_is_logged_200_not_499(stack: Stac
         assert time.monotonic() < deadline, "a stream has no log row"
         time.sleep(0.1)
     assert [(r["status"], r["error_type"]) for r in rows] == [(200, None)] * 3
+
+
+def test_a_stream_settles_its_budget_before_the_client_has_its_end(stack: Stack) -> None:
+    """Each stream reserves ~$0.0068 (4000 tokens at $1.7/M) and costs ~$0.00001: a reservation
+    still held when the client asks again, holding the last stream open (its upstream lingers
+    after [DONE]), refuses the next request."""
+    key = stack.create_key(name="tight-sequence", budget_usd=0.01)
+    headers = {"Authorization": f"Bearer {key}"}
+    httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 1500})
+    try:
+        with contextlib.ExitStack() as held:
+            for i in range(4):
+                body = {"model": "fast", "messages": [{"role": "user", "content": f"in turn {i}"}],
+                        "stream": True, "max_tokens": 4000}  # fmt: skip
+                client = held.enter_context(httpx.Client(base_url=stack.gateway.base_url, timeout=10))
+                r = held.enter_context(client.stream("POST", "/v1/chat/completions", json=body,
+                                                     headers=headers))  # fmt: skip
+                assert r.status_code == 200, r.read()
+                lines = r.iter_lines()
+                while next(lines) != "data: [DONE]":  # the end: the next request goes at once
+                    pass
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 0})
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
