@@ -12,6 +12,8 @@ malformed request, the server's concurrency limit) use OpenAI's error format lik
 from __future__ import annotations
 
 import asyncio
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -98,6 +100,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         ):
             self._headers_too_large()
             raise _RefusedError  # stops the parser: no request task starts
+        problem = framing_problem(self.parser.get_http_version(), self.headers)
+        if problem is not None:
+            self.logger.info("%s: %s", _address(self.client), problem[1])
+            self._refuse(*problem)
+            raise _RefusedError
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _CycleTransport(self, self.cycle)  # type: ignore[assignment]
@@ -262,11 +269,42 @@ class _CycleTransport:
         return getattr(self._transport, name)
 
 
+# RFC 9110's host [ ":" port ]: a reg-name (unreserved, sub-delims, %-escapes) or an IP literal
+_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]{0,5})?")
+
+
+def framing_problem(version: str, headers: Sequence[tuple[bytes, bytes]]) -> tuple[int, str, str] | None:
+    """What RFC 9112 says a server must refuse in a request head that llhttp lets through, as
+    (status, message, code); None when the head is sound.
+
+    An HTTP version other than 1.0 and 1.1 (505), a missing Host in HTTP/1.1, more than one Host or
+    one that is not a host (400), and a transfer coding other than a lone `chunked` (501: llhttp
+    reads `gzip, chunked` as chunked and hands the app the still-compressed bytes; a proxy in front
+    that reads the codings otherwise would disagree with us on where the request ends).
+    """
+    if version not in ("1.0", "1.1"):
+        return 505, f"HTTP/{version} is not supported: use HTTP/1.1", "http_version_not_supported"
+    hosts = [value for name, value in headers if name == b"host"]
+    if len(hosts) > 1:
+        return 400, "the request has more than one Host header", "invalid_http_request"
+    if not hosts and version == "1.1":
+        return 400, "an HTTP/1.1 request needs a Host header", "invalid_http_request"
+    if hosts and not _HOST.fullmatch(hosts[0].strip(b" \t")):
+        return 400, "the Host header is not a host[:port]", "invalid_http_request"
+    codings = [
+        c.strip(b" \t").lower() for n, v in headers if n == b"transfer-encoding" for c in v.split(b",")
+    ]
+    if codings and codings != [b"chunked"]:
+        return 501, "the only transfer coding supported is a lone chunked", "unsupported_transfer_encoding"
+    return None
+
+
 class _RefusedError(Exception):
     """Raised from a parser callback to stop parsing a request already answered."""
 
 
-_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+            501: "Not Implemented", 505: "HTTP Version Not Supported"}  # fmt: skip
 
 
 def _address(client: tuple[str, int] | None) -> str:

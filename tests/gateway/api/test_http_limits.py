@@ -459,9 +459,74 @@ def test_pipelined_requests_get_whole_answers_in_order(gateway: ManagedServer) -
 
 
 @pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        (b"GET /health HTTP/1.1\r\n\r\n", 400, "invalid_http_request"),
+        (b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "invalid_http_request"),
+        (b"GET /health HTTP/1.1\r\nHost: evil.example/x@y\r\n\r\n", 400, "invalid_http_request"),
+        (b"GET /health HTTP/1.1\r\nHost: a b\r\n\r\n", 400, "invalid_http_request"),
+        (b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            b"Transfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            501,
+            "unsupported_transfer_encoding",
+        ),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            b"Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            400,  # chunked not last: no framing at all (llhttp's own refusal)
+            "invalid_http_request",
+        ),
+    ],
+    ids=[
+        "no host",
+        "two hosts",
+        "host with a path",
+        "host with a space",
+        "http/2.0 line",
+        "gzip, chunked",
+        "chunked then gzip",
+    ],
+)
+def test_request_heads_rfc_9112_refuses_are_refused_before_the_app(
+    gateway: ManagedServer, request_bytes: bytes, status: int, code: str
+) -> None:
+    sock = connect(gateway)
+    try:
+        sock.sendall(request_bytes)
+        answered, headers, body = read_response(sock)
+    finally:
+        sock.close()
+    assert answered == status, body
+    assert openai_error(body)["code"] == code and headers["connection"] == "close"
+
+
+def test_sound_request_heads_are_served(gateway: ManagedServer) -> None:
+    """HTTP/1.0 needs no Host; an IPv6 literal with a port, and a lone chunked, are hosts and codings."""
+    chunked = b"GET /health HTTP/1.1\r\nHost: gw.example.com\r\nTransfer-Encoding: Chunked\r\n\r\n0\r\n\r\n"
+    for head in (
+        b"GET /health HTTP/1.0\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: [::1]:8000\r\n\r\n",
+        chunked,
+    ):
+        sock = connect(gateway)
+        try:
+            sock.sendall(head)
+            answered, _, body = read_response(sock)
+        finally:
+            sock.close()
+        assert answered == 200, (head, body)
+
+
+@pytest.mark.parametrize(
     "broken",
-    [b"\x00\x00\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"],
-    ids=["not a request", "two lengths"],
+    [
+        b"\x00\x00\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n",
+    ],
+    ids=["not a request", "two lengths", "two hosts"],
 )
 def test_requests_before_a_malformed_one_are_answered_first_then_the_400_and_the_close(
     gateway: ManagedServer, key: str, broken: bytes
