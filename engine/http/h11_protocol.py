@@ -5,6 +5,11 @@ headers of any size, and uvicorn has no option to bound them; h11 bounds its rec
 (`h11_max_incomplete_event_size`). h11 costs some microseconds per request in Python, nothing next
 to a model step. uvicorn has no timeout for a client that opens a connection and sends its
 headers byte by byte; this protocol closes such a connection after `header_read_timeout`.
+
+h11 refuses a missing or repeated Host and transfer codings other than chunked, but takes any
+`HTTP/x.y` version, a Host that is no host, and Content-Length beside Transfer-Encoding (it reads
+the body as chunked: a proxy in front that trusts the length would disagree on where the request
+ends). Those heads are refused too (505 and 400), before the app sees them.
 """
 
 from __future__ import annotations
@@ -12,13 +17,56 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
+from http import HTTPStatus
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
+
+
+# RFC 9110's host [ ":" port ]: a reg-name (unreserved, sub-delims, %-escapes) or an IP literal
+_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]{0,5})?")
+
+
+class HeadRefusedError(h11.RemoteProtocolError):
+    """A request head h11 parsed but this server refuses: its message and code go to the client."""
+
+    def __init__(self, message: str, status: int, code: str) -> None:
+        super().__init__(message, error_status_hint=status)
+        self.message = message
+        self.code = code
+
+
+class CheckedConnection(h11.Connection):
+    """h11's server connection, refusing the request heads h11 lets through (see the module doc)."""
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            refused = head_problem(event)
+            if refused is not None:
+                raise refused
+        return event
+
+
+def head_problem(request: h11.Request) -> HeadRefusedError | None:
+    """Why a parsed request head is refused, or None."""
+    if request.http_version not in (b"1.0", b"1.1"):
+        version = request.http_version.decode("ascii", "replace")
+        return HeadRefusedError(
+            f"HTTP/{version} is not supported: use HTTP/1.1", 505, "http_version_not_supported"
+        )
+    names = [name for name, _ in request.headers]
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return HeadRefusedError("Content-Length and Transfer-Encoding together", 400, "invalid_http")
+    host = next((value for name, value in request.headers if name == b"host"), None)
+    if host is not None and not _HOST.fullmatch(host):
+        return HeadRefusedError("the Host header is not a host[:port]", 400, "invalid_http")
+    return None
 
 
 def limited_h11_protocol(header_read_timeout: float) -> type[H11Protocol]:
@@ -28,6 +76,11 @@ def limited_h11_protocol(header_read_timeout: float) -> type[H11Protocol]:
         """H11Protocol + header read timeout + OpenAI-format bodies for malformed requests."""
 
         _header_timer: asyncio.TimerHandle | None = None
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            limit = config.h11_max_incomplete_event_size
+            self.conn = CheckedConnection(h11.SERVER, limit if limit is not None else 16 * 1024)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -52,15 +105,11 @@ def limited_h11_protocol(header_read_timeout: float) -> type[H11Protocol]:
             error = sys.exc_info()[1]  # called from uvicorn's `except h11.RemoteProtocolError`
             status = getattr(error, "error_status_hint", 400)
             message = "Request headers too large" if status == 431 else "Invalid HTTP request"
+            code = "request_header_fields_too_large" if status == 431 else "invalid_http"
+            if isinstance(error, HeadRefusedError):
+                message, code = error.message, error.code
             body = json.dumps(
-                {
-                    "error": {
-                        "message": message,
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": "request_header_fields_too_large" if status == 431 else "invalid_http",
-                    }
-                }
+                {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
             ).encode()
             headers = [
                 (b"content-type", b"application/json"),
@@ -69,7 +118,10 @@ def limited_h11_protocol(header_read_timeout: float) -> type[H11Protocol]:
             ]
             self._cancel_header_timer()
             try:
-                self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)) or b"")
+                self.transport.write(
+                    self.conn.send(h11.Response(status_code=status, headers=headers, reason=_reason(status)))
+                    or b""
+                )
                 self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
                 self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
             except h11.LocalProtocolError:  # a response had already started: nothing more to say
@@ -92,3 +144,10 @@ def limited_h11_protocol(header_read_timeout: float) -> type[H11Protocol]:
                 self.transport.close()
 
     return LimitedH11Protocol
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""

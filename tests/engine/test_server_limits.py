@@ -124,6 +124,48 @@ def test_headers_over_the_limit_are_431_in_openai_format(server: ServerProcess) 
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("head", "status", "code"),
+    [
+        (b"GET /health HTTP/1.1\r\n\r\n", 400, "invalid_http"),
+        (b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "invalid_http"),
+        (b"GET /health HTTP/1.1\r\nHost: evil.example/x@y\r\n\r\n", 400, "invalid_http"),
+        (b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
+        (b"GET /health HTTP/1.2\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            400,
+            "invalid_http",
+        ),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+            b"2\r\n{}\r\n0\r\n\r\n",
+            501,
+            "invalid_http",
+        ),
+    ],
+    ids=[
+        "no host",
+        "two hosts",
+        "host with a path",
+        "http/2.0",
+        "http/1.2",
+        "length and chunked",
+        "gzip, chunked",
+    ],
+)
+def test_request_heads_that_frame_ambiguously_are_refused_and_closed(
+    server: ServerProcess, head: bytes, status: int, code: str
+) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head)
+        answered, body = _reply(sock)
+        assert sock.recv(1024) == b""  # closed after the refusal
+    assert answered == status and body["error"]["code"] == code, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
 def test_a_request_head_sent_too_slowly_is_cut_off(server: ServerProcess) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
