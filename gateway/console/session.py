@@ -1,7 +1,9 @@
 """Console sessions: a signed cookie that expires, and the CSRF token that goes with it.
 
-Logging in with the master key yields `v1.<expires>.<nonce>.<mac>`: the expiry (Unix seconds),
-16 random bytes, and an HMAC-SHA256 of both under a key derived from the master key. Any gateway
+Logging in with the master key yields `v2.<issued>.<nonce>.<mac>`: the login time (Unix seconds),
+16 random bytes, and an HMAC-SHA256 of both under a key derived from the master key. A session
+ends `GATEWAY_CONSOLE_SESSION_TTL` after its login as that setting is now: lowering it shortens the
+sessions already open (v1 cookies carried their expiry, which outlived a lowered setting). Any gateway
 replica verifies it without shared state, and changing the master key ends every session. The
 master key itself never reaches the browser. Each change a console page makes carries the
 session's CSRF token, HMAC("csrf", nonce) under the same key: another site can neither read it
@@ -16,7 +18,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-VERSION = "v1"
+VERSION = "v2"
 COOKIE = "switchboard_console"
 MAX_COOKIE_CHARS = 200  # a real cookie is ~80 characters: anything longer is not ours
 
@@ -46,9 +48,9 @@ class SessionSigner:
 
     def issue(self, now: float) -> tuple[str, Session]:
         """A new session's cookie value and the session."""
-        nonce, expires = _b64(secrets.token_bytes(16)), int(now) + self.ttl
-        body = f"{VERSION}.{expires}.{nonce}"
-        return f"{body}.{self._mac(body)}", self._session(nonce, expires)
+        nonce, issued = _b64(secrets.token_bytes(16)), int(now)
+        body = f"{VERSION}.{issued}.{nonce}"
+        return f"{body}.{self._mac(body)}", self._session(nonce, issued + self.ttl)
 
     def verify(self, cookie: str | None, now: float) -> Session | None:
         """The session `cookie` holds, or None when it is missing, forged, malformed or expired."""
@@ -60,7 +62,7 @@ class SessionSigner:
         body = ".".join(parts[:3])
         if not hmac.compare_digest(self._mac(body), parts[3]):
             return None
-        expires = int(parts[1])
+        expires = int(parts[1]) + self.ttl
         return self._session(parts[2], expires) if now < expires else None
 
     def _session(self, nonce: str, expires: int) -> Session:

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -126,9 +127,12 @@ def test_sessions_expire_are_bound_to_the_master_key_and_verify_in_constant_form
     assert signer.verify(cookie, 1059.0) == session
     assert signer.verify(cookie, 1060.0) is None  # expired
     assert SessionSigner("another master key", 60).verify(cookie, 1000.0) is None
-    version, expires, nonce, mac = cookie.split(".")
-    assert signer.verify(f"{version}.{int(expires) + 3600}.{nonce}.{mac}", 1000.0) is None  # extended: forged
-    for junk in ("", "v1", "v1.x.y.z", "v2." + cookie[3:], cookie + "." + mac, "v1." * 100):
+    version, issued, nonce, mac = cookie.split(".")
+    assert signer.verify(f"{version}.{int(issued) + 3600}.{nonce}.{mac}", 1059.0) is None  # extended: forged
+    assert SessionSigner(MASTER, 30).verify(cookie, 1029.0) == replace(session, expires=1030)
+    assert SessionSigner(MASTER, 30).verify(cookie, 1030.0) is None  # a lowered TTL ends it sooner
+    assert SessionSigner(MASTER, 600).verify(cookie, 1599.0) is not None  # a raised one later
+    for junk in ("", "v1", "v1.x.y.z", "v1." + cookie[3:], cookie + "." + mac, "v1." * 100):
         assert signer.verify(junk, 1000.0) is None
     assert signer.csrf_matches(session, session.csrf) and not signer.csrf_matches(
         session, session.csrf[:-1] + "x"
