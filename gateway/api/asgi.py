@@ -13,6 +13,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+# scope key set by the HTTP layer (api/http_protocol.py) when it refuses a request while its body
+# arrives (broken chunking, a timeout): (status, message, code), what the client was answered; the
+# app's body read sees a disconnect
+REFUSED = "gateway.refused"
+
 
 async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None:
     """`exc`'s OpenAI-format answer; `close`: end the connection after it (a request body left unread)."""

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from gateway.api.asgi import Receive, Scope, Send
+from gateway.api.asgi import REFUSED, Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
 from gateway.errors import GatewayError
@@ -54,9 +54,9 @@ class CompletionsEndpoint:
         except GatewayError as exc:  # the key refused (or its database away), the body too large or slow
             await _send_whole(proxy.refuse(started, exc, trace), send, close or exc.status in (408, 413))
             return
-        except ClientLeftError:
-            left = GatewayError(499, "the client left", code="client_disconnected")
-            proxy.refuse(started, left, trace)
+        except ClientLeftError:  # or its body's framing broke: the HTTP layer answered (REFUSED)
+            status, message, code = scope.get(REFUSED, (499, "the client left", "client_disconnected"))
+            proxy.refuse(started, GatewayError(status, message, code=code), trace)
             return
         except Exception:  # a fault nothing above names: an OpenAI-format 503, the traceback in our log
             logger.exception("authenticating a request to %s failed", scope["path"])

@@ -21,7 +21,7 @@ from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.api.asgi import send_error
+from gateway.api.asgi import REFUSED, send_error
 from gateway.errors import GatewayError, error_answer
 
 
@@ -181,6 +181,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._cancel_header_timer()
             return
         self.flush_all()  # an answer's tail still waiting goes out before ours
+        if reading:  # the app's body read ends as a disconnect: this says what the client was told
+            self.cycle.scope[REFUSED] = (status, message, code)
         if not (reading and self.cycle.response_started):  # (a started answer is just cut off)
             body = error_answer(GatewayError(status, message, code=code)).body
             head = (

@@ -549,3 +549,32 @@ def test_requests_before_a_malformed_one_are_answered_first_then_the_400_and_the
     statuses = [int(part[:3]) for part in data.split(b"HTTP/1.1 ")[1:]]
     assert len(statuses) == 3 and statuses[0] == 200 and statuses[1] != 400 and statuses[2] == 400, data
     assert "write_eof" not in gateway.output(), "a write after the close"
+
+
+def _requests_with_status(gateway: ManagedServer, status: int) -> float:
+    r = httpx.get(f"{gateway.base_url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+    lines = [ln for ln in r.text.splitlines() if ln.startswith("gateway_requests_total{")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if f'status="{status}"' in ln)
+
+
+def test_a_body_whose_chunking_breaks_is_counted_as_the_400_the_client_got_not_a_499(
+    gateway: ManagedServer, key: str
+) -> None:
+    before = {s: _requests_with_status(gateway, s) for s in (400, 499)}
+    sock = connect(gateway)
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+            + b"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n"
+        )  # fmt: skip
+        time.sleep(0.2)  # the key is checked and the body read has begun
+        sock.sendall(b"zz\r\nnot a chunk\r\n")
+        status, _, body = read_response(sock)
+    finally:
+        sock.close()
+    assert status == 400 and openai_error(body)["code"] == "invalid_http_request"
+    deadline = time.monotonic() + 5
+    while _requests_with_status(gateway, 400) == before[400]:
+        assert time.monotonic() < deadline, "the refused request was not counted as a 400"
+        time.sleep(0.1)
+    assert _requests_with_status(gateway, 499) == before[499]
