@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.flow_control import service_unavailable
@@ -182,7 +182,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         self.flush_all()  # an answer's tail still waiting goes out before ours
         if reading:  # the app's body read ends as a disconnect: this says what the client was told
-            self.cycle.scope[REFUSED] = (status, message, code)
+            cast(dict[str, Any], self.cycle.scope)[REFUSED] = (status, message, code)
         if not (reading and self.cycle.response_started):  # (a started answer is just cut off)
             body = error_answer(GatewayError(status, message, code=code)).body
             head = (
