@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -72,6 +73,9 @@ class GatewaySettings(BaseSettings):
     limit_concurrency: int = Field(default=1000, ge=1)  # connections or requests per process; then 503
     keep_alive_timeout: int = Field(default=5, ge=1)  # seconds an idle kept-alive connection stays open
     backlog: int = Field(default=2048, ge=1)  # connections the kernel queues before accept
+    # the proxies whose X-Forwarded-For / -Proto are believed (comma-separated addresses or CIDR
+    # ranges, or *): the client address the failed-auth and login limits count is the one they name
+    forwarded_allow_ips: str = "127.0.0.1"
     # OpenTelemetry's own variable names (no GATEWAY_ prefix): traces are exported only when one is set
     otlp_endpoint: str | None = Field(
         default=None, validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_ENDPOINT", "otlp_endpoint")
@@ -86,6 +90,19 @@ class GatewaySettings(BaseSettings):
     otel_sdk_disabled: bool = Field(
         default=False, validation_alias=AliasChoices("OTEL_SDK_DISABLED", "otel_sdk_disabled")
     )
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxies(cls, value: str) -> str:
+        """Addresses or CIDR ranges, comma-separated, or `*` (a typo would trust nobody, silently)."""
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        for entry in entries:
+            if entry != "*":
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise ValueError(f"{entry!r} is not an IP address, a CIDR range or *") from None
+        return ",".join(entries)
 
     def require_secrets(self, *names: Literal["master_key", "key_secret"]) -> None:
         """MissingSecretsError unless each named secret (default: both) is set and not blank, or dev_mode."""
