@@ -20,9 +20,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import torch
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, StructTag
 from llguidance.gbnf_to_lark import any_to_lark
 
+from engine.guided.bitmask import bitmask_width
 from engine.guided.errors import GuidedDecodingError, library_refusal
 from engine.guided.matcher import CompiledGrammar
 from engine.guided.spec import GuidedSpec
@@ -61,35 +63,58 @@ class GuidedCompiler:
         # llguidance's token trie takes ~2 s to build for a 49k vocabulary: on the pool, not here
         self._tokenizer = self._pool.submit(_lltokenizer, tokenizer, vocab_size, list(stop_token_ids))
         self._cache: OrderedDict[GuidedSpec, Future[CompiledGrammar]] = OrderedDict()
+        # requests waiting on each unfinished compile: one that all have left before it started is
+        # cancelled (clients that send heavy schemas and hang up leave no queue behind them)
+        self._waiters: dict[Future[CompiledGrammar], int] = {}
         self._lock = threading.Lock()
         self._limits = LLParserLimits(verbose_errors=False)
 
-    def submit(self, spec: GuidedSpec) -> Future[CompiledGrammar]:
-        """The compile of `spec`: a cached future, or a new one queued on the pool."""
+    def submit(self, spec: GuidedSpec, *, waiting: bool = False) -> Future[CompiledGrammar]:
+        """The compile of `spec`: a cached future, or a new one queued on the pool. waiting: the
+        caller counts as a waiter until it calls `_leave` (compile, compile_async)."""
         with self._lock:
             future = self._cache.get(spec)
             if future is not None:
                 self._cache.move_to_end(spec)
                 self.hits += 1
-                return future
-            future = self._pool.submit(self._compile, spec)
-            self._cache[spec] = future
-            self.misses += 1
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)  # waiters hold their own reference
+            else:
+                future = self._pool.submit(self._compile, spec)
+                self._cache[spec] = future
+                self.misses += 1
+                while len(self._cache) > self.max_entries:
+                    self._cache.popitem(last=False)  # waiters hold their own reference
+            if waiting and not future.done():
+                self._waiters[future] = self._waiters.get(future, 0) + 1
             return future
 
     def compile(self, spec: GuidedSpec) -> CompiledGrammar:
         """Blocking compile (the offline API)."""
-        return _result(self.submit(spec), spec)
+        future = self.submit(spec, waiting=True)
+        try:
+            return _result(future, spec)
+        finally:
+            self._leave(spec, future)
 
     async def compile_async(self, spec: GuidedSpec) -> CompiledGrammar:
-        """Awaitable compile; cancelling the awaiting task leaves the shared compile running."""
-        future = self.submit(spec)
+        """Awaitable compile. A caller cancelled while others wait leaves the shared compile to
+        them; the last one to leave a compile that has not started cancels it."""
+        future = self.submit(spec, waiting=True)
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except GuidedDecodingError as exc:
             raise _for_request(exc, spec) from exc
+        finally:
+            self._leave(spec, future)
+
+    def _leave(self, spec: GuidedSpec, future: Future[CompiledGrammar]) -> None:
+        with self._lock:
+            left = self._waiters.get(future, 0) - 1
+            if left > 0:
+                self._waiters[future] = left
+                return
+            self._waiters.pop(future, None)
+            if future.cancel() and self._cache.get(spec) is future:  # still queued: never runs
+                del self._cache[spec]
 
     def cached(self, spec: GuidedSpec) -> bool:
         """Whether `spec` has a finished compile in the cache (the step loop may use it at once)."""
@@ -103,12 +128,30 @@ class GuidedCompiler:
 
     def _compile(self, spec: GuidedSpec) -> CompiledGrammar:
         tokenizer = self._tokenizer.result()
-        matcher = LLMatcher(tokenizer, _grammar(spec, tokenizer), log_level=0, limits=self._limits)
-        if matcher.is_error():
+        try:
+            grammar = _grammar(spec, tokenizer)
+        except (ValueError, RecursionError) as exc:  # llguidance's converters raise plain errors
+            raise _refusal(spec, str(exc) or type(exc).__name__) from None
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
+        error = matcher.get_error() if matcher.is_error() else _first_step_error(matcher, self.vocab_size)
+        if error is not None:
             for part in spec.parts:  # name the part to blame, if one is refused on its own
                 self._compile(part)
-            raise _refusal(spec, matcher.get_error())
+            raise _refusal(spec, error)
         return CompiledGrammar(spec, matcher, self.vocab_size)
+
+
+def _first_step_error(template: LLMatcher, vocab_size: int) -> str | None:
+    """llguidance's error when computing the first mask fails, on a copy of the template.
+
+    A grammar whose language is empty (a `$ref` cycle, `[^\\s\\S]`, an empty intersection) builds
+    without error; its matcher fails at the first mask, then allows only EOS and says it is stopped,
+    and a request would end at once with an empty answer reported as a normal stop.
+    """
+    probe = template.deep_copy()
+    mask = torch.zeros(bitmask_width(vocab_size), dtype=torch.int32)
+    probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+    return probe.get_error() if probe.is_error() else None
 
 
 def _grammar(spec: GuidedSpec, tokenizer: LLTokenizer) -> str:

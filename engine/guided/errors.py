@@ -23,6 +23,8 @@ class GuidedDecodingError(InvalidRequestError):
 def library_refusal(kind: str, param: str | None, message: str, verdict: str) -> GuidedDecodingError:
     """The 400 for a constraint of `kind` that llguidance refused, its reason on one bounded line
     (the grammar excerpts and XML-ish markers of its messages dropped): "the JSON schema <verdict>: ..."."""
+    if message.strip().startswith("NoExtensionBias"):  # llguidance's word for a grammar that matches nothing
+        message = "no output can satisfy it (a $ref cycle, an empty character class or intersection, ...)"
     lines = [line.strip() for line in message.splitlines() if not _SOURCE_LINE.match(line)]
     reason = " ".join(line for line in lines if not (line.startswith("<") and line.endswith("/>")))
     if len(reason) > _MAX_REASON:

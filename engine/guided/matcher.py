@@ -53,7 +53,13 @@ class GuidedMatcher:
 
     def accept_token(self, token: int) -> bool:
         """Advance past `token`; False (state unchanged) when the grammar does not allow it."""
-        if self._matcher.consume_token(token):
+        # a matcher in an error state (a parser limit met while computing its mask) allows only EOS
+        # and says it is stopped: that is a failure, never the end of a whole output
+        if (
+            not self._matcher.is_error()
+            and self._matcher.consume_token(token)
+            and not self._matcher.is_error()
+        ):
             self._tokens.append(token)
             return True
         self.refusal = self._matcher.get_error() or "the grammar does not allow this token"

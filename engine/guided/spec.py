@@ -61,8 +61,16 @@ class GuidedSpec:
         value = _json_value(schema, param, "the JSON schema", code)
         if not isinstance(value, dict):
             raise GuidedDecodingError("the JSON schema must be a JSON object", param=param, code=code)
+        if "x-guidance" in value:  # llguidance's own options (lenient: unimplemented keywords ignored)
+            message = "x-guidance is not accepted in a schema: the server sets the grammar engine's options"
+            raise GuidedDecodingError(message, param=param, code=code)
         if close_objects:
-            value = _closed(value)
+            try:
+                value = _closed(value)
+            except RecursionError:
+                raise GuidedDecodingError(
+                    "the JSON schema is nested too deeply", param=param, code=code
+                ) from None
         text = _compact(value, param, code)
         return cls("json_schema", text, any_whitespace, _pattern(whitespace_pattern), param)
 
@@ -229,6 +237,10 @@ def _json_value(value: Any, param: str, what: str, code: str = "invalid_grammar"
             return json.loads(value)
         except json.JSONDecodeError as exc:
             raise GuidedDecodingError(f"{what} is not valid JSON: {exc}", param=param, code=code) from exc
+        except RecursionError:  # nested deeper than Python's stack (a body's own JSON is bounded)
+            raise GuidedDecodingError(f"{what} is nested too deeply", param=param, code=code) from None
+        except ValueError as exc:  # an integer past Python's digit limit
+            raise GuidedDecodingError(f"{what} cannot be read: {exc}", param=param, code=code) from exc
     return value
 
 
@@ -238,6 +250,8 @@ def _compact(value: Any, param: str, code: str = "invalid_grammar") -> str:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise GuidedDecodingError(f"not representable as JSON: {exc}", param=param, code=code) from exc
+    except RecursionError:
+        raise GuidedDecodingError("nested too deeply", param=param, code=code) from None
 
 
 def _text(value: Any, param: str, what: str) -> str:

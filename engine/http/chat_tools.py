@@ -1,6 +1,7 @@
 """Tool calls in chat answers, as OpenAI gives them: `message.tool_calls` in a whole answer,
 `delta.tool_calls` pieces in a stream (index, id, type and name once, then the arguments in
-pieces), and finish_reason "tool_calls" when an answer that ended by itself made calls.
+pieces), and finish_reason "tool_calls" when an answer that ended by itself made calls (a stop
+string or a `stop_token_ids` token that ends it is a "stop": the call it cut is not whole).
 
 The answer was decoded under engine.tools.grammar, so the calls are read exactly
 (engine.tools.parser). With tool_choice none, or without tools, the text is passed as it is.
@@ -20,7 +21,7 @@ def reads_calls(tools: ToolRequest | None) -> bool:
 
 
 def whole_message(
-    text: str, finish_reason: str | None, tools: ToolRequest | None
+    text: str, finish_reason: str | None, tools: ToolRequest | None, stop_reason: int | str | None = None
 ) -> tuple[dict[str, Any], str | None]:
     """(message, finish_reason) of one choice of a whole answer."""
     if not reads_calls(tools):
@@ -30,7 +31,7 @@ def whole_message(
     if not calls:
         return message, finish_reason
     message["tool_calls"] = [c.as_openai() for c in calls]
-    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+    return message, _reason(finish_reason, stop_reason)
 
 
 class StreamedChoices:
@@ -46,9 +47,17 @@ class StreamedChoices:
         out.extend({"tool_calls": [call.as_openai()]} for call in calls)
         return out
 
-    def finish(self, index: int, finish_reason: str) -> tuple[list[dict[str, Any]], str]:
+    def finish(
+        self, index: int, finish_reason: str, stop_reason: int | str | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
         """The deltas still held back when a choice ends, and its finish_reason."""
         reader = self._readers[index]
         rest = reader.finish()
-        reason = "tool_calls" if reader.calls and finish_reason == "stop" else finish_reason
-        return ([{"content": rest}] if rest else []), reason
+        reason = _reason(finish_reason, stop_reason) if reader.calls else finish_reason
+        return ([{"content": rest}] if rest else []), reason or finish_reason
+
+
+def _reason(finish_reason: str | None, stop_reason: int | str | None) -> str | None:
+    """An answer with calls: "tool_calls" when it ended by itself (EOS, the grammar's end), else
+    as it ended (a stop string or stop token cut it; max_tokens)."""
+    return "tool_calls" if finish_reason == "stop" and stop_reason is None else finish_reason

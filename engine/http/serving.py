@@ -190,7 +190,7 @@ class OpenAIServing:
         raise_if_aborted(final)
         choices = []
         for c in final.outputs:
-            message, finish_reason = whole_message(c.text, c.finish_reason, tools)
+            message, finish_reason = whole_message(c.text, c.finish_reason, tools, c.stop_reason)
             choices.append(
                 {
                     "index": c.index,
@@ -229,6 +229,15 @@ class OpenAIServing:
             for i in range(params.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
         ended = [False] * params.n
+        # logprobs of tokens whose text the call reader holds back: they ride on the next delta
+        held_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(params.n)]
+
+        def take_logprobs(index: int) -> dict[str, Any] | None:
+            if top is None:
+                return None
+            entries, held_logprobs[index] = held_logprobs[index], []
+            return {"content": entries}
+
         last: RequestOutput | None = None
         async for out in outputs:
             last = out
@@ -243,9 +252,10 @@ class OpenAIServing:
                 events: list[bytes] = []
                 logprobs = chat_logprobs(c, top) if top is not None else None
                 if calls is not None:  # content and call pieces (logprobs ride on the first delta)
+                    if logprobs is not None:
+                        held_logprobs[c.index].extend(logprobs["content"])
                     for delta in calls.deltas(c.index, c.text):
-                        events.append(chunk(c.index, delta, logprobs))
-                        logprobs = None
+                        events.append(chunk(c.index, delta, take_logprobs(c.index) if not events else None))
                 else:
                     entries = logprobs["content"] if logprobs is not None else []
                     for piece, start, end in event_pieces(c.text, len(entries)):
@@ -254,10 +264,16 @@ class OpenAIServing:
                 if c.finish_reason is not None:
                     ended[c.index] = True
                     finish = c.finish_reason
+                    end_logprobs = None
                     if calls is not None:
-                        held, finish = calls.finish(c.index, finish)
-                        events.extend(chunk(c.index, delta) for delta in held)
-                    events.append(chunk(c.index, {}, finish=finish))
+                        held, finish = calls.finish(c.index, finish, c.stop_reason)
+                        events.extend(
+                            chunk(c.index, delta, take_logprobs(c.index) if i == 0 else None)
+                            for i, delta in enumerate(held)
+                        )
+                        if held_logprobs[c.index]:  # tokens whose text went nowhere (a call's tag)
+                            end_logprobs = take_logprobs(c.index)
+                    events.append(chunk(c.index, {}, end_logprobs, finish=finish))
                 for event in marks.mark(events, c):
                     yield event
         if include_usage and last is not None:

@@ -1,7 +1,8 @@
 """ToolRequest: a chat request's `tools`, `tool_choice` and `parallel_tool_calls`, checked at the boundary.
 
 OpenAI's rules: tools are functions with a name (1-64 letters, digits, _ or -), an optional
-description and a JSON-schema `parameters` object (absent: no arguments); at most 128 of them;
+description and a JSON-schema `parameters` object describing an object (absent: no arguments, `{}`);
+at most 128 of them;
 `tool_choice` is none, auto, required or {"type": "function", "function": {"name"}} naming one of
 them, defaults to auto with tools and none without, and is refused without tools. The legacy
 `functions` / `function_call` fields map onto the same shape. Bounds keep a request's schemas
@@ -21,7 +22,7 @@ from engine.errors import InvalidRequestError
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 256 * 1024  # all functions' parameters together, as compact JSON
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_EMPTY_PARAMETERS = '{"type":"object","properties":{}}'
+_EMPTY_PARAMETERS = '{"type":"object","properties":{},"additionalProperties":false}'  # no arguments: {}
 
 
 class ToolRequestError(InvalidRequestError):
@@ -147,10 +148,20 @@ def _parameters(value: Any, param: str) -> str:
         raise ToolRequestError(f"{param} must be a JSON schema object", param=param)
     if value.get("type", "object") != "object":
         raise ToolRequestError(f'{param} must describe an object ("type": "object")', param=param)
+    if "x-guidance" in value:
+        raise ToolRequestError(
+            f"{param}: x-guidance is not accepted (the server sets its options)", param=param
+        )
+    # arguments are a JSON object whatever else the schema says: a schema without a type (an anyOf,
+    # a $ref) gets one, and one that then allows no object is refused when its grammar is built
+    if "type" not in value:
+        value = {"type": "object", **value}
     try:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ToolRequestError(f"{param} is not plain JSON: {exc}", param=param) from None
+    except RecursionError:
+        raise ToolRequestError(f"{param} is nested too deeply", param=param) from None
     if len(text) > MAX_SCHEMA_BYTES:
         raise ToolRequestError(f"{param} exceeds {MAX_SCHEMA_BYTES} bytes", param=param)
     return text

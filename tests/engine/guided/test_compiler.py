@@ -8,8 +8,11 @@ import threading
 from typing import Any
 
 import pytest
+import torch
+from llguidance import LLMatcher, LLParserLimits
 
 from engine.guided import CompiledGrammar, GuidedCompiler, GuidedDecodingError, GuidedSpec
+from engine.guided.bitmask import bitmask_width
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
 
@@ -134,3 +137,102 @@ def test_any_whitespace_is_bounded_between_two_json_tokens(
     free = compiler.compile(GuidedSpec.json_schema({**SCHEMA, "title": "ws"}, whitespace_pattern=r"[ ]*"))
     matcher = free.matcher()
     assert all(matcher.accept_token(t) for t in hf_tokenizer.encode("{" + " " * 40, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GuidedSpec.json_schema({"$ref": "#"}),
+        GuidedSpec.json_schema(
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        ),
+        GuidedSpec.regex("[^\\s\\S]"),
+        GuidedSpec.grammar("start: X\nX: /[a-z]+/ & /[0-9]+/\n"),
+    ],
+    ids=["ref self", "ref cycle", "empty class", "empty intersection"],
+)
+def test_a_constraint_no_output_can_satisfy_is_a_400_not_an_empty_answer(
+    compiler: GuidedCompiler, spec: GuidedSpec
+) -> None:
+    """Such grammars build; their matcher fails at its first mask and then allows only EOS, which
+    ended the request at once with an empty answer and finish_reason "stop"."""
+    with pytest.raises(GuidedDecodingError, match="no output can satisfy it") as info:
+        compiler.compile(spec)
+    assert info.value.param == spec.param
+
+
+def test_schemas_too_deep_or_too_large_to_read_are_400s_naming_the_field(compiler: GuidedCompiler) -> None:
+    param = "structured_outputs.json"
+    for text in ("[" * 3000 + "]" * 3000, '{"maxLength": ' + "9" * 5000 + "}"):
+        with pytest.raises(GuidedDecodingError) as info:
+            GuidedSpec.json_schema(text, param=param)
+        assert info.value.param == param
+    nested = "{" + '"properties":{"a":{' * 150 + "}}" * 150 + "}"  # Python reads it; the library refuses
+    with pytest.raises(GuidedDecodingError, match="recursion") as info:
+        compiler.compile(GuidedSpec.json_schema(nested, param=param))
+    assert info.value.param == param
+    with pytest.raises(GuidedDecodingError, match="x-guidance"):
+        GuidedSpec.json_schema({"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}})
+
+
+def test_a_compile_every_waiter_left_before_it_started_is_cancelled(
+    compiler: GuidedCompiler, lltokenizer: Any
+) -> None:
+    """One worker: a slow compile runs; the abandoned ones queued behind it never run and leave the
+    cache; a compile that another request still waits on goes on."""
+    release, ran = threading.Event(), []
+
+    class Slow(GuidedCompiler):
+        def _compile(self, spec: GuidedSpec) -> CompiledGrammar:
+            ran.append(spec.text)
+            if spec.text == "slow":
+                release.wait(10)
+            return super()._compile(spec)
+
+    slow = Slow(lltokenizer, compiler.vocab_size, [0])
+    abandoned, shared = GuidedSpec.regex("abandoned"), GuidedSpec.regex("shared")
+
+    async def scenario() -> CompiledGrammar:
+        running = asyncio.ensure_future(slow.compile_async(GuidedSpec.regex("slow")))
+        left = asyncio.ensure_future(slow.compile_async(abandoned))
+        first, second = (asyncio.ensure_future(slow.compile_async(shared)) for _ in range(2))
+        await asyncio.sleep(0.05)
+        left.cancel()
+        first.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        await running
+        return await second
+
+    try:
+        assert isinstance(asyncio.run(scenario()), CompiledGrammar)
+        assert ran == ["slow", "shared"] and not slow.cached(abandoned) and slow.cached(shared)
+        assert isinstance(slow.compile(abandoned), CompiledGrammar)  # asked again: compiled then
+    finally:
+        release.set()
+        slow.close()
+
+
+def test_a_matcher_that_meets_a_parser_limit_fails_and_never_ends_as_a_whole_output(
+    compiler: GuidedCompiler, hf_tokenizer: Any, lltokenizer: Any
+) -> None:
+    """Past a lexer limit llguidance's mask allows only EOS and the matcher says it is stopped: the
+    sequence must fail (a 400 or an error event), not finish with the text so far."""
+    spec = GuidedSpec.json_schema(
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{3,40}q$"}}}
+    )
+    tight = LLParserLimits(step_lexer_fuel=100, verbose_errors=False)
+    template = LLMatcher(
+        lltokenizer, LLMatcher.grammar_from_json_schema(spec.text), log_level=0, limits=tight
+    )
+    matcher = CompiledGrammar(spec, template, compiler.vocab_size).matcher()
+    bitmask = torch.zeros((1, bitmask_width(compiler.vocab_size)), dtype=torch.int32)
+    for token in hf_tokenizer.encode('{"a": "abc', add_special_tokens=False):
+        matcher.fill_bitmask(bitmask, 0)
+        if not matcher.accept_token(token):
+            break
+    else:
+        pytest.fail("the tight limit was never met")
+    matcher.fill_bitmask(bitmask, 0)
+    assert not matcher.accept_token(hf_tokenizer.eos_token_id)  # the one token its mask allows
+    assert "too complex" in str(matcher.failure()) and "too many" in str(matcher.failure())

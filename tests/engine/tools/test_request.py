@@ -20,7 +20,7 @@ def test_tools_default_to_auto_and_parallel_and_a_function_without_parameters_ta
     req = parse_tool_request({"tools": [tool("ping"), tool("add", {"type": "object", "properties": {}})]})
     assert req is not None and req.choice == "auto" and req.parallel
     assert [f.name for f in req.offered()] == ["ping", "add"]
-    assert req.functions[0].schema() == {"type": "object", "properties": {}}
+    assert req.functions[0].schema() == {"type": "object", "properties": {}, "additionalProperties": False}
     assert req.functions[0].as_openai()["function"]["description"] == "does ping"
     assert parse_tool_request({"messages": []}) is None
     assert parse_tool_request({"tools": [], "tool_choice": "none"}) is None
@@ -71,3 +71,18 @@ def test_malformed_tool_fields_are_400s_naming_the_field(
     with pytest.raises(ToolRequestError, match=words) as caught:
         parse_tool_request(body)
     assert (caught.value.status, caught.value.param) == (400, param)
+
+
+def test_parameters_always_describe_an_object_and_x_guidance_is_refused() -> None:
+    either = {"anyOf": [{"type": "string"}, {"type": "integer"}]}
+    req = parse_tool_request(
+        {"tools": [tool("pick", either), tool("keep", {"properties": {"a": {}}, "type": "object"})]}
+    )
+    assert req is not None
+    assert req.functions[0].schema() == {"type": "object", "anyOf": [{"type": "string"}, {"type": "integer"}]}
+    assert list(req.functions[1].schema()) == ["properties", "type"]  # a given type keeps its place
+    with pytest.raises(ToolRequestError, match="x-guidance") as refused:
+        parse_tool_request(
+            {"tools": [tool("a"), tool("b", {"type": "object", "x-guidance": {"lenient": True}})]}
+        )
+    assert refused.value.param == "tools[1].function.parameters"

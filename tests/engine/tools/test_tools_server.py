@@ -294,6 +294,37 @@ class TestTinyModel:
             seen.add("no call" if not whole else "cut arguments" if not _parses(whole[-1][1]) else "whole")
         assert {"no call", "cut arguments"} <= seen, seen
 
+    def test_a_stop_string_that_cuts_a_call_ends_it_as_stop_not_tool_calls(
+        self, client: openai.OpenAI
+    ) -> None:
+        ask: Any = {"model": "", "messages": QUESTION, "tools": SHORT_TOOLS, "tool_choice": "required",
+                    "temperature": 1.0, "seed": 3, "max_tokens": 60}  # fmt: skip
+        ask["stop"] = ["celsius", "fahrenheit"]  # the enum values: the stop falls inside the arguments
+        reply = client.chat.completions.create(**ask).choices[0]
+        assert reply.finish_reason == "stop" and reply.message.tool_calls
+        cut = reply.message.tool_calls[-1].function.arguments
+        assert not _parses(cut) and cut.startswith('{"unit": ')  # the enum value was the stop
+        _, calls, finish = _streamed(client, **ask)
+        assert (finish, [c["arguments"] for c in calls]) == (
+            "stop",
+            [c.function.arguments for c in reply.message.tool_calls],
+        )
+
+    def test_streamed_calls_carry_every_tokens_logprobs_as_a_whole_answer_does(
+        self, client: openai.OpenAI
+    ) -> None:
+        ask: Any = {"model": "", "messages": QUESTION, "tools": SHORT_TOOLS, "tool_choice": "required",
+                    "temperature": 1.0, "seed": 7, "max_tokens": 60}  # fmt: skip
+        ask |= {"logprobs": True, "top_logprobs": 2}
+        whole = client.chat.completions.create(**ask)
+        entries = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert entries is not None and len(entries) == whole.usage.completion_tokens  # type: ignore[union-attr]
+        streamed = []
+        for chunk in client.chat.completions.create(stream=True, **ask):
+            for choice in chunk.choices:
+                streamed += choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
     def test_bad_tools_and_tools_with_a_response_format_are_400s_naming_the_field(
         self, client: openai.OpenAI
     ) -> None:
