@@ -55,6 +55,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return orjson.dumps(body)
 
 
+# The OpenAI SDKs' own header: an answer that carries it is not retried by their automatic retries
+# (twice by default, seconds apart), where waiting cannot change it (a budget spent until next
+# month, a request bigger than a limit, an upstream that refuses the gateway's configuration)
+NO_RETRY = (b"x-should-retry", b"false")
+
+
 def retry_after_header(seconds: float) -> bytes:
     """`Retry-After` in whole seconds, at least 1."""
     return str(max(1, math.ceil(seconds))).encode()

@@ -23,6 +23,7 @@ from gateway.backends.base import (
     UpstreamUnavailableError,
 )
 from gateway.backends.side_loop import SideLoop
+from gateway.backends.upstream_errors import reduced_fields
 from gateway.config.policy import Capabilities, HostedBackend, Timeouts
 
 logger = logging.getLogger(__name__)
@@ -151,8 +152,21 @@ class HostedModel:
         headers: Mapping[str, str] | None = None,
         affinity: int | None = None,
     ) -> AsyncIterator[UpstreamStream]:
-        """A streamed completion, re-encoded as OpenAI SSE lines."""
+        """A streamed completion, re-encoded as OpenAI SSE lines.
+
+        Several choices (`n`, `best_of` > 1) are asked for whole and sent as a stream of that answer:
+        litellm's stream wrapper ends at the first choice's finish, drops the others' finish reasons
+        and the provider's usage, and makes up its own (billed as if reported).
+        """
         self._check_not_tried(avoid)
+        if _choices(body) > 1:
+            reply = await self.send(path, body, timeouts, avoid)
+            if reply.status != 200:
+                yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
+                return
+            shaped = as_stream(orjson.loads(reply.body), path.endswith("chat/completions"))
+            yield UpstreamStream(200, _given(shaped), b"", self.spec.model)
+            return
         model, params = self._kwargs(path, body, True, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
         try:
@@ -194,9 +208,11 @@ class HostedModel:
     def _error(self, exc: Exception) -> UpstreamReply:
         """Provider errors, classified here and nowhere else: status and body in OpenAI's format.
 
-        Only a 4xx about the client's own request passes the provider's message on (its `message`
-        field, clipped); our credentials being refused (401/403) is our fault, not the client's: a
-        502 that fails over. Nothing else of litellm's text reaches the client: it is logged.
+        Only a 4xx about the client's own request passes the provider's error on (its message,
+        clipped with URLs masked, its `param` and `code`: `upstream_errors.reduced_fields`). Our
+        credentials refused (401/403/407) or a model the provider does not serve (404/405) is our
+        fault, not the client's: a 502 that fails over. Nothing else of litellm's text reaches the
+        client: it is logged.
         """
         failed = _connection_failure(exc)
         if isinstance(exc, litellm.exceptions.Timeout) or failed == "timeout":
@@ -210,12 +226,19 @@ class HostedModel:
         logger.warning("hosted model %s failed: %s", self.spec.model, exc)
         status = getattr(exc, "status_code", None)
         status = status if isinstance(status, int) and 400 <= status <= 599 else 502
-        if status in (401, 403):
+        if status in (401, 403, 407):
             status, message = 502, f"the provider of {self.spec.model} refused the gateway's credentials"
+        elif status in (404, 405):  # the model's name (or the base URL) is the operator's mistake
+            status, message = 502, f"the provider of {self.spec.model} does not serve it (HTTP {status})"
         elif status == 429:
             message = f"the provider of {self.spec.model} is rate limiting the gateway"
         elif 400 <= status < 500:
-            message = _provider_message(exc) or f"the provider of {self.spec.model} refused the request"
+            given = _provider_error(exc)
+            if given is not None:  # its message (clipped, URLs masked), param and code: what to change
+                error = reduced_fields(given, status, self.spec.model)
+                error["code"] = error["code"] or f"provider_{status}"
+                return UpstreamReply(status, orjson.dumps({"error": error}), self.spec.model)
+            message = f"the provider of {self.spec.model} refused the request"
         else:
             message = f"the provider of {self.spec.model} failed (HTTP {status})"
         kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
@@ -300,18 +323,80 @@ def learned_from_litellm(model: str) -> Learned:
     return Learned(Capabilities(**flags), context if type(context) is int and context > 0 else None)
 
 
-def _provider_message(exc: Exception) -> str | None:
-    """The provider's own `error.message` about a request it refused (clipped), if it gave one."""
-    body = getattr(exc, "body", None)
-    error = body.get("error", body) if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else None
-    return message[:500] if isinstance(message, str) and message else None
+def _provider_error(exc: BaseException) -> dict[str, object] | None:
+    """The provider's own error object about a request it refused, if it gave one: on the exception
+    or, as litellm raises them (its `body` None), on the provider client's error it was raised from."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        body = getattr(cause, "body", None)
+        error = body.get("error", body) if isinstance(body, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"]:
+            return error
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def allowed_fields(body: dict[str, Any], path: str) -> dict[str, Any]:
     """The client's fields that an OpenAI endpoint at `path` defines; everything else is dropped."""
     allowed = CHAT_FIELDS if path.endswith("chat/completions") else TEXT_FIELDS
     return {name: value for name, value in body.items() if name in allowed}
+
+
+def _choices(body: bytes) -> int:
+    """How many choices a request asks for (n, or best_of on the legacy endpoint)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return 1
+    counts = [parsed.get(name) for name in ("n", "best_of")] if isinstance(parsed, dict) else []
+    return max([c for c in counts if type(c) is int] + [1])
+
+
+def as_stream(answer: dict[str, Any], chat: bool) -> list[str]:
+    """A whole answer as the SSE lines of its stream: per choice its content (and tool calls) in one
+    delta, then its own finish_reason; then the usage chunk (the relay drops it for a client that
+    did not ask for usage); then [DONE]."""
+    head: dict[str, Any] = {
+        k: answer[k] for k in ("id", "created", "model", "system_fingerprint") if k in answer
+    }
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    lines = []
+    given = answer.get("choices")
+    choices: list[Any] = given if isinstance(given, list) else []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        index, logprobs = choice.get("index", 0), choice.get("logprobs")
+        if chat:
+            said = choice.get("message")
+            message: dict[str, Any] = said if isinstance(said, dict) else {}
+            delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls) if isinstance(c, dict)]
+            if message.get("refusal"):
+                delta["refusal"] = message["refusal"]
+            first = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            last = {"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}
+        else:
+            first = {
+                "index": index,
+                "text": choice.get("text") or "",
+                "logprobs": logprobs,
+                "finish_reason": None,
+            }
+            last = {"index": index, "text": "", "finish_reason": choice.get("finish_reason")}
+        lines += ["data: " + orjson.dumps({**head, "choices": [part]}).decode() for part in (first, last)]
+    if answer.get("usage") is not None:
+        lines.append("data: " + orjson.dumps({**head, "choices": [], "usage": answer["usage"]}).decode())
+    return [*lines, "data: [DONE]"]
+
+
+async def _given(lines: list[str]) -> AsyncIterator[str]:
+    for line in lines:
+        yield line
 
 
 async def _no_lines() -> AsyncIterator[str]:

@@ -10,6 +10,11 @@ import orjson
 _CODE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # an error code or type as OpenAI spells them
 MAX_ERROR_MESSAGE = 1000  # characters of an upstream's client error message passed on
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S*")  # a URL inside a message: an upstream's, never shown
+# An upstream that answers these refuses the gateway, not the client's request (whose key the
+# gateway checked, for a model the policy names): its credentials (401, 403, a proxy's 407), the
+# model's upstream name or the path (404, 405) are the operator's to fix. Another replica or model
+# is tried; a client that meets one anyway gets a 502 that names no upstream model or detail.
+GATEWAY_FAULT_STATUSES = frozenset({401, 403, 404, 405, 407})
 
 
 def error_event(message: str, code: str | None, kind: str = "api_error", param: str | None = None) -> bytes:

@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.errors import GatewayError, retry_after_header
+from gateway.errors import NO_RETRY, GatewayError, retry_after_header
 from gateway.governance.ratelimit import Limit, refusal
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 from gateway.governance.singleflight import SingleFlight
@@ -109,13 +109,15 @@ class BudgetExceededError(GatewayError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Retry-After (seconds from now to the reset) and X-Budget-Reset, when the budget resets
-        and the request could fit after it."""
+        and the request could fit after it; `x-should-retry: false` (the OpenAI SDKs' own header)
+        unless that is within a minute: their automatic retries, seconds apart, cannot help."""
         if self.reset is None or self.never_fits:
-            return []
+            return [NO_RETRY]
         wait = (self.reset - datetime.now(UTC)).total_seconds()
         return [
             (b"retry-after", retry_after_header(wait)),
             (b"x-budget-reset", self.reset.isoformat().encode()),
+            *([NO_RETRY] if wait > 60 else []),
         ]
 
 

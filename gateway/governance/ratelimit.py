@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.errors import GatewayError, retry_after_header
+from gateway.errors import NO_RETRY, GatewayError, retry_after_header
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 
 logger = logging.getLogger(__name__)
@@ -44,15 +44,23 @@ class RateLimitedError(GatewayError):
     with `retry_after` seconds until the request would be admitted."""
 
     def __init__(
-        self, message: str, retry_after: float, unit: str = "requests", per_minute: int | None = None
+        self,
+        message: str,
+        retry_after: float,
+        unit: str = "requests",
+        per_minute: int | None = None,
+        never_fits: bool = False,
     ) -> None:
         super().__init__(429, message, unit, code="rate_limit_exceeded")
         self.retry_after, self.unit, self.per_minute = retry_after, unit, per_minute
+        self.never_fits = never_fits  # the request alone is over the limit: waiting cannot help
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """`Retry-After`, and OpenAI's `x-ratelimit-*` trio for the limit reached (the SDKs and
         LiteLLM's clients read them)."""
         out = [(b"retry-after", retry_after_header(self.retry_after))]
+        if self.never_fits:
+            out.append(NO_RETRY)
         if self.per_minute is not None and self.unit in ("requests", "tokens"):
             unit = self.unit.encode()
             out += [
@@ -101,6 +109,7 @@ def refusal(wait: float, culprit: Limit) -> RateLimitedError:
             WINDOW,
             culprit.unit,
             culprit.per_minute,
+            never_fits=True,
         )
     message = f"rate limit reached: {culprit.per_minute} {culprit.label}"
     return RateLimitedError(message, wait, culprit.unit, culprit.per_minute)

@@ -8,8 +8,13 @@ import logging
 import orjson
 
 from gateway.backends.base import UpstreamReply
-from gateway.backends.upstream_errors import error_code, is_openai_error, reduced_error
-from gateway.errors import GatewayError
+from gateway.backends.upstream_errors import (
+    GATEWAY_FAULT_STATUSES,
+    error_code,
+    is_openai_error,
+    reduced_error,
+)
+from gateway.errors import NO_RETRY, GatewayError
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
 from gateway.pipeline.reply import JSON_HEADER, Reply, error_reply
@@ -26,6 +31,12 @@ def passed_on(call: Call, status: int, body: bytes) -> tuple[Reply, str]:
     that is not an OpenAI error (an HTML page, plain text, a list) is replaced, never relayed.
     """
     client_status = status if 400 <= status < 500 or status in (502, 503, 504) else 502
+    if status in GATEWAY_FAULT_STATUSES:  # the upstream refused the gateway: the operator's to fix
+        logger.error("request %s: %s refused the gateway with HTTP %d: %r",
+                     call.id, call.backend or call.model, status, body[:300])  # fmt: skip
+        message = f"the upstream for '{call.model}' refused the gateway's request (HTTP {status})"
+        refused = GatewayError(502, message, "api_error", code="upstream_refused_gateway", headers=[NO_RETRY])
+        return error_reply(refused), "upstream_refused_gateway"
     if not is_openai_error(body):
         logger.warning("request %s: %s answered HTTP %d without an OpenAI error: %r",
                        call.id, call.backend or call.model, status, body[:200])  # fmt: skip

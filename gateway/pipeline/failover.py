@@ -24,6 +24,7 @@ from gateway.backends.base import (
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
+from gateway.backends.upstream_errors import GATEWAY_FAULT_STATUSES
 from gateway.config.policy import EngineBackend, Policy, Retries
 from gateway.errors import GatewayError
 from gateway.pipeline.prefix_keys import PrefixKeys
@@ -32,7 +33,7 @@ from gateway.pipeline.served import Served
 from gateway.routing.router import RouteDecision
 from gateway.telemetry.trace import NO_TRACE, Trace
 
-RETRY_STATUSES = frozenset({500, 502, 503, 504})
+RETRY_STATUSES = frozenset({500, 502, 503, 504}) | GATEWAY_FAULT_STATUSES  # another replica, then model
 NEXT_MODEL_STATUSES = frozenset({429})
 _ATTEMPT_CAP = 16  # whatever the policy says, one request makes at most this many upstream calls
 

@@ -97,5 +97,20 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
         raise GatewayError(
             400, "you must provide a prompt parameter", param="prompt", code="missing_required_parameter"
         )
-    elif not isinstance(body["prompt"], str | list):
-        raise GatewayError(400, "'prompt' must be a string or an array", param="prompt", code="invalid_type")
+    elif not _prompt_shape(body["prompt"]):
+        message = ("'prompt' must be a string, or a non-empty array of strings, of token ids or of "
+                   "non-empty token-id arrays")  # fmt: skip
+        raise GatewayError(400, message, param="prompt", code="invalid_value")
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _prompt_shape(prompt: Any) -> bool:
+    """OpenAI's four prompt shapes (a hosted provider's library takes any other for an outage)."""
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    return all(isinstance(p, str) for p in prompt) or _token_ids(prompt) or all(_token_ids(p) for p in prompt)

@@ -135,25 +135,25 @@ async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
         stream = _Stream(rid, created, model, words, usage, include, chat, bool(body.get("stream_token_ids")),
                          start, isinstance(resume, dict))  # fmt: skip
         return StreamingResponse(_events(stream, app), media_type="text/event-stream")
-    content = " ".join(words)
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": content},
-            "finish_reason": "stop",
-        }
-        obj = "chat.completion"
-    else:
-        choice, obj = (
-            {"index": 0, "text": content, "finish_reason": "stop", "logprobs": None},
-            "text_completion",
-        )
+    # a whole answer with n choices: choice i drops its last i words and ends on "length" (i > 0)
+    n = body.get("n") if type(body.get("n")) is int and body["n"] > 1 else 1
+    choices: list[dict[str, Any]] = []
+    for i in range(n):
+        content, finish = " ".join(words[: len(words) - i]), "stop" if i == 0 else "length"
+        if chat:
+            message = {"role": "assistant", "content": content}
+            choices.append({"index": i, "message": message, "finish_reason": finish})
+        else:
+            choices.append({"index": i, "text": content, "finish_reason": finish, "logprobs": None})
+    if n > 1:
+        completion = sum(len(words) - i for i in range(n))
+        usage |= {"completion_tokens": completion, "total_tokens": prompt_tokens + completion}
     reply = {
         "id": rid,
-        "object": obj,
+        "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage,
     }
     if control["omit_usage"]:  # a provider that reports none

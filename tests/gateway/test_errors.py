@@ -37,3 +37,18 @@ def test_a_spent_budget_tells_when_it_resets() -> None:
     assert status == 429 and orjson.loads(body)["error"]["type"] == "insufficient_quota"
     assert dict(headers)[b"x-budget-reset"] == reset.isoformat().encode()
     assert 89 <= int(dict(headers)[b"retry-after"]) <= 90
+
+
+def test_only_answers_that_waiting_cannot_change_tell_the_sdks_not_to_retry() -> None:
+    budget = Budget("key", "k1", Decimal(1), "daily")
+    soon, later = (datetime.now(UTC) + timedelta(seconds=s) for s in (30, 3600))
+    assert b"x-should-retry" not in dict(error_answer(BudgetExceededError(budget, soon)).headers)
+    assert dict(error_answer(BudgetExceededError(budget, later)).headers)[b"x-should-retry"] == b"false"
+    total = Budget("key", "k1", Decimal(1), "total")
+    assert dict(error_answer(BudgetExceededError(total, None)).headers)[b"x-should-retry"] == b"false"
+    never = BudgetExceededError(budget, soon, reserved=2 * 10**12)  # $2: more than the whole budget
+    assert dict(error_answer(never).headers)[b"x-should-retry"] == b"false"
+    tokens = Limit("key:k:tpm", 100, 500, "tokens per minute for this key", "tokens")  # costs 500 of 100
+    assert dict(error_answer(refusal(5.0, tokens)).headers)[b"x-should-retry"] == b"false"
+    requests = Limit("key:k:rpm", 10, 1, "requests per minute for this key")
+    assert b"x-should-retry" not in dict(error_answer(refusal(5.0, requests)).headers)

@@ -122,6 +122,17 @@ def test_429_moves_on_at_once_and_4xx_is_returned_as_is() -> None:
     assert served.reply is not None and served.reply.status == 400 and served.backend == "pool"
 
 
+@pytest.mark.parametrize("status", [401, 403, 404, 405, 407])
+def test_an_upstream_refusing_the_gateway_itself_moves_to_another_replica_then_model(status: int) -> None:
+    """Its credentials or the model's upstream name are wrong there: not the client's request."""
+    failover, pool, _ = _setup({"http://r1": [status], "http://r2": [200]})
+    served = asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert (served.backend, served.deployment) == ("pool", "http://r2")
+    failover, pool, _ = _setup({"http://r1": [status], "http://r2": [status]})
+    served = asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert served.backend == "hosted" and pool.calls == ["http://r1", "http://r2"]
+
+
 def test_when_everything_fails_the_last_answer_or_the_kind_of_failure_is_reported() -> None:
     failover, _, _ = _setup({"http://r1": ["refused"], "http://r2": ["refused"]}, hosted=[503])
     with pytest.raises(ChainExhaustedError) as info:

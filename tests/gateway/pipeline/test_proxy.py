@@ -217,6 +217,63 @@ def test_bad_requests_are_clear_4xx(stack: Stack, content: bytes, status: int, c
     assert len(r.content) < 2_000  # an unknown model's name is not echoed whole
 
 
+@pytest.mark.parametrize(
+    "prompt", [[], [None], [{"a": 1}], [1.5], [1, "a"], [[1], "a"], [[]], [-1], [True], {"text": "x"}]
+)
+@pytest.mark.parametrize("model", ["fast", "hosted"])
+def test_prompts_in_no_openai_shape_are_400s_for_every_backend(stack: Stack, prompt: Any, model: str) -> None:
+    """A hosted provider's library took these for an outage (a 502 that failed over)."""
+    r = httpx.post(
+        f"{stack.gateway.base_url}/v1/completions", json={"model": model, "prompt": prompt},
+        headers={"Authorization": f"Bearer {stack.key}"},
+    )  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("prompt", "invalid_value")
+
+
+@pytest.mark.parametrize("path", ["chat", "text"])
+def test_a_hosted_stream_of_several_choices_ends_each_as_the_whole_answer_does_and_bills_its_usage(
+    stack: Stack, path: str
+) -> None:
+    """litellm's stream wrapper ended at the first choice's finish and made its usage up."""
+    client = stack.client()
+    ask: Any = {"model": "hosted", "n": 3}
+    if path == "chat":
+        ask["messages"] = [{"role": "user", "content": "three little words"}]
+        whole = client.chat.completions.create(**ask)
+        expected = {c.index: (c.message.content, c.finish_reason) for c in whole.choices}
+        raw = client.chat.completions.with_raw_response.create(
+            **ask, stream=True, stream_options={"include_usage": True}
+        )
+    else:
+        ask["prompt"] = "three little words"
+        whole = client.completions.create(**ask)  # type: ignore[assignment]
+        expected = {c.index: (c.text, c.finish_reason) for c in whole.choices}  # type: ignore[attr-defined]
+        raw = client.completions.with_raw_response.create(
+            **ask, stream=True, stream_options={"include_usage": True}
+        )  # type: ignore[assignment]
+    got: dict[int, list[Any]] = {}
+    usage = None
+    for chunk in raw.parse():
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            piece = (c.delta.content if path == "chat" else c.text) or ""  # type: ignore[union-attr]
+            entry = got.setdefault(c.index, ["", None])
+            entry[0] += piece
+            entry[1] = c.finish_reason or entry[1]
+    assert {i: tuple(v) for i, v in got.items()} == expected and len(expected) == 3
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+    deadline = time.monotonic() + 5
+    while not (rows := [r for r in stack.log_rows() if r["id"] == raw.headers["x-request-id"]]):
+        assert time.monotonic() < deadline, "no row for the stream"
+        time.sleep(0.05)
+    assert (rows[0]["completion_tokens"], rows[0]["cost_estimated"]) == (whole.usage.completion_tokens, False)
+
+
 def test_a_pool_whose_only_replica_is_down_is_503_without_naming_the_replica(stack: Stack) -> None:
     deadline = time.monotonic() + 5  # the first health check marks it down; until then calls fail (502)
     while True:
@@ -381,6 +438,49 @@ def test_client_leaving_before_a_whole_answer_cancels_the_upstream_call_and_logs
         time.sleep(0.1)
     row = next(r for r in stack.log_rows() if r["error_type"] == "client_disconnected")
     assert row["status"] == 499 and row["requested_model"] == "fast"
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("model", ["fast", "hosted"])
+def test_an_upstream_refusing_the_gateway_is_a_502_that_names_nothing_of_it(
+    stack: Stack, status: int, stream: bool, model: str
+) -> None:
+    """An engine run with --api-key the policy lacks, or a wrong upstream model name: a client with a
+    good key must not read an authentication error, nor the upstream's words (its model names)."""
+    httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": status})
+    try:
+        r = httpx.post(
+            f"{stack.gateway.base_url}/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream},
+            headers={"Authorization": f"Bearer {stack.key}"},
+        )
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] in ("upstream_refused_gateway", "provider_502") and error["type"] == "api_error"
+    assert "fake failure" not in r.text and "fake-model" not in r.text
+    if error["code"] == "upstream_refused_gateway":  # configuration: the SDKs' retries cannot help
+        assert r.headers["x-should-retry"] == "false"
+    row = next(row for row in _eventually_logged(stack, r) if row["id"] == r.headers["x-request-id"])
+    assert (row["status"], row["error_type"]) == (502, error["code"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_providers_refusal_of_the_clients_request_passes_its_message_on(stack: Stack, stream: bool) -> None:
+    httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": 400})
+    try:
+        r = httpx.post(
+            f"{stack.gateway.base_url}/v1/chat/completions",
+            json={"model": "hosted", "messages": [{"role": "user", "content": "hi"}], "stream": stream},
+            headers={"Authorization": f"Bearer {stack.key}"},
+        )
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"fail_status": None})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "fake failure 400"  # the provider's words: what to change
+    assert r.json()["error"]["code"] == "provider_400" and "litellm" not in r.text
 
 
 def test_a_client_that_closes_once_it_has_done_is_logged_200_not_499(stack: Stack) -> None:
