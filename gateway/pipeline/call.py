@@ -36,6 +36,7 @@ class Call:
     response_body: bytes | None = None
     decision: RouteDecision | None = None
     attempts: list[Attempt] = field(default_factory=list)
+    calling: str | None = None  # the backend being called when the client left (nothing served)
     resumptions: list[Resumption] = field(default_factory=list)  # a stream gone on on other replicas
     prices: PriceBook | None = None
     ticket: Ticket | None = None  # rate-limit and budget reservations, released with the log row
@@ -70,7 +71,7 @@ class Call:
         row["key_id"] = self.key.id
         row["team"] = self.key.team
         row["requested_model"] = clip(self.model, 200)
-        row["backend"] = self.backend
+        row["backend"] = self.backend or self.calling  # a client that left: what it was waiting on
         row["deployment"] = clip(self.deployment, 500)
         if decision is not None:
             row["route_reason"] = clip(decision.reason, 500)
@@ -85,7 +86,8 @@ class Call:
         row["ttft_ms"] = round(self.ttft * 1e3, 3) if self.ttft is not None else None
         row["overhead_ms"] = round(self.overhead_ms(), 3)
         called = len([a for a in self.attempts if a.called])
-        row["attempts"] = called + (1 if self.backend and self.deployment else 0) + len(self.resumptions)
+        current = 1 if (self.backend and self.deployment) or self.calling else 0
+        row["attempts"] = called + current + len(self.resumptions)
         row["resumptions"] = len(self.resumptions)
         row["cost_picousd"] = cost
         row["reference_cost_picousd"] = reference

@@ -13,6 +13,7 @@ import asyncio
 import random
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -79,24 +80,23 @@ class Failover:
         self._rng = rng or random.Random()
         self._prefix_keys = PrefixKeys()  # prefix-affinity keys, with each pool's tokenizer
 
-    async def send(
-        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE
-    ) -> Served:
-        """A whole answer from the first model in the chain that gives one."""
-        return await self._walk(decision, path, body, False, trace)
+    async def send(self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE,
+                   progress: Progress | None = None) -> Served:  # fmt: skip
+        """A whole answer from the first model in the chain that gives one. `progress` follows the
+        walk as it goes (what a request whose client leaves meanwhile logs)."""
+        return await self._walk(decision, path, body, False, trace, progress or Progress())
 
-    async def stream(
-        self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE
-    ) -> Served:
+    async def stream(self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE,
+                     progress: Progress | None = None) -> Served:  # fmt: skip
         """An open stream whose first token has arrived (or an error answer to pass through).
 
         With tracing, the served attempt's span stays open until the caller finishes the trace.
         """
-        return await self._walk(decision, path, body, True, trace)
+        return await self._walk(decision, path, body, True, trace, progress or Progress())
 
     async def _walk(self, decision: RouteDecision, path: str, body: dict[str, Any], stream: bool,
-                    trace: Trace) -> Served:  # fmt: skip
-        state = _State(decision, trace)
+                    trace: Trace, progress: Progress) -> Served:  # fmt: skip
+        state = _State(decision, trace, progress)
         for model, pool in self._candidates(decision, state):
             spec = self.policy.backends[pool.name]
             upstream_body = self._upstream_body(body, model)
@@ -223,6 +223,7 @@ class Failover:
 
     def _begin(self, state: _State, model: str, pool: Upstream, stream: bool) -> dict[str, str] | None:
         """The attempt's span, and the headers that carry it upstream (None: not traced)."""
+        state.progress.calling = pool.name
         spec = self.policy.backends[pool.name]
         return state.trace.begin_attempt(model, self.policy.upstream_model(model), pool.name, spec, stream)
 
@@ -239,15 +240,24 @@ class Failover:
         return resumable_body(body)
 
 
+@dataclass
+class Progress:
+    """How far a walk has come: the attempts that failed so far, and the backend being called now."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+    calling: str | None = None
+
+
 class _State:
     """What one request has tried so far."""
 
-    def __init__(self, decision: RouteDecision, trace: Trace) -> None:
+    def __init__(self, decision: RouteDecision, trace: Trace, progress: Progress) -> None:
         self.decision = decision
         self.trace = trace
+        self.progress = progress
         self.affinity: int | None = None  # the prefix key while the pool tried balances by it
         self.plan: ResumePlan | None = None  # how the model tried now resumes a broken stream
-        self.attempts: list[Attempt] = []
+        self.attempts: list[Attempt] = progress.attempts  # shared: what a caller that left has seen
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None
         self.last_timeout = False

@@ -21,7 +21,7 @@ from gateway.governance.keys import KeyInfo
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.answer import passed_on, whole
 from gateway.pipeline.call import Call
-from gateway.pipeline.failover import ChainExhaustedError
+from gateway.pipeline.failover import ChainExhaustedError, Progress
 from gateway.pipeline.finish import Finish
 from gateway.pipeline.prepare import prepare
 from gateway.pipeline.relay import relay
@@ -92,10 +92,14 @@ class Proxy:
             call.decision = rt.router.decide(model, body, key, needs)
             trace.routed(call.decision)
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
+            progress = Progress()
             if call.stream:
-                served = await self._upstream(call, rt.failover.stream(call.decision, path, body, trace))
+                walk = rt.failover.stream(call.decision, path, body, trace, progress)
+                served = await self._upstream(call, walk, progress)
                 return await self._streamed(call, served, wants_usage)
-            served = await self._upstream(call, rt.failover.send(call.decision, path, body, trace))
+            served = await self._upstream(
+                call, rt.failover.send(call.decision, path, body, trace, progress), progress
+            )
             assert served.reply is not None
             return self._answered(call, *whole(call, served.reply, rt.policy.log_bodies))
         except ChainExhaustedError as exc:  # every model failed
@@ -136,11 +140,15 @@ class Proxy:
         await self.finish.drain()
 
     @staticmethod
-    async def _upstream(call: Call, served: Awaitable[Served]) -> Served:
-        """What failover serves, its wait counted as upstream time (a stream's: to its first token)."""
+    async def _upstream(call: Call, served: Awaitable[Served], progress: Progress) -> Served:
+        """What failover serves, its wait counted as upstream time (a stream's: to its first token).
+        A client that leaves meanwhile is logged with what was tried and what it was waiting on."""
         sent = time.perf_counter()
         try:
             answer = await served
+        except asyncio.CancelledError:
+            call.attempts, call.calling = list(progress.attempts), progress.calling
+            raise
         finally:
             call.upstream_seconds = time.perf_counter() - sent
         call.served_by(answer.backend, answer.deployment, answer.attempts)

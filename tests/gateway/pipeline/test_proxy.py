@@ -419,11 +419,13 @@ def test_client_leaving_a_stream_closes_the_upstream_stream(stack: Stack) -> Non
 
 
 def test_client_leaving_before_a_whole_answer_cancels_the_upstream_call_and_logs_499(stack: Stack) -> None:
+    created = httpx.post(f"{stack.gateway.base_url}/admin/keys", json={"name": "leaves-early"},
+                         headers={"Authorization": f"Bearer {MASTER}"}).json()  # fmt: skip
     httpx.post(f"{stack.upstream.base_url}/control", json={"latency_ms": 3000})
     try:
         before = httpx.get(f"{stack.upstream.base_url}/stats").json()["waits_cut_off"]
         with pytest.raises(openai.APITimeoutError):
-            stack.client().with_options(timeout=0.5).chat.completions.create(
+            stack.client(created["key"]).with_options(timeout=0.5).chat.completions.create(
                 model="fast", messages=[{"role": "user", "content": "left early"}]
             )
         deadline = time.monotonic() + 5
@@ -433,11 +435,13 @@ def test_client_leaving_before_a_whole_answer_cancels_the_upstream_call_and_logs
     finally:
         httpx.post(f"{stack.upstream.base_url}/control", json={"latency_ms": 0})
     deadline = time.monotonic() + 5
-    while not any(r["error_type"] == "client_disconnected" for r in stack.log_rows()):
+    while not (rows := [r for r in stack.log_rows() if r["key_id"] == created["id"]]):
         assert time.monotonic() < deadline, "no log row for the request whose client left"
         time.sleep(0.1)
-    row = next(r for r in stack.log_rows() if r["error_type"] == "client_disconnected")
-    assert row["status"] == 499 and row["requested_model"] == "fast"
+    (row,) = rows
+    assert row["error_type"] == "client_disconnected" and row["requested_model"] == "fast"
+    # what it was waiting on (the row used to say no backend and no attempt), billed nothing
+    assert (row["backend"], row["attempts"], row["cost_picousd"]) == ("fake", 1, None), row
 
 
 @pytest.mark.parametrize("status", [401, 403, 404])
