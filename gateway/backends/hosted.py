@@ -154,17 +154,19 @@ class HostedModel:
     ) -> AsyncIterator[UpstreamStream]:
         """A streamed completion, re-encoded as OpenAI SSE lines.
 
-        Several choices (`n`, `best_of` > 1) are asked for whole and sent as a stream of that answer:
-        litellm's stream wrapper ends at the first choice's finish, drops the others' finish reasons
-        and the provider's usage, and makes up its own (billed as if reported).
+        Several choices (`n`, `best_of` > 1), and a legacy completion with logprobs, are asked for
+        whole and sent as a stream of that answer: litellm's stream wrapper ends at the first
+        choice's finish, drops the others' finish reasons and the provider's usage, and makes up its
+        own (billed as if reported); it drops a text completion's logprobs altogether.
         """
         self._check_not_tried(avoid)
-        if _choices(body) > 1:
+        chat = path.endswith("chat/completions")
+        if _choices(body) > 1 or (not chat and _asks_logprobs(body)):
             reply = await self.send(path, body, timeouts, avoid)
             if reply.status != 200:
                 yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
                 return
-            shaped = as_stream(orjson.loads(reply.body), path.endswith("chat/completions"))
+            shaped = as_stream(orjson.loads(reply.body), chat)
             yield UpstreamStream(200, _given(shaped), b"", self.spec.model)
             return
         model, params = self._kwargs(path, body, True, timeouts)
@@ -179,8 +181,6 @@ class HostedModel:
             reply = self._error(exc)
             yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
             return
-
-        chat = path.endswith("chat/completions")
 
         async def next_line() -> str | None:  # runs on the side loop, where `resp` belongs
             while True:
@@ -352,6 +352,14 @@ def _choices(body: bytes) -> int:
         return 1
     counts = [parsed.get(name) for name in ("n", "best_of")] if isinstance(parsed, dict) else []
     return max([c for c in counts if type(c) is int] + [1])
+
+
+def _asks_logprobs(body: bytes) -> bool:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("logprobs") not in (None, False)
 
 
 def as_stream(answer: dict[str, Any], chat: bool) -> list[str]:

@@ -143,8 +143,13 @@ async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
         if chat:
             message = {"role": "assistant", "content": content}
             choices.append({"index": i, "message": message, "finish_reason": finish})
-        else:
-            choices.append({"index": i, "text": content, "finish_reason": finish, "logprobs": None})
+        else:  # legacy logprobs when asked: each word a token at -0.5
+            kept = words[: len(words) - i]
+            offsets = [sum(len(w) + 1 for w in kept[:k]) for k in range(len(kept))]
+            tokens = [(" " if k else "") + w for k, w in enumerate(kept)]
+            logprobs = {"tokens": tokens, "token_logprobs": [-0.5] * len(kept), "text_offset": offsets}
+            given = logprobs if body.get("logprobs") is not None else None
+            choices.append({"index": i, "text": content, "finish_reason": finish, "logprobs": given})
     if n > 1:
         completion = sum(len(words) - i for i in range(n))
         usage |= {"completion_tokens": completion, "total_tokens": prompt_tokens + completion}

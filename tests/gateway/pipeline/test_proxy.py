@@ -274,6 +274,18 @@ def test_a_hosted_stream_of_several_choices_ends_each_as_the_whole_answer_does_a
     assert (rows[0]["completion_tokens"], rows[0]["cost_estimated"]) == (whole.usage.completion_tokens, False)
 
 
+def test_a_hosted_text_completion_stream_keeps_its_logprobs(stack: Stack) -> None:
+    """litellm's stream wrapper dropped a legacy completion's logprobs altogether."""
+    ask: Any = {"model": "hosted", "prompt": "words with odds", "logprobs": 1}
+    whole = stack.client().completions.create(**ask).choices[0]
+    assert whole.logprobs is not None and whole.logprobs.tokens
+    tokens: list[str] = []
+    for chunk in stack.client().completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            tokens += c.logprobs.tokens if c.logprobs and c.logprobs.tokens else []
+    assert tokens == whole.logprobs.tokens
+
+
 def test_a_pool_whose_only_replica_is_down_is_503_without_naming_the_replica(stack: Stack) -> None:
     deadline = time.monotonic() + 5  # the first health check marks it down; until then calls fail (502)
     while True:
