@@ -100,6 +100,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings.require_secrets()  # fail here, naming the missing variables, not in a worker
     load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
     config = server_config(settings, args)
+    if args.workers > 1 and not settings.redis_url:
+        print(f"warning: {args.workers} workers without GATEWAY_REDIS_URL: each keeps its own rate-limit "
+              f"and budget counters, so keys may use up to {args.workers}x their limits and budgets",
+              file=sys.stderr, flush=True)  # fmt: skip
     if args.workers > 1:  # uvicorn's supervisor forwards signals to the workers
         Multiprocess(config, sockets=[config.bind_socket()]).run()
         return 0

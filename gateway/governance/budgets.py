@@ -377,6 +377,17 @@ class RedisBudgetStore:
             self._writing = False
 
     async def close(self) -> None:
+        """What settles still owe is written first (one try, whatever the retry pause): a total
+        budget's counter never expires, so a worst case left on it would stay for good."""
+        if self._unsettled:
+            self._retry_at = 0.0
+            try:
+                await self._write_unsettled()
+            except Exception:  # the shutdown goes on; what is owed is in the log
+                logger.exception("budgets: settles owed at shutdown could not be written")
+            if self._unsettled:
+                logger.error("budgets: %d counters keep reservations they no longer owe: %s",
+                             len(self._unsettled), self._unsettled)  # fmt: skip
         await self._redis.aclose()
 
 

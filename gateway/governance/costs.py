@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache
@@ -135,17 +135,22 @@ class PriceBook:
         """USD per token on `backend` (None: unpriced)."""
         return self._prices.get(backend)
 
-    def worst_case(self, chain: Sequence[str], body: dict[str, Any], body_bytes: int) -> Decimal:
+    def worst_case(self, chain: Sequence[str], body: dict[str, Any], body_bytes: int,
+                   context: Callable[[str], int | None] | None = None) -> Decimal:  # fmt: skip
         """The most a request may cost anywhere on its chain: a prompt token per body byte (a token
         is at least a byte; bytes / 4, an average, let concurrent requests overspend a budget by
-        more than one reservation), plus n x max_tokens (or the dearest model's output cap, else
-        DEFAULT_OUTPUT_CAP) at the dearest prices."""
+        more than one reservation), plus n x max_tokens per prompt at the dearest prices. Without
+        max_tokens: the largest output cap on the chain, a hosted model's from litellm's map, a
+        self-hosted one's its context (`context(model)`: an engine answers up to the rest of it),
+        else DEFAULT_OUTPUT_CAP."""
         prices = [p for p in (self._prices.get(self._backend_of.get(m, "")) for m in chain) if p is not None]
         if not prices:
             return Decimal(0)
         out = max_output(body)
         if out is None:
             caps = [self._caps.get(m) for m in chain]
+            if context is not None:
+                caps += [context(m) for m in chain if self._backend_of.get(m) in self.self_hosted]
             out = max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
         out *= choices(body)  # every one of n answers is billed
         return body_bytes * max(p.input for p in prices) + out * max(p.output for p in prices)

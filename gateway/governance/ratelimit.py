@@ -58,9 +58,8 @@ class RateLimitedError(GatewayError):
     def headers(self) -> list[tuple[bytes, bytes]]:
         """`Retry-After`, and OpenAI's `x-ratelimit-*` trio for the limit reached (the SDKs and
         LiteLLM's clients read them)."""
-        out = [(b"retry-after", retry_after_header(self.retry_after))]
-        if self.never_fits:
-            out.append(NO_RETRY)
+        # a request bigger than the limit never fits: no Retry-After (the SDKs waited 60 s a retry)
+        out = [NO_RETRY] if self.never_fits else [(b"retry-after", retry_after_header(self.retry_after))]
         if self.per_minute is not None and self.unit in ("requests", "tokens"):
             unit = self.unit.encode()
             out += [

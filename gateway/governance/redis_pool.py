@@ -21,6 +21,7 @@ DEFAULT_POOL_TIMEOUT = 5.0  # seconds a request waits for a free connection befo
 # the loop may take a second or more to come back to a reply Redis sent at once, and a 1 s timeout
 # then failed healthy requests (budgets 503) at 400 concurrent requests per replica.
 DEFAULT_SOCKET_TIMEOUT = 5.0
+HEALTH_CHECK_SECONDS = 5  # a connection idle this long is PINGed before it carries a command
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class RedisPoolConfig:
     def client(self, url: str) -> Any:
         """A `redis.asyncio.Redis` that owns its blocking pool (closing the client closes the pool)."""
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -45,6 +49,14 @@ class RedisPoolConfig:
             timeout=self.timeout,
             socket_timeout=self.socket_timeout,
             socket_connect_timeout=self.socket_timeout,
+            # A pooled connection Redis (its `timeout`, a restart, a proxy's idle limit) closed while
+            # it sat idle failed the next command on it, and a healthy Redis was taken for an
+            # outage (budgets 503, limits skipped) until every dead connection had been used once.
+            # Idle ones are checked before use, and a command whose connection turns out closed is
+            # sent once more on a new one. Only a connection error is retried: after a timeout,
+            # Redis may have run the command (a reservation or a settle: not idempotent).
+            health_check_interval=HEALTH_CHECK_SECONDS,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         return aioredis.Redis.from_pool(pool)
 

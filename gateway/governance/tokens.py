@@ -15,6 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from gateway.governance.costs import litellm_file
 
 logger = logging.getLogger(__name__)
@@ -110,7 +112,8 @@ def hf_tokenizer(path: str) -> Any:
 
 
 def prompt_text(body: dict[str, Any]) -> str:
-    """The text a chat or completions request sends (message contents, text parts, or the prompt)."""
+    """The text a chat or completions request sends: message contents and text parts, the calls an
+    assistant message made and the tools offered (a model reads them as prompt), or the prompt."""
     if "messages" in body:
         parts: list[str] = []
         messages = body.get("messages")
@@ -120,11 +123,38 @@ def prompt_text(body: dict[str, Any]) -> str:
                 parts.append(content)
             elif isinstance(content, list):
                 parts += [str(p.get("text") or "") for p in content if isinstance(p, dict)]
+            if isinstance(message, dict):
+                parts += _calls_text(message)
+        for field in ("tools", "functions"):
+            if body.get(field):
+                parts.append(orjson.dumps(body[field]).decode())
         return "\n".join(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         return "\n".join(p for p in prompt if isinstance(p, str))
     return prompt if isinstance(prompt, str) else ""
+
+
+def prompt_token_ids(body: dict[str, Any]) -> int:
+    """The tokens a legacy completion sends as ids (a list of ids, or of id lists): no text to count."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return 0
+    if all(type(t) is int for t in prompt):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, list))
+
+
+def _calls_text(message: dict[str, Any]) -> list[str]:
+    """The names and arguments of the calls in a message or delta (tool_calls, legacy function_call)."""
+    calls = message.get("tool_calls")
+    found = [c.get("function") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+    found.append(message.get("function_call"))
+    parts = []
+    for function in found:
+        if isinstance(function, dict):
+            parts += [v for v in (function.get("name"), function.get("arguments")) if isinstance(v, str)]
+    return parts
 
 
 def completion_text(chunks: list[dict[str, Any]]) -> str:
@@ -140,4 +170,6 @@ def completion_text(chunks: list[dict[str, Any]]) -> str:
             if not isinstance(text, str):
                 text = choice.get("text")
             parts.append(text if isinstance(text, str) else "")
+            if isinstance(message, dict):
+                parts += _calls_text(message)  # an answer of tool calls is answer text too
     return "".join(parts)

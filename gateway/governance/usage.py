@@ -20,12 +20,18 @@ def _count(value: Any) -> int | None:
     return None
 
 
-def checked_usage(raw: Any) -> dict[str, Any] | None:
-    """The usage fields we bill from, normalised; None when `raw` is missing or not believable."""
+def checked_usage(raw: Any, body: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The usage fields we bill from, normalised; None when `raw` is missing or not believable: a
+    count past MAX_TOKENS, parts that disagree with the total, or (given the request's `body`) more
+    completion tokens than its max_tokens allows each of its answers (a one-word answer billed as
+    millions of tokens locked its key out)."""
     if not isinstance(raw, dict):
         return None
     prompt, completion = _count(raw.get("prompt_tokens")), _count(raw.get("completion_tokens"))
     if prompt is None or completion is None:
+        return None
+    limit = max_output(body) if body is not None else None
+    if limit is not None and body is not None and completion > limit * choices(body):
         return None
     total = raw.get("total_tokens")
     if total is not None and _count(total) != prompt + completion:
@@ -45,6 +51,7 @@ def checked_usage(raw: Any) -> dict[str, Any] | None:
 
 
 MAX_CHOICES = 128  # OpenAI's own cap on `n`
+MAX_ANSWERS = 2048  # answers of one request (prompts x n): OpenAI caps a list of prompts at 2,048
 
 
 def max_output(body: dict[str, Any]) -> int | None:
@@ -56,10 +63,20 @@ def max_output(body: dict[str, Any]) -> int | None:
 
 
 def choices(body: dict[str, Any]) -> int:
-    """How many answers a request asks for (`n`, or `best_of` generated server-side), within bounds."""
+    """How many answers a request asks for: `n` (or `best_of`, generated server-side) for each of
+    its prompts (a legacy completion's list of prompts is answered prompt by prompt), within bounds."""
     asked = (body.get("n"), body.get("best_of"))
     counts = [v for v in asked if isinstance(v, int) and not isinstance(v, bool)]
-    return min(max([1, *counts]), MAX_CHOICES)
+    return min(min(max([1, *counts]), MAX_CHOICES) * prompts(body), MAX_ANSWERS)
+
+
+def prompts(body: dict[str, Any]) -> int:
+    """The prompts of a legacy completion: a list of strings or of token-id lists holds several; a
+    string, a list of token ids (one prompt) or a chat request, one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 ZERO_COUNTS = ("prompt_tokens", "completion_tokens")

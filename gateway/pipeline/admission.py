@@ -171,7 +171,9 @@ class Admission:
             budgets.append(Budget("team", key.team, Decimal(str(team.budget.usd)), team.budget.period))
         if not budgets:
             return []
-        amount = to_picousd(rt.prices.worst_case(decision.chain, body, body_bytes))
+        capabilities = rt.router.capabilities
+        amount = to_picousd(rt.prices.worst_case(decision.chain, body, body_bytes,
+                                                 lambda m: capabilities.of(m).context_length))  # fmt: skip
         now = datetime.now(UTC)
         charges = []
         for budget in budgets:

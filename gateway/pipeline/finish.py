@@ -140,6 +140,8 @@ def estimated_usage(call: Call, policy: Policy) -> dict[str, Any]:
         if isinstance(parsed, dict):
             chunks.append(parsed)
     # bounded as reported usage is (governance/usage.py): a count past it would lock a key out
-    prompt = min(tokens.count(tokens.prompt_text(call.body or {}), model or "", tokenizer), MAX_TOKENS)
+    body = call.body or {}
+    prompt = tokens.count(tokens.prompt_text(body), model or "", tokenizer) + tokens.prompt_token_ids(body)
+    prompt = min(prompt, MAX_TOKENS)
     completion = min(tokens.count(tokens.completion_text(chunks), model or "", tokenizer), MAX_TOKENS)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -50,5 +50,6 @@ def test_only_answers_that_waiting_cannot_change_tell_the_sdks_not_to_retry() ->
     assert dict(error_answer(never).headers)[b"x-should-retry"] == b"false"
     tokens = Limit("key:k:tpm", 100, 500, "tokens per minute for this key", "tokens")  # costs 500 of 100
     assert dict(error_answer(refusal(5.0, tokens)).headers)[b"x-should-retry"] == b"false"
+    assert b"retry-after" not in dict(error_answer(refusal(5.0, tokens)).headers)
     requests = Limit("key:k:rpm", 10, 1, "requests per minute for this key")
     assert b"x-should-retry" not in dict(error_answer(refusal(5.0, requests)).headers)

@@ -163,6 +163,19 @@ def test_reservations_cover_every_answer_asked_for() -> None:
     ticket = Ticket()
     limits = Admission._limits(_runtime(), _key(None, tpm=10**9), {"max_tokens": 50, "n": 3}, 400, ticket)
     assert ticket.reserved_tokens == 100 + 150 and all(lim.cost == 250 for lim in limits)
+    # a legacy completion's list of prompts: each prompt gets its n answers (32 x 16 tokens here)
+    many = {"max_tokens": 16, "prompt": ["p"] * 32}
+    assert prices.worst_case(("fast",), many, 400) == prompt + 32 * 16 * Decimal(2) / 10**6
+    assert prices.worst_case(("fast",), {**many, "n": 2}, 400) == prompt + 64 * 16 * Decimal(2) / 10**6
+    assert (
+        prices.worst_case(("fast",), {"max_tokens": 16, "prompt": [1, 2, 3]}, 400)
+        == one - 84 * Decimal(2) / 10**6
+    )
+    Admission._limits(_runtime(), _key(None, tpm=10**9), many, 400, ticket := Ticket())
+    assert ticket.reserved_tokens == 100 + 32 * 16
+    # no max_tokens: a self-hosted model may answer up to the rest of its context
+    assert prices.worst_case(("fast",), {}, 400, lambda m: 8192) == prompt + 8192 * Decimal(2) / 10**6
+    assert prices.worst_case(("fast",), {}, 400) == prompt + 4096 * Decimal(2) / 10**6  # context unknown
 
 
 def _runtime() -> Runtime:
@@ -218,3 +231,15 @@ def test_hosted_stream_chunks_take_openai_shapes() -> None:
         "choices": [{"index": 0, "finish_reason": "length", "text": ""}]
     }
     assert openai_chunk({"choices": [{"index": 0}], "usage": usage}, False) == {"choices": [], "usage": usage}
+
+
+def test_usage_past_what_max_tokens_allows_every_answer_is_not_believed() -> None:
+    """A one-word answer billed as millions of tokens (under MAX_TOKENS) locked its key out."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 3_000_000, "total_tokens": 3_000_005}
+    assert checked_usage(usage) is not None  # nothing to hold it against
+    assert checked_usage(usage, {"max_tokens": 1}) is None
+    fits = {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert checked_usage(fits, {"max_tokens": 4, "n": 2}) is not None  # 2 answers of 4
+    assert checked_usage(fits, {"max_completion_tokens": 4, "prompt": ["a", "b"]}) is not None
+    assert checked_usage(fits, {"max_tokens": 3, "n": 2}) is None
+    assert checked_usage(fits, {}) is not None  # no max_tokens: the model's own cap applies

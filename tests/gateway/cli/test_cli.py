@@ -63,6 +63,21 @@ def test_serve_refuses_to_start_without_its_secrets_and_names_them(
     assert f"error: {missing} must be set to a non-empty value" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("database", "no_server")
+@pytest.mark.parametrize("redis", [None, "redis://127.0.0.1:6379/0"])
+def test_serve_with_several_workers_and_no_redis_warns_that_limits_multiply(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], redis: str | None
+) -> None:
+    monkeypatch.setenv("GATEWAY_MASTER_KEY", "m")
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    if redis:
+        monkeypatch.setenv("GATEWAY_REDIS_URL", redis)
+    with pytest.raises(_ServerStarted):
+        cli.main(["serve", "--policy", str(POLICY), "--workers", "3", "--port", "0"])
+    warned = "3 workers without GATEWAY_REDIS_URL" in capsys.readouterr().err
+    assert warned == (redis is None)
+
+
 @pytest.mark.usefixtures("database")
 def test_keys_create_needs_the_key_secret_but_not_the_master_key(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -138,3 +138,27 @@ def test_a_cold_burst_seeds_a_local_budget_counter_with_one_query() -> None:
 
     asyncio.run(run())
     assert seed.calls == 1
+
+
+def test_a_pooled_connection_redis_closed_while_idle_is_not_taken_for_an_outage() -> None:
+    """Redis closes idle connections (its `timeout`, a restart, a proxy): the next admission on
+    one used to fail (budgets 503, limits skipped) although Redis answered."""
+
+    async def run() -> None:
+        from gateway.governance.budgets import Charge
+
+        store = RedisBudgetStore(REDIS, pool=RedisPoolConfig(max_connections=1))
+        killer = RedisPoolConfig().client(REDIS)
+        budget = Budget("key", f"idle-{uuid.uuid4().hex}", Decimal(1), "total")
+        counter, start, reset = budget.counter(datetime.now(UTC))
+        charge = Charge(budget, counter, start, reset, 1)
+        try:
+            assert await store.reserve([charge], CountingSeed())  # the one pooled connection is made
+            own = await store._redis.client_id()
+            assert await killer.client_kill_filter(_id=own) == 1  # closed by the server meanwhile
+            assert await store.reserve([charge], CountingSeed())  # not an outage: Redis is there
+        finally:
+            await store.close()
+            await killer.aclose()
+
+    asyncio.run(run())

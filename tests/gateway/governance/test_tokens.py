@@ -28,6 +28,28 @@ def test_prompt_and_completion_text_from_every_request_and_answer_shape() -> Non
     assert tokens.completion_text(whole) == "answer" and tokens.completion_text(streamed) == "answer!"
 
 
+def test_tools_calls_and_token_id_prompts_are_counted_too() -> None:
+    """A 305 KB tools array was billed 1 prompt token, a 30,000-id prompt 0, a tool-call answer 0."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}],
+            "tools": tools}  # fmt: skip
+    text = tokens.prompt_text(body)
+    assert "hi" in text and '{"q": "x"}' in text and '"name":"lookup"' in text
+    assert tokens.prompt_token_ids({"prompt": [1, 2, 3]}) == 3
+    assert tokens.prompt_token_ids({"prompt": [[1, 2], [3]]}) == 3
+    assert (
+        tokens.prompt_token_ids({"prompt": "text"}) == 0 and tokens.prompt_token_ids({"prompt": ["a"]}) == 0
+    )
+    streamed = [
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, **call}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "more"}}]}}]},
+    ]
+    assert tokens.completion_text(streamed) == 'lookup{"q": "x"}more'
+    whole = [{"choices": [{"message": {"content": None, "function_call": {"name": "f", "arguments": "{}"}}}]}]
+    assert tokens.completion_text(whole) == "f{}"
+
+
 def test_an_engine_tokenizer_from_the_policy_counts_with_the_models_own_vocabulary(
     default_model_dir: Path,
 ) -> None:
