@@ -209,9 +209,25 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
                 return None  # the usage-only chunk the client did not ask for
             chunk.pop("usage", None)
             return b"data: " + orjson.dumps(chunk) + b"\n\n"
-    elif not wants_usage and usage is None and '"usage":null' in line:  # text edit: no re-encoding
+    elif call.usage and _carries_answer(chunk):  # answer after the usage: it does not cover it,
+        call.usage = {}  # so the tokens are counted at the end unless a later usage comes
+    if usage is None and not wants_usage and '"usage":null' in line:  # text edit: no re-encoding
         line = line.replace(',"usage":null', "")
     return line.encode() + b"\n\n"
+
+
+def _carries_answer(chunk: dict[str, object]) -> bool:
+    """Whether an event holds answer text or tool calls (role-only and finish-only events do not)."""
+    choices = chunk.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+            return True
+        if choice.get("text"):
+            return True
+    return False
 
 
 def _request_error(error: dict[str, object]) -> UpstreamRequestErrorEvent:

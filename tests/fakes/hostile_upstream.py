@@ -30,6 +30,7 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   role_spam          a stream of 200 role-only chunks before its text
   two_usage          a stream with a believable usage chunk, then an unbelievable one (2**40)
   big_stream:MIB     a stream of MIB one-MiB text chunks, no usage
+  early_usage        a stream whose (small, believable) usage comes before 400 more words, none after
   huge_head          a response head that never ends (256 KiB of one header, then the close)
   error_leak:CODE    that status with an OpenAI error naming an internal host, plus extra fields
 
@@ -332,6 +333,11 @@ class Answer:
             out[1:1] = out[:1] * 200
         elif mode == "big_stream":
             out.extend(self._event("B" * (1 << 20)) for _ in range(int(arg or 1)))
+        elif mode == "early_usage":  # a small believable usage first, then most of the answer
+            early = {"id": "hostile-1", "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": 0, "model": self.model, "choices": [], "usage": self.usage}  # fmt: skip
+            out.append(b"data: " + orjson.dumps(early) + b"\n\n")
+            out.extend(self._event(" word") for _ in range(400))
         elif mode == "error_event":
             error = {"error": {"message": "upstream failed mid-way", "type": "api_error", "code": None}}
             out.append(b"data: " + orjson.dumps(error) + b"\n\n")
@@ -339,7 +345,7 @@ class Answer:
         out.append(self._event(None, "stop"))
         usage = {"id": "hostile-1", "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": 0, "model": self.model, "choices": [], "usage": self.usage}  # fmt: skip
-        if mode != "big_stream":  # (its count is the gateway's to make)
+        if mode not in ("big_stream", "early_usage"):  # (its count is the gateway's to make)
             out.append(b"data: " + orjson.dumps(usage) + b"\n\n")
         if mode == "two_usage":
             later = {**usage, "usage": USAGE["huge"]}

@@ -378,3 +378,11 @@ def test_a_stream_past_64_mib_ends_with_an_error_and_a_bounded_estimate(stack: H
     row = _row(stack, answer)
     assert row["status"] == 502
     assert isinstance(row["completion_tokens"], int) and row["completion_tokens"] <= 1 << 24
+
+
+def test_a_usage_that_comes_before_most_of_the_answer_does_not_bill_it(stack: HostileStack) -> None:
+    """A small believable usage early, then 400 more words and no usage: billed 3 tokens before."""
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=early_usage", True)))
+    assert answer.status == 200 and problems(answer) == []
+    row = _row(stack, answer)
+    assert row["completion_tokens"] >= 400 and row["cost_estimated"] in (True, 1)
