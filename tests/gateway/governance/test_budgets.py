@@ -315,27 +315,33 @@ def test_budget_errors_name_redis_or_the_database_but_never_their_error_text(
     assert "127.0.0.1" in caplog.text  # the details are in the gateway's log
 
 
+async def _owe_a_settle(store: RedisBudgetStore, budget: Budget, now: datetime) -> str:
+    """A worst case of 80 cents reserved on `budget`, then settled at its real 5 cents while Redis is
+    away (kept as owed), and Redis back; returns the counter's Redis key."""
+    counter = "switchboard:" + _charge(budget, now, "0").counter
+    first = _charge(budget, now, "0.80")
+    await store.reserve([first], _nothing_spent)
+    script = store._settle_script
+
+    async def away(**kwargs: object) -> None:
+        raise redis.ConnectionError("Redis is away")
+
+    store._settle_script = away
+    await store.settle(first, to_picousd(Decimal("0.05")))  # not written: owed, retried in a second
+    assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.80"))
+    store._settle_script = script
+    return counter
+
+
 def test_a_settle_redis_could_not_take_is_written_once_it_is_back() -> None:
     """Dropping it left the whole worst-case reservation on the budget until the counter expired."""
-    subject = uuid.uuid4().hex
-    budget = Budget("key", subject, Decimal("1.00"), "total")
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
     now = datetime.now(UTC)
 
     async def run() -> None:
         store = RedisBudgetStore(REDIS)
-        counter = "switchboard:" + _charge(budget, now, "0").counter
-        first = _charge(budget, now, "0.80")  # a worst case of 80 cents
-        await store.reserve([first], _nothing_spent)
-        script = store._settle_script
-
-        async def away(**kwargs: object) -> None:
-            raise redis.ConnectionError("Redis is away")
-
-        store._settle_script = away
-        await store.settle(first, to_picousd(Decimal("0.05")))  # it really cost 5 cents: not written
-        assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.80"))
-        store._settle_script = script  # back: the next admission a second later writes what is owed first
-        await asyncio.sleep(1.05)
+        counter = await _owe_a_settle(store, budget, now)
+        await asyncio.sleep(1.05)  # the next admission a second later writes what is owed first
         await store.reserve([_charge(budget, now, "0.90")], _nothing_spent)  # fits only once settled
         assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.95"))
         assert store._unsettled == {}
@@ -347,24 +353,13 @@ def test_a_settle_redis_could_not_take_is_written_once_it_is_back() -> None:
 
 def test_settles_owed_when_the_gateway_stops_are_written_on_close() -> None:
     """A total budget's counter never expires: a worst case left on it would stay for good."""
-    subject = uuid.uuid4().hex
-    budget = Budget("key", subject, Decimal("1.00"), "total")
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
     now = datetime.now(UTC)
 
     async def run() -> int:
         store = RedisBudgetStore(REDIS)
-        counter = "switchboard:" + _charge(budget, now, "0").counter
-        first = _charge(budget, now, "0.80")
-        await store.reserve([first], _nothing_spent)
-        script = store._settle_script
-
-        async def away(**kwargs: object) -> None:
-            raise redis.ConnectionError("Redis is away")
-
-        store._settle_script = away
-        await store.settle(first, to_picousd(Decimal("0.05")))  # owed, retried in a second
-        store._settle_script = script  # Redis is back, and the gateway stops at once
-        await store.close()
+        counter = await _owe_a_settle(store, budget, now)
+        await store.close()  # the gateway stops at once
         reader = RedisBudgetStore(REDIS)
         try:
             value = int(await reader._redis.get(counter))
