@@ -161,7 +161,7 @@ class HostedModel:
         """
         self._check_not_tried(avoid)
         chat = path.endswith("chat/completions")
-        if _choices(body) > 1 or (not chat and _asks_logprobs(body)):
+        if _whole_for_stream(body, chat):
             reply = await self.send(path, body, timeouts, avoid)
             if reply.status != 200:
                 yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
@@ -344,22 +344,19 @@ def allowed_fields(body: dict[str, Any], path: str) -> dict[str, Any]:
     return {name: value for name, value in body.items() if name in allowed}
 
 
-def _choices(body: bytes) -> int:
-    """How many choices a request asks for (n, or best_of on the legacy endpoint)."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return 1
-    counts = [parsed.get(name) for name in ("n", "best_of")] if isinstance(parsed, dict) else []
-    return max([c for c in counts if type(c) is int] + [1])
-
-
-def _asks_logprobs(body: bytes) -> bool:
+def _whole_for_stream(body: bytes, chat: bool) -> bool:
+    """Whether a stream is asked for whole (see `HostedModel.stream`): several answers (n, best_of,
+    a list of prompts), or a legacy completion's logprobs."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(parsed, dict) and parsed.get("logprobs") not in (None, False)
+    if not isinstance(parsed, dict):
+        return False
+    n = max([v for v in (parsed.get("n"), parsed.get("best_of")) if type(v) is int] + [1])
+    prompt = parsed.get("prompt")
+    prompts = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
+    return n > 1 or prompts or (not chat and parsed.get("logprobs") not in (None, False))
 
 
 def as_stream(answer: dict[str, Any], chat: bool) -> list[str]:
