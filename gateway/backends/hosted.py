@@ -131,7 +131,7 @@ class HostedModel:
             # a byte every few seconds held a request 5x past `total` before this deadline
             async with asyncio.timeout(total):
                 resp = await call(model=model, **params)
-            return resp.model_dump_json(exclude_none=True).encode()  # type: ignore[no-any-return]
+            return orjson.dumps(without_litellm_fields(resp.model_dump(mode="json", exclude_none=True)))
 
         try:
             answer = await self._side.run(whole())
@@ -342,6 +342,21 @@ def allowed_fields(body: dict[str, Any], path: str) -> dict[str, Any]:
     """The client's fields that an OpenAI endpoint at `path` defines; everything else is dropped."""
     allowed = CHAT_FIELDS if path.endswith("chat/completions") else TEXT_FIELDS
     return {name: value for name, value in body.items() if name in allowed}
+
+
+def without_litellm_fields(answer: dict[str, Any]) -> dict[str, Any]:
+    """A whole answer without the fields litellm adds to it (`provider_specific_fields` on the
+    choices and messages): they are not OpenAI's, and an application that sends the SDK's message
+    object back in its next turn would send them upstream."""
+    choices = answer.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        if isinstance(choice, dict):
+            choice.pop("provider_specific_fields", None)
+            message = choice.get("message")
+            if isinstance(message, dict):
+                message.pop("provider_specific_fields", None)
+    answer.pop("provider_specific_fields", None)
+    return answer
 
 
 def _whole_for_stream(body: bytes, chat: bool) -> bool:

@@ -274,6 +274,17 @@ def test_a_hosted_stream_of_several_choices_ends_each_as_the_whole_answer_does_a
     assert (rows[0]["completion_tokens"], rows[0]["cost_estimated"]) == (whole.usage.completion_tokens, False)
 
 
+def test_a_hosted_whole_answer_carries_no_litellm_fields(stack: Stack) -> None:
+    """litellm's provider_specific_fields went to clients, and back upstream with a replayed message."""
+    r = httpx.post(
+        f"{stack.gateway.base_url}/v1/chat/completions",
+        json={"model": "hosted", "messages": [{"role": "user", "content": "plain fields"}]},
+        headers={"Authorization": f"Bearer {stack.key}"},
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "echo: plain fields"
+    assert b"provider_specific_fields" not in r.content
+
+
 def test_a_hosted_text_completion_stream_keeps_its_logprobs(stack: Stack) -> None:
     """litellm's stream wrapper dropped a legacy completion's logprobs altogether."""
     ask: Any = {"model": "hosted", "prompt": "words with odds", "logprobs": 1}
