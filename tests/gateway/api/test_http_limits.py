@@ -82,6 +82,16 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body[:length]
 
 
+def exchange(server: ManagedServer, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One raw request on a new connection, and its response (read_response); the socket is closed."""
+    sock = connect(server)
+    try:
+        sock.sendall(request)
+        return read_response(sock)
+    finally:
+        sock.close()
+
+
 def openai_error(body: bytes) -> dict[str, Any]:
     """The `error` object, checked to have OpenAI's four fields."""
     error = json.loads(body)["error"]
@@ -382,12 +392,7 @@ def test_metrics_need_the_metrics_token_or_the_master_key(gateway: ManagedServer
 def test_malformed_requests_are_refused_in_openai_format_never_500(
     gateway: ManagedServer, request_bytes: bytes, status: int
 ) -> None:
-    sock = connect(gateway)
-    try:
-        sock.sendall(request_bytes)
-        answered, _, body = read_response(sock)
-    finally:
-        sock.close()
+    answered, _, body = exchange(gateway, request_bytes)
     assert answered == status
     openai_error(body)
 
@@ -492,12 +497,7 @@ def test_pipelined_requests_get_whole_answers_in_order(gateway: ManagedServer) -
 def test_request_heads_rfc_9112_refuses_are_refused_before_the_app(
     gateway: ManagedServer, request_bytes: bytes, status: int, code: str
 ) -> None:
-    sock = connect(gateway)
-    try:
-        sock.sendall(request_bytes)
-        answered, headers, body = read_response(sock)
-    finally:
-        sock.close()
+    answered, headers, body = exchange(gateway, request_bytes)
     assert answered == status, body
     assert openai_error(body)["code"] == code and headers["connection"] == "close"
 
@@ -510,12 +510,7 @@ def test_sound_request_heads_are_served(gateway: ManagedServer) -> None:
         b"GET /health HTTP/1.1\r\nHost: [::1]:8000\r\n\r\n",
         chunked,
     ):
-        sock = connect(gateway)
-        try:
-            sock.sendall(head)
-            answered, _, body = read_response(sock)
-        finally:
-            sock.close()
+        answered, _, body = exchange(gateway, head)
         assert answered == 200, (head, body)
 
 
