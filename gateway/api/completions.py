@@ -17,7 +17,7 @@ from gateway.api.asgi import REFUSED, Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
 from gateway.errors import GatewayError
-from gateway.pipeline.reply import Reply
+from gateway.pipeline.reply import HeadSender, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class CompletionsEndpoint:
             failed = GatewayError(503, message, "api_error", code="authentication_unavailable")
             await _send_whole(proxy.refuse(started, failed, trace), send, close)
             return
-        await _answer_until_disconnect(proxy.handle(scope["path"], raw, key, trace), receive, send)
+        await _answer_until_disconnect(lambda head: proxy.handle(scope["path"], raw, key, trace, head),
+                                       receive, send)  # fmt: skip
 
 
 def _headers(scope: Scope) -> tuple[bytes, bytes | None]:
@@ -85,16 +86,23 @@ def _bearer(authorization: bytes) -> str | None:
     return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
-async def _answer_until_disconnect(answer: Awaitable[Reply], receive: Receive, send: Send) -> None:
+async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Reply]], receive: Receive,
+                                   send: Send) -> None:  # fmt: skip
     """Await `answer` and send it; if the client disconnects first, cancel it (and the upstream call).
 
-    A watcher waits on `receive()`, which returns `http.disconnect` when the client goes away (or
-    once the response is complete). The handler task is cancelled only while the answer is still
-    being produced or streamed; that cancellation is absorbed here, not passed to the server.
+    `answer` may send a stream's status and headers before its Reply is ready (the head sender it is
+    given); the Reply's own are then spent. A watcher waits on `receive()`, which returns
+    `http.disconnect` when the client goes away (or once the response is complete). The handler
+    task is cancelled only while the answer is still being produced or streamed; that cancellation
+    is absorbed here, not passed to the server.
     """
     task = asyncio.current_task()
     assert task is not None
-    state = {"done": False, "left": False}
+    state = {"done": False, "left": False, "head": False}
+
+    async def head(status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        state["head"] = True
+        await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def watch() -> None:
         message = await receive()
@@ -104,7 +112,7 @@ async def _answer_until_disconnect(answer: Awaitable[Reply], receive: Receive, s
 
     watcher = asyncio.ensure_future(watch())
     try:
-        reply = await answer
+        reply = await answer(head)
         if reply.events is None:
             state["done"] = True
             await _send_whole(reply, send)
@@ -135,7 +143,8 @@ async def _send_stream(reply: Reply, send: Send, state: dict[str, bool]) -> None
             first: bytes | None = await events.__anext__()
         except StopAsyncIteration:
             first = None
-        await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
+        if not state["head"]:  # else it went with the first upstream event (proxy.py)
+            await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
         if first is not None:
             await send({"type": "http.response.body", "body": first, "more_body": True})
             async for event in events:

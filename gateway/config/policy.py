@@ -273,6 +273,11 @@ class Policy(_Strict):
     costs: Costs = Costs()
     teams: dict[str, Team] = {}
     log_bodies: bool = False  # keep request and response bodies in the request log and the access log
+    # when a stream's status and headers go to the client: with the first event of the first upstream
+    # that begins one (its events still wait for the first token, so a switch before it stays
+    # invisible in them), or only with the first token (then a 5xx status, not an error event, when
+    # every candidate fails before it)
+    stream_head: Literal["first_event", "first_token"] = "first_event"
 
     @model_validator(mode="after")
     def _references_resolve(self) -> Policy:

@@ -49,6 +49,7 @@ class Call:
     response_model: str | None = None  # the `model` the upstream answered with (for the trace)
     trace: Trace = NO_TRACE
     logged: bool = False  # the row is written (or being counted): exactly one per request
+    committed: bool = False  # a stream's status and headers went to the client (its events may not)
 
     def overhead_ms(self) -> float:
         """Milliseconds spent in the gateway so far: total minus waiting on the upstream."""

@@ -4,14 +4,17 @@ The only place that decides whether an upstream failure is worth another try. Re
 upstream unreachable or timed out, 5xx answers, a stream that breaks or stalls before its first
 token. 429 moves on to the next model at once. Other 4xx answers are the client's and are
 returned as they are. A stream is committed to the client only once its first token arrives:
-until then nothing has been sent, so switching is invisible; after that, it is never switched.
+until then none of its events has been sent, so switching is invisible; after that, it is never
+switched. Its status and headers may go earlier, with the first event of the first upstream that
+begins one (`commit`, the policy's `stream_head`): a later switch does not change them, and the
+request log names both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +25,7 @@ from gateway.backends.base import (
     Attempt,
     Upstream,
     UpstreamReply,
+    UpstreamStream,
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
@@ -69,6 +73,8 @@ def backoff(retries: Retries, round_: int, rng: random.Random) -> float:
 
 
 _RETRY, _NEXT = "retry", "next"  # a round's outcome when it did not serve: retry this model, or move on
+# called once, when an upstream's stream sends its first event: (backend, deployment, attempts before it)
+Commit = Callable[[str, str, list[Attempt]], Awaitable[None]]
 
 
 class Failover:
@@ -87,16 +93,18 @@ class Failover:
         return await self._walk(decision, path, body, False, trace, progress or Progress())
 
     async def stream(self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE,
-                     progress: Progress | None = None) -> Served:  # fmt: skip
+                     progress: Progress | None = None, commit: Commit | None = None) -> Served:  # fmt: skip
         """An open stream whose first token has arrived (or an error answer to pass through).
+        `commit` is awaited once, when an upstream's stream first sends an event (before its first token).
 
         With tracing, the served attempt's span stays open until the caller finishes the trace.
         """
-        return await self._walk(decision, path, body, True, trace, progress or Progress())
+        return await self._walk(decision, path, body, True, trace, progress or Progress(), commit)
 
     async def _walk(self, decision: RouteDecision, path: str, body: dict[str, Any], stream: bool,
-                    trace: Trace, progress: Progress) -> Served:  # fmt: skip
+                    trace: Trace, progress: Progress, commit: Commit | None = None) -> Served:  # fmt: skip
         state = _State(decision, trace, progress)
+        state.commit = commit
         for model, pool in self._candidates(decision, state):
             spec = self.policy.backends[pool.name]
             upstream_body = self._upstream_body(body, model)
@@ -188,7 +196,9 @@ class Failover:
                 continue
             try:
                 async with asyncio.timeout(first_token):
-                    head = await _until_first_token(upstream.lines)
+                    head = await _until_first_token(
+                        upstream.lines, self._on_first_event(state, pool, upstream)
+                    )
             except TimeoutError:
                 upstream.verdict(False)
                 await owner.aclose()
@@ -207,6 +217,19 @@ class Failover:
             return Served(model, pool.name, upstream.url, state.attempts, stream=upstream, head=head,
                           owner=owner, resume=state.plan)  # fmt: skip
         return _NEXT
+
+    @staticmethod
+    def _on_first_event(state: _State, pool: Upstream, upstream: UpstreamStream) -> FirstEvent | None:
+        """What to do when the upstream's first event arrives: commit the stream's head (once)."""
+        commit = state.commit
+        if commit is None:
+            return None
+
+        async def first_event() -> None:
+            state.commit = None
+            await commit(pool.name, upstream.url, list(state.attempts))
+
+        return first_event
 
     def _candidates(self, decision: RouteDecision, state: _State) -> Iterator[tuple[str, Upstream]]:
         """The chain's models with their pools, in order, as the walk reaches them; those that cannot
@@ -257,6 +280,7 @@ class _State:
         self.progress = progress
         self.affinity: int | None = None  # the prefix key while the pool tried balances by it
         self.plan: ResumePlan | None = None  # how the model tried now resumes a broken stream
+        self.commit: Commit | None = None  # a stream's head, not sent yet (sent at an upstream's first event)
         self.attempts: list[Attempt] = progress.attempts  # shared: what a caller that left has seen
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None
@@ -382,11 +406,15 @@ _HEAD_EVENTS = 64  # events before the first token (a role chunk, a few empty de
 _SSE_FIELDS = (":", "event:", "id:", "retry:")  # SSE lines that carry no data: skipped
 
 
-async def _until_first_token(lines: AsyncIterator[str]) -> list[str]:
+FirstEvent = Callable[[], Awaitable[None]]  # awaited when a stream's first event arrives
+
+
+async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent | None = None) -> list[str]:
     """Data lines up to and including the first that carries a token (the role chunk alone does
     not). A body that is not an event stream (an HTML page, a JSON answer), an end before any
     token, or more than _HEAD_EVENTS events without one is a stream that broke before its first
-    token: the caller tries the next candidate, and nothing of it reaches the client."""
+    token: the caller tries the next candidate, and none of its events reaches the client.
+    `first_event` is awaited when the first data line arrives (the upstream has begun a stream)."""
     head: list[str] = []
     async for line in lines:
         if not line.startswith("data:"):
@@ -396,6 +424,9 @@ async def _until_first_token(lines: AsyncIterator[str]) -> list[str]:
             if line.startswith(_SSE_FIELDS):
                 continue
             raise UpstreamStreamError("the answer is not an event stream")
+        if first_event is not None:
+            await first_event()
+            first_event = None
         head.append(line)
         if _has_token(line):
             return head

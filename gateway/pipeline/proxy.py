@@ -15,17 +15,18 @@ import uuid
 from collections.abc import Awaitable
 from datetime import UTC, datetime
 
+from gateway.backends.base import Attempt
 from gateway.config.policy import Policy
 from gateway.errors import GatewayError
 from gateway.governance.keys import KeyInfo
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.answer import passed_on, whole
 from gateway.pipeline.call import Call
-from gateway.pipeline.failover import ChainExhaustedError, Progress
+from gateway.pipeline.failover import ChainExhaustedError, Commit, Progress
 from gateway.pipeline.finish import Finish
 from gateway.pipeline.prepare import prepare
 from gateway.pipeline.relay import relay
-from gateway.pipeline.reply import SSE_HEADERS, Reply, error_reply
+from gateway.pipeline.reply import SSE_HEADERS, HeadSender, Reply, error_reply, one_event
 from gateway.pipeline.runtime import Runtime, RuntimeHolder
 from gateway.pipeline.served import Served
 from gateway.routing.capabilities import CapabilityError
@@ -78,8 +79,11 @@ class Proxy:
             listed.append((name, None if usable else "no backend can serve this model now"))
         return listed
 
-    async def handle(self, path: str, raw: bytes, key: KeyInfo, trace: Trace = NO_TRACE) -> Reply:
-        """Forward one request; every outcome, errors and client disconnects included, gets a log row."""
+    async def handle(self, path: str, raw: bytes, key: KeyInfo, trace: Trace = NO_TRACE,
+                     head: HeadSender | None = None) -> Reply:  # fmt: skip
+        """Forward one request; every outcome, errors and client disconnects included, gets a log row.
+        `head`: sends a stream's status and headers early (the policy's `stream_head`); once it has,
+        the Reply's status and headers are spent and an error is the stream's one event."""
         call = Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC), trace=trace)
         rt = self.runtime  # one policy version for the whole request, even if a reload lands meanwhile
         call.prices = rt.prices
@@ -94,7 +98,9 @@ class Proxy:
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
             progress = Progress()
             if call.stream:
-                walk = rt.failover.stream(call.decision, path, body, trace, progress)
+                early = head is not None and rt.policy.stream_head == "first_event"
+                commit = self._committer(call, head) if early and head is not None else None
+                walk = rt.failover.stream(call.decision, path, body, trace, progress, commit)
                 served = await self._upstream(call, walk, progress)
                 return await self._streamed(call, served, wants_usage)
             served = await self._upstream(
@@ -104,6 +110,7 @@ class Proxy:
             return self._answered(call, *whole(call, served.reply, rt.policy.log_bodies))
         except ChainExhaustedError as exc:  # every model failed
             call.attempts = exc.attempts
+            call.backend = call.deployment = None  # nothing served (a stream's head named the first)
             logger.warning("request %s: %s (%s)", call.id, exc, exc.detail())
             if exc.last is None:
                 return self._failed(call, exc)
@@ -154,6 +161,21 @@ class Proxy:
         call.served_by(answer.backend, answer.deployment, answer.attempts)
         return answer
 
+    @staticmethod
+    def _committer(call: Call, head: HeadSender) -> Commit:
+        """Sends the stream's status and headers when an upstream's stream sends its first event: they
+        name that upstream and what failed before it; the wait so far was the upstream's."""
+        opened = time.perf_counter()
+
+        async def commit(backend: str, deployment: str, attempts: list[Attempt]) -> None:
+            call.upstream_seconds = time.perf_counter() - opened
+            call.served_by(backend, deployment, attempts)
+            reply = call.stamp(Reply(200, list(SSE_HEADERS)))
+            call.committed = True
+            await head(reply.status, reply.headers)
+
+        return commit
+
     async def _streamed(self, call: Call, served: Served, wants_usage: bool) -> Reply:
         """An open stream relayed to the client; an error answer passed on (its upstream closed)."""
         upstream = served.stream
@@ -161,10 +183,16 @@ class Proxy:
         if upstream.status != 200:
             await served.aclose()
             return self._answered(call, *passed_on(call, upstream.status, upstream.error_body))
-        return call.stamp(Reply(200, list(SSE_HEADERS), events=relay(call, served, wants_usage, self.finish)))
+        events = relay(call, served, wants_usage, self.finish)
+        if call.committed:  # the head went with the first upstream event
+            return Reply(200, [], events=events)
+        return call.stamp(Reply(200, list(SSE_HEADERS), events=events))
 
     def _answered(self, call: Call, reply: Reply, error: str | None) -> Reply:
         self.finish(call, reply.status, error)
+        if call.committed:  # the client has a stream's 200 head: the error is its one event
+            line = reply.body.replace(b"\r", b" ").replace(b"\n", b" ")  # JSON: only whitespace
+            return Reply(reply.status, [], events=one_event(b"data: " + line + b"\n\n"))
         return call.stamp(reply)
 
     def _failed(self, call: Call, exc: GatewayError) -> Reply:

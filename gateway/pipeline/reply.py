@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError, error_answer
@@ -24,6 +24,13 @@ def error_reply(exc: GatewayError) -> Reply:
     return Reply(status, [JSON_HEADER, *headers], body)
 
 
+async def one_event(event: bytes) -> AsyncGenerator[bytes, None]:
+    """A stream of one event (an error after the stream's head went out)."""
+    yield event
+
+
+# sends a stream's status and headers before its first event (the endpoint's; proxy.py decides when)
+HeadSender = Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None]]
 JSON_HEADER = (b"content-type", b"application/json")
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]  # fmt: skip

@@ -190,6 +190,19 @@ def test_a_stream_stalled_after_its_role_chunk_fails_over_before_anything_is_sen
     assert served.head[-1].endswith('"content":"hi"}}]}') and len(served.head) == 2
 
 
+def test_a_stream_commits_its_head_once_at_the_first_event_of_the_first_replica_that_sends_one() -> None:
+    failover, _, _ = _setup({"http://r1": ["refused"], "http://r2": ["stall"]}, hosted=["ok"])
+    commits: list[tuple[str, str, list[str]]] = []
+
+    async def commit(backend: str, deployment: str, attempts: list[Attempt]) -> None:
+        commits.append((backend, deployment, [a.describe() for a in attempts]))
+
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    # r1 sent nothing; r2's role chunk committed the head, then it stalled: the hosted model served
+    assert commits == [("pool", "http://r2", ["local@http://r1=unreachable"])]
+    assert served.backend == "hosted" and served.attempts[-1].outcome == "first token timeout"
+
+
 def test_backoff_doubles_caps_and_jitters_within_bounds() -> None:
     retries = Retries(count=5, backoff=0.1, max_backoff=0.3, jitter=0.5)
     rng = random.Random(1)
