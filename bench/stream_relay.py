@@ -5,8 +5,9 @@ write, GAP ms apart, a role-only first chunk and then TOKENS chunks of one word 
 - at concurrency 1, with httpx as the official client reads a stream: the time to the first chunk
   that carries text (not the role-only chunk) and to the end; "added" = through the proxy minus
   direct. A second fake (`--hold-head`) sends its head and role chunk only with its first word, as
-  our gateway does (to fail over until the first token): "held" minus direct is what holding the
-  head alone costs the client (it parses the head after the first text, not during the gap);
+  our gateway does with the policy's `stream_head: first_token` (by default the head goes with the
+  upstream's first event): "held" minus direct is what holding the head alone costs the client (it
+  parses the head after the first text, not during the gap);
 - at concurrency C for S seconds: the proxy process's CPU time (user + system, from /proc) per
   relayed chunk, and that CPU less what the same number of whole (non-streamed) requests costs,
   which is the relay's own cost per chunk.
