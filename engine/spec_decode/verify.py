@@ -3,10 +3,12 @@
 The target ran over the sequence's last token plus k drafts, giving k+1 rows of logits: row i is
 the distribution of the token after draft i-1. Greedy: drafts are accepted while they equal the
 row's argmax; the first row that disagrees (or the row after the last draft) gives the token the
-model chose itself, so the output is exactly what one-token decoding gives. Sampled: the drafts
-come from a proposer that is sure of them (a point mass), so draft i is accepted with the target's
-probability p(draft) and, when rejected, the token is drawn from p with the draft removed; the
-emitted token then follows p exactly (Leviathan et al.'s rule with q = 1 at the draft).
+model chose itself, so the output is exactly what one-token decoding gives. Sampled: each row draws
+the token the plain sampler would draw at that position (its own noise), and a draft is accepted
+while it is that token. The drafts come from a proposer that is sure of them (a point mass), so this
+keeps draft i with the target's probability p(draft), as Leviathan et al.'s rule with q = 1 at the
+draft does, and the emitted tokens are the ones decoding without drafts gives: for a seeded request,
+the same tokens whatever the batch, the per-request opt-out, or a resumption on another replica.
 
 Each row is processed as the sampler would process it with the sequence standing at that position
 (penalties and min_tokens see the drafts before it), so every sampling parameter keeps its meaning.
@@ -73,23 +75,21 @@ def _processed(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
 def _choose(
     row: torch.Tensor, seq: Sequence, draft: int | None, generator: torch.Generator
 ) -> tuple[int, bool]:
-    """(token, whether it is the draft): argmax, or the rule that keeps the target's distribution."""
+    """(token, whether it is the draft): the token the plain sampler would draw at this position,
+    with its own noise (engine/sampler.py: argmax of p / Exp(1)), and the draft kept when it is that
+    token. Exact for any proposal (the emitted token is a draw from p whatever was drafted), as
+    likely to keep a one-token draft as rejection sampling (p(draft)), and a seeded sequence emits
+    the same tokens with or without drafts: whatever the batch, the speculation flag, or a stream
+    resumed on a replica whose drafts differ."""
     params = seq.params
     if params.is_greedy:
         token = int(row.argmax(dim=-1))
         return token, token == draft
-    probs = torch.softmax(apply_top_k_top_p_min_p(row / params.temperature, [seq]), dim=-1)[0]
-    vocab = probs.shape[0]
-    if draft is not None and draft < vocab:
-        u = float(torch.rand(1, generator=generator, device=probs.device))
-        if u < float(probs[draft]):
-            return draft, True
-        probs = probs.clone()
-        probs[draft] = 0.0  # the residual max(p - q, 0) for a point-mass proposal
-        if not bool((probs > 0).any()):  # p was the draft alone (u rounding): nothing else to pick
-            return draft, True
+    temperature = torch.tensor([params.temperature], device=row.device)  # as the sampler's batch divides
+    probs = torch.softmax(apply_top_k_top_p_min_p(row / temperature[:, None], [seq]), dim=-1)[0]
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax()), False
+    token = int((probs / noise).argmax())
+    return token, token == draft
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], num_top: int | None) -> list[SampledLogprob | None]:

@@ -154,6 +154,20 @@ def test_logprobs_and_seeded_sampling_under_speculation(model: Path) -> None:
     assert runs[0] == runs[1] and runs[0][0] == runs[0][1] == runs[0][2]
 
 
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(model: Path) -> None:
+    # the verifier draws each position's token as the sampler would (its own seeded noise): drafts,
+    # accepted or not, never change which token a seeded request emits (a resumed stream relies on it)
+    plain, spec = _pair(model)
+    prompts = _prompts(6, seed=6)
+    accepted = _accepted(spec)
+    for temperature in (0.3, 1.0):
+        seeded = SamplingParams(temperature=temperature, seed=77, max_tokens=40, ignore_eos=True)
+        expected = _tokens(plain.generate(prompts, seeded, use_tqdm=False))
+        assert _tokens(spec.generate(prompts, seeded, use_tqdm=False)) == expected
+        assert _tokens(spec.generate(prompts[:1], seeded, use_tqdm=False)) == expected[:1]  # alone, too
+    assert _accepted(spec) > accepted  # drafts were accepted along the way, not only proposed
+
+
 def test_a_request_that_opts_out_is_never_speculated(model: Path) -> None:
     _, spec = _pair(model)
     prompts = _prompts(3, seed=5)
