@@ -92,6 +92,7 @@ class InputProcessor:
         prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         self._check_logit_bias(params)
+        self._check_stop_token_ids(params)
         resumed = () if resume_token_ids is None else self._check_resume(resume_token_ids, params, max_tokens)
         return PreparedPrompt(prompt_text, prompt_ids, max_tokens, resume_token_ids=resumed)
 
@@ -102,6 +103,22 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias"
             )
+
+    def _check_stop_token_ids(self, params: SamplingParams) -> None:
+        """Ids inside the vocabulary; and `min_tokens` that some token can meet: with every token a
+        stop (or the end of sequence), the masked row would have nothing left to sample."""
+        vocab = self.vocab_size
+        stops = set(params.stop_token_ids or ())
+        bad = next((t for t in stops if not 0 <= t < vocab), None)
+        if bad is not None:
+            message = f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})"
+            raise InvalidRequestError(message, param="stop_token_ids")
+        ends = stops if params.ignore_eos else stops | {t for t in self.eos_token_ids if 0 <= t < vocab}
+        if params.min_tokens and len(ends) >= vocab:
+            raise InvalidRequestError(
+                "min_tokens cannot be met: stop_token_ids and the end-of-sequence tokens cover the whole "
+                "vocabulary", param="min_tokens"
+            )  # fmt: skip
 
     def _check_resume(self, ids: list[int], params: SamplingParams, max_tokens: int) -> tuple[int, ...]:
         if params.n != 1:

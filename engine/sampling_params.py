@@ -10,6 +10,7 @@ from engine.guided.spec import GuidedSpec, from_structured_outputs
 
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 300  # entries in `logit_bias` (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 1024  # entries in `stop_token_ids`: every sampled token is looked up in them
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids or ())} entries, "
+                             f"more than {MAX_STOP_TOKEN_IDS}")  # fmt: skip
         bias = self.logit_bias or {}
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS}")

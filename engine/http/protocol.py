@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.errors import EngineError
 from engine.guided import GuidedDecodingError, GuidedSpec, from_response_format, from_structured_outputs
-from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.tools.grammar import tool_spec
 from engine.tools.request import ToolRequest, checked_tool_calls, parse_tool_request
 
@@ -92,7 +92,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool | None = True
     speculative: bool | None = True  # ours: false opts the request out of speculative decoding
     # ours, for the gateway's stream resumption: each streamed delta's token ids as an SSE comment

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,26 @@ def test_bad_logit_bias_is_refused(bias: dict[int, float]) -> None:
 def test_a_logit_bias_past_the_vocabulary_is_refused(llm: LLM, chat_prompt: list[int]) -> None:
     with pytest.raises(ValueError, match="logit_bias token id 10000000 is outside the vocabulary"):
         llm.generate([chat_prompt], SamplingParams(logit_bias={10_000_000: 1.0}), use_tqdm=False)
+
+
+def test_stop_token_ids_past_the_vocabulary_or_too_many_are_refused(llm: LLM, chat_prompt: list[int]) -> None:
+    with pytest.raises(ValueError, match="stop_token_ids: token id 10000000 is outside the vocabulary"):
+        llm.generate([chat_prompt], SamplingParams(stop_token_ids=[5, 10_000_000]), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids has 1025 entries, more than 1024"):
+        SamplingParams(stop_token_ids=list(range(1025)))
+
+
+def test_min_tokens_no_token_can_meet_is_refused_not_broken(tiny_model_factory: Callable[..., Path]) -> None:
+    # every token a stop (or the end of sequence): the mask left nothing to sample, and the answer
+    # used to end at once with "stop", min_tokens silently broken
+    tiny = LLM(str(tiny_model_factory("llama")), max_model_len=64)
+    vocab = tiny.engine.model_config.vocab_size
+    assert vocab <= 1024  # every id fits in one stop_token_ids list
+    every = SamplingParams(min_tokens=3, max_tokens=5, stop_token_ids=list(range(vocab)))
+    with pytest.raises(ValueError, match="min_tokens cannot be met"):
+        tiny.generate([[1, 2, 3]], every, use_tqdm=False)
+    # one token left (the end of sequence ignored): min_tokens is met with it
+    all_but_0 = list(range(1, vocab))
+    one_left = SamplingParams(min_tokens=3, max_tokens=3, ignore_eos=True, stop_token_ids=all_but_0)
+    out = tiny.generate([[1, 2, 3]], one_left, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == [0, 0, 0] and out.finish_reason == "length"

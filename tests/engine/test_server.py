@@ -308,6 +308,8 @@ BAD_CHAT_FIELDS = [
     ),
     ({"min_tokens": 11, "max_tokens": 10}, "min_tokens"),
     ({"stop_token_ids": [5, -1]}, "stop_token_ids"),
+    ({"stop_token_ids": [5, 10**9]}, "stop_token_ids"),  # past the vocabulary
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
     ({"top_k": -5}, "top_k"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
