@@ -193,6 +193,7 @@ class InputProcessor:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {limit} tokens, "
                 f"but the prompt has {prompt_len} tokens"
+                + (" (the completion needs at least one more)" if prompt_len == limit else "")
             )
         # the last token sampled is never fed back, so its KV is never stored: a request holds at
         # most prompt + max_tokens - 1 slots

@@ -63,7 +63,7 @@ def test_metrics_are_reported(tiny: LLM) -> None:
 def test_prompt_plus_max_tokens_over_context_is_rejected_at_add(tiny: LLM) -> None:
     with pytest.raises(ContextLengthExceededError, match="maximum context length is 256"):
         tiny.engine.add_request("too-long", [1] * 200, SamplingParams(max_tokens=57))
-    with pytest.raises(ContextLengthExceededError):
+    with pytest.raises(ContextLengthExceededError, match=r"has 256 tokens \(the completion needs at least"):
         tiny.engine.add_request("too-long", [1] * 256, SamplingParams(max_tokens=None))
     assert not tiny.engine.has_unfinished_requests()
 
