@@ -6,6 +6,13 @@ headers of any size, and uvicorn has no option to bound them; h11 bounds its rec
 to a model step. uvicorn has no timeout for a client that opens a connection and sends its
 headers byte by byte; this protocol closes such a connection after `header_read_timeout`.
 
+Connections are bounded here, not by uvicorn's `limit_concurrency`, which past its count answers
+every request, /health included, with a plain-text 503, and counts idle keep-alive sockets: a few
+idle connections shut the engine out. Past `connection_limit`, a new connection closes the one idle
+longest (no request in progress; nginx does the same with its keep-alive pool); only when every
+connection has a request in progress is the new one closed. Requests in progress are bounded by
+the app (limits.ConcurrencyLimit, 503 `server_overloaded` in OpenAI's format).
+
 h11 refuses a missing or repeated Host and transfer codings other than chunked, but takes any
 `HTTP/x.y` version, a Host that is no host, and Content-Length beside Transfer-Encoding (it reads
 the body as chunked: a proxy in front that trusts the length would disagree on where the request
@@ -69,11 +76,15 @@ def head_problem(request: h11.Request) -> HeadRefusedError | None:
     return None
 
 
-def limited_h11_protocol(header_read_timeout: float) -> type[H11Protocol]:
-    """An H11Protocol class that closes connections whose request head takes too long."""
+def limited_h11_protocol(
+    header_read_timeout: float, connection_limit: int | None = None
+) -> type[H11Protocol]:
+    """An H11Protocol class that closes connections whose request head takes too long, and keeps at
+    most `connection_limit` connections (None: no bound) by closing the longest idle one."""
 
     class LimitedH11Protocol(H11Protocol):
-        """H11Protocol + header read timeout + OpenAI-format bodies for malformed requests."""
+        """H11Protocol + header read timeout + connection bound + OpenAI-format bodies for malformed
+        requests."""
 
         _header_timer: asyncio.TimerHandle | None = None
 
@@ -81,12 +92,34 @@ def limited_h11_protocol(header_read_timeout: float) -> type[H11Protocol]:
             super().__init__(config, *args, **kwargs)
             limit = config.h11_max_incomplete_event_size
             self.conn = CheckedConnection(h11.SERVER, limit if limit is not None else 16 * 1024)
+            self.active_at = 0.0  # loop time of its last bytes in: the longest idle goes first
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self.active_at = self.loop.time()
+            if connection_limit is not None and len(self.connections) > connection_limit:
+                self._make_room()
             self._arm_header_timer()
 
+        def idle(self) -> bool:
+            """No request in progress (between keep-alive requests, or a head still arriving)."""
+            return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+        def _make_room(self) -> None:
+            """At the bound: the connection idle longest is closed, else (all busy) this one."""
+            idle = [c for c in self.connections
+                    if c is not self and isinstance(c, LimitedH11Protocol) and c.idle()]  # fmt: skip
+            if idle:
+                oldest = min(idle, key=lambda c: c.active_at)
+                logger.info("%d connections: closing the one idle longest", len(self.connections))
+                oldest.transport.close()
+            else:
+                logger.warning("%d connections, each with a request in progress: refusing another",
+                               len(self.connections))  # fmt: skip
+                self.transport.close()
+
         def data_received(self, data: bytes) -> None:
+            self.active_at = self.loop.time()
             if self._header_timer is None and self.conn.their_state is h11.IDLE:
                 self._arm_header_timer()  # a new request starts (after keep-alive idling)
             super().data_received(data)

@@ -57,7 +57,7 @@ class HTTPLimits:
 
     @property
     def connection_limit(self) -> int | None:
-        """uvicorn's limit_concurrency: a backstop on connections (idle keep-alive ones count)."""
+        """Open connections at most (h11_protocol.py closes the longest idle one past it)."""
         return None if self.limit_concurrency is None else 2 * self.limit_concurrency
 
     def body_limit(self, max_model_len: int | None) -> int:
@@ -97,12 +97,17 @@ async def _answer(
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+_NEVER_REFUSED = frozenset({"/health", "/metrics"})  # cheap, and what orchestrators watch
+
+
 class ConcurrencyLimit:
     """At most `limit` HTTP requests in progress; past it, 503 `server_overloaded` in OpenAI's format.
+    `/health` and `/metrics` are never refused: an overloaded engine is alive, and a liveness probe
+    that met a 503 could have a busy, healthy engine restarted.
 
-    uvicorn's own `limit_concurrency` answers in plain text and also counts idle keep-alive
-    connections, so it stays only as a backstop on connections (twice this limit, see
-    `HTTPLimits.connection_limit`).
+    Connections are bounded apart (twice this limit, `HTTPLimits.connection_limit`, in
+    h11_protocol.py): uvicorn's own `limit_concurrency` answers in plain text and counts idle
+    keep-alive connections.
     """
 
     def __init__(self, app: ASGIApp, limit: int | None) -> None:
@@ -112,7 +117,7 @@ class ConcurrencyLimit:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry point."""
-        if scope["type"] != "http" or self.limit is None:
+        if scope["type"] != "http" or self.limit is None or scope["path"] in _NEVER_REFUSED:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:

@@ -368,9 +368,8 @@ def run_server(
         port=options.port,
         log_level=options.log_level,
         access_log=options.access_log,
-        http=limited_h11_protocol(limits.header_read_timeout),
+        http=limited_h11_protocol(limits.header_read_timeout, limits.connection_limit),
         h11_max_incomplete_event_size=limits.max_header_bytes,
-        limit_concurrency=limits.connection_limit,
         timeout_keep_alive=limits.timeout_keep_alive,
         timeout_graceful_shutdown=limits.timeout_graceful_shutdown,
     )

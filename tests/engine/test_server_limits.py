@@ -357,6 +357,16 @@ def test_every_answer_has_a_request_id_echoing_only_a_plain_one_from_the_client(
         assert len({r.headers["x-request-id"] for r in answers}) == len(answers)  # one per request
 
 
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(0.5)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
 def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model: Path) -> None:
     proc = ServerProcess(
         tiny_chat_model,
@@ -370,7 +380,8 @@ def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model:
     )
     try:
         url = proc.base_url
-        # --limit-concurrency 3: three requests in progress, the fourth is 503 in OpenAI's format
+        # --limit-concurrency 3: three requests in progress, the fourth is 503 in OpenAI's format;
+        # /health and /metrics still answer (a liveness probe must not restart a busy engine)
         httpx.post(f"{url}/debug/stall", json={"seconds": 2}).raise_for_status()
         body = {"prompt": "a", "max_tokens": 2}
         with ThreadPoolExecutor(3) as pool:
@@ -378,20 +389,26 @@ def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model:
                 pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(3)
             ]
             time.sleep(0.5)
-            refused = httpx.get(f"{url}/health", timeout=5)
+            refused = httpx.get(f"{url}/v1/models", timeout=5)
             assert refused.status_code == 503 and _error(refused)["code"] == "server_overloaded"
             assert refused.headers["x-request-id"].startswith("req-")
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+            assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200
             assert [f.result().status_code for f in waiting] == [200, 200, 200]
-        # connections: uvicorn's backstop at twice the limit (idle keep-alive connections count)
-        held = [socket.create_connection(("127.0.0.1", proc.port)) for _ in range(6)]
+        # connections: at most twice the limit; idle ones (15 sockets that never send a byte, as
+        # an attacker's) make room for new ones, the longest idle closed first
+        held = [socket.create_connection(("127.0.0.1", proc.port)) for _ in range(15)]
         try:
             time.sleep(0.2)
-            assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+            for _ in range(3):
+                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200
+            # at most 6 open at once: 9 closed as they came, one more for the first probe
+            assert sum(_closed_by_server(sock) for sock in held) >= 15 - 6 + 1
         finally:
             for sock in held:
                 sock.close()
-        time.sleep(0.2)
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         httpx.post(f"{url}/debug/fail-steps", json={"steps": 1}).raise_for_status()
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=30)
         assert r.status_code == 503 and _error(r)["code"] == "engine_dead" and "hook" not in r.text
