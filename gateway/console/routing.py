@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Response
 
 from gateway.api.services import Watcher
-from gateway.config.policy import read_policy_text
+from gateway.config.policy import PolicyError, read_policy_text
 from gateway.console.web import CheckedForm, ConsoleSession, page
 from gateway.pipeline.runtime import PolicyWatcher
 from gateway.routing.explain import explain, tiered_route
@@ -19,15 +20,23 @@ router = APIRouter(prefix="/ui/routing")
 MAX_EXPLAIN_CHARS = 48 << 10  # below the admin body limit (64 KiB), with room for the form's other fields
 
 
+async def _policy_text(path: Path) -> tuple[str | None, str | None]:
+    """The policy file's text, else None and why it cannot be shown: the file may be gone or not
+    UTF-8 while the version loaded before still serves, and the page must still say that."""
+    try:
+        return await asyncio.to_thread(read_policy_text, path), None
+    except UnicodeDecodeError as exc:  # before PolicyError: both are ValueErrors
+        return None, f"policy {path} is not UTF-8 text (byte {exc.start})"
+    except PolicyError as exc:  # missing, unreadable, a directory
+        return None, str(exc)
+
+
 async def _context(watcher: PolicyWatcher) -> dict[str, Any]:
     status = watcher.status()
-    try:
-        text = await asyncio.to_thread(read_policy_text, watcher.path)
-    except OSError:
-        text = None
+    text, unreadable = await _policy_text(watcher.path)
     return {
         "title": "Routing", "active": "Routing", "status": status, "policy_text": text,
-        "exposed": sorted(watcher.holder.runtime.policy.exposed()), "form": {},
+        "unreadable": unreadable, "exposed": sorted(watcher.holder.runtime.policy.exposed()), "form": {},
     }  # fmt: skip
 
 

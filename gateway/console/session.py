@@ -60,7 +60,8 @@ class SessionSigner:
         if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit():
             return None
         body = ".".join(parts[:3])
-        if not hmac.compare_digest(self._mac(body), parts[3]):
+        # bytes: compare_digest raises TypeError on a str with non-ASCII, and a cookie is client text
+        if not hmac.compare_digest(self._mac(body).encode(), parts[3].encode("utf-8", "surrogatepass")):
             return None
         expires = int(parts[1]) + self.ttl
         return self._session(parts[2], expires) if now < expires else None

@@ -140,6 +140,28 @@ def test_sessions_expire_are_bound_to_the_master_key_and_verify_in_constant_form
     assert not signer.csrf_matches(session, None) and session.csrf != signer.issue(1000.0)[1].csrf
 
 
+@pytest.mark.parametrize("mac", ["\u00e9", "\u00c3\u00a9", "\udc80", "\u20ac" * 10])
+def test_a_cookie_whose_mac_is_not_ascii_is_no_session(anon: TestClient, mac: str) -> None:
+    signer = SessionSigner(MASTER, ttl_seconds=60)
+    cookie, _ = signer.issue(now=1000.0)
+    forged = cookie.rsplit(".", 1)[0] + "." + mac
+    assert signer.verify(forged, 1000.0) is None  # compare_digest on a non-ASCII str raised TypeError
+    raw = f"{COOKIE}={forged}".encode("utf-8", "surrogatepass")  # the raw bytes a client can send
+    for path in ("/ui/keys", "/ui/login"):
+        answer = anon.get(path, headers={"accept": b"text/html", "cookie": raw}, follow_redirects=False)
+        assert answer.status_code in (200, 303), path
+
+
+def test_non_ascii_secrets_are_wrong_secrets_not_errors(ops: tuple[TestClient, str]) -> None:
+    client, csrf = ops
+    guess = "sk-\u00e9\u20ac"
+    assert client.post("/ui/keys", data={"csrf": csrf[:-1] + "\u00e9", "name": "x"}).status_code == 403
+    assert client.post("/ui/login", data={"master_key": guess}, headers=HTML).status_code == 401
+    bearer = f"Bearer {guess}".encode()  # raw UTF-8 bytes in the header, as a client may send them
+    for path, status in (("/admin/keys", 403), ("/metrics", 403), ("/v1/models", 401)):
+        assert client.get(path, headers={"authorization": bearer}).status_code == status, path
+
+
 def test_a_new_master_key_ends_every_session(url: str) -> None:
     with _client(url) as client:
         _login(client)
@@ -413,6 +435,24 @@ def test_overview_and_routing_explain(ops: tuple[TestClient, str]) -> None:
     assert refused.status_code == 400 and "neither a model nor a route" in refused.text
     broken = client.post("/ui/routing/explain", data={"csrf": csrf, "request": "{not json"}, headers=HTML)
     assert broken.status_code == 400 and "not valid JSON" in broken.text
+
+
+def test_the_routing_page_says_why_the_policy_file_cannot_be_shown(url: str, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_bytes((ROOT / "policies" / "default.yaml").read_bytes())
+    settings = GatewaySettings(master_key=MASTER, key_secret="hmac", database_url=url, policy_path=policy)
+    with TestClient(create_app(settings), base_url=BASE) as client:
+        csrf = _login(client)
+        for damage, reason in (
+            (policy.unlink, "cannot read policy"),
+            (lambda: policy.write_bytes(b"a: \xff\n"), "not UTF-8"),
+        ):
+            damage()  # the loaded version still serves: the page shows it and why the file is not shown
+            page = client.get("/ui/routing", headers=HTML)
+            assert page.status_code == 200 and reason in page.text and 'id="policy-unreadable"' in page.text
+            form = {"csrf": csrf, "request": "hello there"}
+            explained = client.post("/ui/routing/explain", data=form, headers=HTML)
+            assert explained.status_code == 200 and "chain " in explained.text and reason in explained.text
 
 
 def test_a_login_posted_from_another_site_is_refused_and_not_counted_as_a_failure(anon: TestClient) -> None:
