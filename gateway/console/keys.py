@@ -25,11 +25,12 @@ from gateway.governance.keys import KeyInfo, KeyNotFoundError
 router = APIRouter(prefix="/ui/keys")
 
 PAGE_KEYS = 100  # keys a page (their spend is one query over the page's keys)
-OPTIONAL = ("team", "allowed_models", "rpm_limit", "tpm_limit", "budget_usd", "expires_in_days")
+OPTIONAL = ("team", "allowed_models", "rpm_limit", "tpm_limit", "budget_usd")
 
 
 def _fields(form: dict[str, str], lift_empty: bool) -> dict[str, Any]:
-    """Form text to model fields: trimmed; empty optional fields left out (create) or null (edit)."""
+    """Form text to model fields: trimmed; empty optional fields left out (create) or null (edit).
+    The expiry is apart: create takes days from now, edit a date (see `_edited_expiry`)."""
     fields: dict[str, Any] = {"name": form.get("name", "").strip()}
     for name in OPTIONAL:
         value = form.get(name, "").strip()
@@ -37,11 +38,20 @@ def _fields(form: dict[str, str], lift_empty: bool) -> dict[str, Any]:
             fields[name] = [m.strip() for m in value.split(",") if m.strip()]
         elif value:
             fields[name] = value
-        elif lift_empty and name != "expires_in_days":
+        elif lift_empty:
             fields[name] = None
     if fields.get("budget_usd") is not None:
         fields["budget_period"] = form.get("budget_period", "monthly")
     return fields
+
+
+def _edited_expiry(form: dict[str, str]) -> datetime | str | None:
+    """The edit form's expiry for KeyUpdate: days from now when given, else the date field, which
+    shows the current expiry (saved unchanged, it keeps it exactly) and empty means never."""
+    days = form.get("expires_in_days", "").strip()
+    if days:  # checked as the create form checks it
+        return KeyCreate.model_validate({"name": "x", "expires_in_days": days}).expiry()
+    return form.get("expires_at", "").strip() or None
 
 
 def _problem(exc: ValidationError) -> str:
@@ -109,8 +119,11 @@ async def keys_page(
 @router.post("")
 async def create_key(form: CheckedForm, keys: Keys, db: Database, session: ConsoleSession) -> Response:
     """Create a key and show its plaintext this once."""
+    fields = _fields(form, lift_empty=False)
+    if days := form.get("expires_in_days", "").strip():
+        fields["expires_in_days"] = days
     try:
-        body = KeyCreate.model_validate(_fields(form, lift_empty=False))
+        body = KeyCreate.model_validate(fields)
     except ValidationError as exc:
         context = {**await _context(keys, db), "form": form, "error": _problem(exc)}
         return page("keys.html", context, 400, session)
@@ -132,6 +145,7 @@ async def edit_form(key_id: str, keys: Keys, session: ConsoleSession) -> Respons
         "tpm_limit": info.tpm_limit or "", "budget_usd": info.budget_usd or "",
         "budget_period": info.budget_period or "monthly",
         "allowed_models": ", ".join(info.allowed_models) if info.allowed_models is not None else "",
+        "expires_at": info.public()["expires_at"] or "",
     }  # fmt: skip
     key = {**info.public(), "state": _state(info, datetime.now(UTC))}
     context = {"title": f"Key {info.name}", "active": "Keys", "key": key, "form": form}
@@ -140,12 +154,10 @@ async def edit_form(key_id: str, keys: Keys, session: ConsoleSession) -> Respons
 
 @router.post("/{key_id}")
 async def update_key(key_id: str, form: CheckedForm, keys: Keys, session: ConsoleSession) -> Response:
-    """Save the edit form: empty limits, budget, team or model list lift them."""
+    """Save the edit form: empty limits, budget, team, model list or expiry lift them."""
     fields = _fields(form, lift_empty=True)
-    days = fields.pop("expires_in_days", None)
     try:
-        if days is not None:  # checked as the create form checks it
-            fields["expires_at"] = KeyCreate.model_validate({"name": "x", "expires_in_days": days}).expiry()
+        fields["expires_at"] = _edited_expiry(form)
         body = KeyUpdate.model_validate(fields)
     except ValidationError as exc:
         info = await keys.get(key_id)

@@ -253,6 +253,27 @@ def test_keys_are_created_used_edited_rotated_and_revoked_from_the_forms(ops: tu
     assert 'class="state-revoked"' in client.get("/ui/keys", headers=HTML).text
 
 
+def test_the_edit_form_shows_the_expiry_keeps_it_and_empty_removes_it(ops: tuple[TestClient, str]) -> None:
+    client, csrf = ops
+    admin = {"Authorization": f"Bearer {MASTER}"}
+    made = client.post("/admin/keys", json={"name": "exp", "expires_in_days": 1}, headers=admin).json()
+    expiry = made["expires_at"]
+    edit = client.get(f"/ui/keys/{made['id']}", headers=HTML).text
+    assert f'name="expires_at" value="{expiry}"' in edit
+
+    def save(**fields: str) -> str | None:
+        data = {"csrf": csrf, "name": "exp", **fields}
+        assert client.post(f"/ui/keys/{made['id']}", data=data, follow_redirects=False).status_code == 303
+        answer: str | None = client.get(f"/admin/keys/{made['id']}", headers=admin).json()["expires_at"]
+        return answer
+
+    assert save(expires_at=expiry) == expiry  # saved unchanged: exactly the same expiry
+    assert save(expires_at="") is None  # "empty: never", as the form says
+    assert save(expires_at="", expires_in_days="2") is not None
+    bad = client.post(f"/ui/keys/{made['id']}", data={"csrf": csrf, "name": "exp", "expires_at": "soon"})
+    assert bad.status_code == 400 and "expires_at" in bad.text
+
+
 def test_bad_form_values_are_refused_with_the_reason_and_change_nothing(ops: tuple[TestClient, str]) -> None:
     client, csrf = ops
     for field, value in (
