@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Any
@@ -59,6 +60,42 @@ def _text_only(value: Any) -> Any:
     return value
 
 
+def _first_non_finite(value: Any, where: str) -> str | None:
+    """Where in JSON `value` the first NaN or infinite number is (None: nowhere). Python's parser
+    reads NaN, Infinity and 1e400 as floats: SQLite stored them as invalid JSON, PostgreSQL refused."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else where
+    if isinstance(value, dict):
+        children = [(f"{where}.{k}", v) for k, v in value.items()]
+    elif isinstance(value, list):
+        children = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    return next((w for path, v in children if (w := _first_non_finite(v, path)) is not None), None)
+
+
+def _json_only(value: Any, name: str) -> Any:
+    """`value` (field `name`) when it is storable text (see `_text_only`) with only finite numbers."""
+    where = _first_non_finite(_text_only(value), name)
+    if where is not None:
+        raise ValueError(f"{where} is NaN or infinite: JSON numbers are finite")
+    return value
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """`value` as the same instant in UTC (a time without a zone is UTC, as keys are read back):
+    SQLite drops the offset and kept another zone's wall time, PostgreSQL converted. A time that
+    leaves years 1..9999 once in UTC is refused here, on both, not by one database."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError as exc:
+        raise ValueError("out of range once converted to UTC (years 1 to 9999)") from exc
+
+
 class KeyCreate(BaseModel):
     """POST /admin/keys."""
 
@@ -75,10 +112,20 @@ class KeyCreate(BaseModel):
     budget_usd: BudgetUsd | None = None
     budget_period: Period = "monthly"
 
-    @field_validator("name", "team", "allowed_models", "metadata")
+    @field_validator("name", "team", "allowed_models")
     @classmethod
     def _storable(cls, value: object) -> object:
         return _text_only(value)
+
+    @field_validator("metadata")
+    @classmethod
+    def _json(cls, value: object) -> object:
+        return _json_only(value, "metadata")
+
+    @field_validator("expires_at")
+    @classmethod
+    def _in_utc(cls, value: datetime | None) -> datetime | None:
+        return _utc(value)
 
     @model_validator(mode="after")
     def _one_expiry(self) -> KeyCreate:
@@ -120,10 +167,20 @@ class KeyUpdate(BaseModel):
             raise ValueError("cannot be null (leave the field out to keep its value)")
         return value
 
-    @field_validator("name", "team", "allowed_models", "metadata")
+    @field_validator("name", "team", "allowed_models")
     @classmethod
     def _storable(cls, value: object) -> object:
         return _text_only(value)
+
+    @field_validator("metadata")
+    @classmethod
+    def _json(cls, value: object) -> object:
+        return _json_only(value, "metadata")
+
+    @field_validator("expires_at")
+    @classmethod
+    def _in_utc(cls, value: datetime | None) -> datetime | None:
+        return _utc(value)
 
 
 admin = [Depends(require_master_key)]

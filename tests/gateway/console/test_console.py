@@ -270,6 +270,7 @@ def test_the_edit_form_shows_the_expiry_keeps_it_and_empty_removes_it(ops: tuple
     assert save(expires_at=expiry) == expiry  # saved unchanged: exactly the same expiry
     assert save(expires_at="") is None  # "empty: never", as the form says
     assert save(expires_at="", expires_in_days="2") is not None
+    assert save(expires_at="2030-01-01T02:00:00+02:00") == "2030-01-01T00:00:00+00:00"
     bad = client.post(f"/ui/keys/{made['id']}", data={"csrf": csrf, "name": "exp", "expires_at": "soon"})
     assert bad.status_code == 400 and "expires_at" in bad.text
 

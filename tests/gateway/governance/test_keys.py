@@ -531,3 +531,58 @@ def test_admin_lists_keys_in_pages_after_an_id(admin: TestClient) -> None:
     for bad, param in (("limit=0", "query.limit"), ("limit=1001", "query.limit"), ("after=nope", "after")):
         r = admin.get(f"/admin/keys?{bad}", headers=ADMIN)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        ('{"name": "x", "metadata": {"k": NaN}}', "metadata.k"),
+        ('{"name": "x", "metadata": {"k": 1e400}}', "metadata.k"),
+        ('{"name": "x", "metadata": {"a": [1, {"b": -Infinity}]}}', "metadata.a[1].b"),
+    ],
+)
+def test_non_finite_metadata_is_400_naming_it_on_both_databases(
+    admin: TestClient, raw: str, where: str
+) -> None:
+    headers = {**ADMIN, "Content-Type": "application/json"}
+    r = admin.post("/admin/keys", content=raw, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_value" and error["param"] == "metadata" and where in error["message"]
+    assert admin.get("/admin/keys", headers=ADMIN).json()["data"] == []  # nothing was stored
+    made = admin.post("/admin/keys", json={"name": "ok"}, headers=ADMIN).json()
+    patch = admin.patch(
+        f"/admin/keys/{made['id']}", content=raw.replace('"name": "x", ', ""), headers=headers
+    )
+    assert patch.status_code == 400 and patch.json()["error"]["param"] == "metadata"
+
+
+def test_expiry_with_an_offset_is_stored_as_the_same_instant_in_utc_on_both_databases(
+    admin: TestClient,
+) -> None:
+    made = admin.post(
+        "/admin/keys", json={"name": "x", "expires_at": "2030-01-01T02:00:00+02:00"}, headers=ADMIN
+    )
+    assert made.status_code == 201 and made.json()["expires_at"] == "2030-01-01T00:00:00+00:00"
+    key_id = made.json()["id"]
+    assert (
+        admin.get(f"/admin/keys/{key_id}", headers=ADMIN).json()["expires_at"] == "2030-01-01T00:00:00+00:00"
+    )
+    patched = admin.patch(
+        f"/admin/keys/{key_id}", json={"expires_at": "2031-06-30T20:00:00-05:00"}, headers=ADMIN
+    )
+    assert patched.json()["expires_at"] == "2031-07-01T01:00:00+00:00"
+    naive = admin.patch(f"/admin/keys/{key_id}", json={"expires_at": "2032-01-01T00:00:00"}, headers=ADMIN)
+    assert naive.json()["expires_at"] == "2032-01-01T00:00:00+00:00"  # no zone: UTC
+
+
+@pytest.mark.parametrize("when", ["9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00+14:00"])
+def test_an_expiry_that_leaves_the_calendar_in_utc_is_400_on_both_databases(
+    admin: TestClient, when: str
+) -> None:
+    r = admin.post("/admin/keys", json={"name": "x", "expires_at": when}, headers=ADMIN)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "expires_at" and "UTC" in r.json()["error"]["message"]
+    made = admin.post("/admin/keys", json={"name": "ok"}, headers=ADMIN).json()
+    patch = admin.patch(f"/admin/keys/{made['id']}", json={"expires_at": when}, headers=ADMIN)
+    assert patch.status_code == 400 and patch.json()["error"]["param"] == "expires_at"
