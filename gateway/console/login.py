@@ -1,4 +1,4 @@
-"""/ui/login, /ui/logout and the console's static files."""
+"""/ui/login, /ui/logout, the console's static files, and console paths with a trailing slash."""
 
 from __future__ import annotations
 
@@ -75,3 +75,14 @@ async def static(name: str) -> Response:
         raise GatewayError(404, "No such file", code="not_found")
     headers = {**SECURITY_HEADERS, "Cache-Control": "public, max-age=300"}
     return Response(FILES[name], media_type=STATIC[name], headers=headers)
+
+
+@router.get("/", include_in_schema=False)
+@router.get("/{rest:path}/", include_in_schema=False)
+async def without_slash(request: Request) -> Response:
+    """/ui/ and any console path with a trailing slash: a relative redirect to it without, with the
+    console's headers. Starlette's own answer built an absolute URL from the client's Host header
+    (a poisoned cache could send others elsewhere) and carried none of the console's headers."""
+    path = request.url.path.rstrip("/")
+    query = request.url.query
+    return redirect(local_path(f"{path}?{query}" if query else path), 307)

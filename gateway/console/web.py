@@ -12,7 +12,7 @@ import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fastapi import Depends, Request, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -122,9 +122,17 @@ def redirect(location: str, status: int = 303) -> Response:
 def local_path(target: str | None, default: str = "/ui") -> str:
     """`target` when it is a console path, else `default`: no open redirect after login, and no
     Location header that could not be sent (only printable ASCII: a browser percent-encodes the rest)."""
-    if not target or not target.startswith("/ui") or target.startswith("//") or "\\" in target:
-        return default
-    if not _PRINTABLE.fullmatch(target):
+    if not target or "\\" in target or not _PRINTABLE.fullmatch(target):
         return default
     parts = urlsplit(target)
-    return default if parts.scheme or parts.netloc else target
+    if parts.scheme or parts.netloc or not _under_console(parts.path):
+        return default
+    return target
+
+
+def _under_console(path: str) -> bool:
+    """Whether `path` stays under /ui as a browser resolves it: /ui/../../evil leaves it, and a
+    browser resolves percent-encoded dots (%2e%2e) as it resolves '..', so no dot segment at all."""
+    if path != "/ui" and not path.startswith("/ui/"):
+        return False  # /uix is not the console either
+    return not {".", ".."} & set(unquote(path).split("/"))

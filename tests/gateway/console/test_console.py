@@ -199,9 +199,35 @@ def test_login_redirects_only_to_console_paths() -> None:
         "/admin/keys",
         "javascript:x",
         None,
+        "/ui/../../evil",  # same origin, but it leaves the console
+        "/ui/%2e%2e/admin/keys",  # a browser resolves encoded dots alike
+        "/ui/keys/.%2E/../x",
+        "/ui/./keys",
+        "/uievil",
     ):
-        assert local_path(target) == "/ui"
+        assert local_path(target) == "/ui", target
     assert local_path("/ui/spend?from=2026-01-01") == "/ui/spend?from=2026-01-01"
+
+
+@pytest.mark.parametrize(
+    ("path", "location"),
+    [("/ui/", "/ui"), ("/ui/keys/", "/ui/keys"), ("/ui/spend/?by=team", "/ui/spend?by=team")],
+)
+def test_a_trailing_slash_is_a_relative_redirect_with_the_consoles_headers(
+    anon: TestClient, path: str, location: str
+) -> None:
+    answer = anon.get(path, headers={**HTML, "host": "evil.example"}, follow_redirects=False)
+    assert answer.status_code == 307 and answer.headers["location"] == location  # not the Host's URL
+    assert answer.headers["x-frame-options"] == "DENY" and answer.headers["cache-control"] == "no-store"
+
+
+def test_the_login_form_never_sends_a_browser_out_of_the_console(anon: TestClient) -> None:
+    form = anon.get("/ui/login", params={"next": "/ui/../../evil"}, headers=HTML).text
+    assert "evil" not in form
+    answer = anon.post(
+        "/ui/login", data={"master_key": MASTER, "next": "/ui/../../evil"}, follow_redirects=False
+    )
+    assert answer.status_code == 303 and answer.headers["location"] == "/ui"
 
 
 def _plaintext(html: str) -> str:
