@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import unicodedata
 from dataclasses import asdict, dataclass
 from datetime import date
 from decimal import Decimal
@@ -108,13 +109,48 @@ def render(rows: list[SpendRow], fmt: Format, by: Dimension) -> str:
         writer.writeheader()
         writer.writerows({**r, "group": _inert(r["group"]), "label": _inert(r["label"])} for r in records)
         return out.getvalue()
+    return _table(rows, by)
+
+
+def _table(rows: list[SpendRow], by: Dimension) -> str:
+    """An aligned table for a terminal: names made printable, every amount exact and with as many
+    decimals as the finest one needs, so the rows add up to the total on screen (a fixed .6f
+    showed 0.000000 rows under a total that was not)."""
+    shown = [*rows, _total(rows)]
+    places = _places([a for r in shown for a in (r.cost_usd, r.savings_usd)])
+    cost = [f"{r.cost_usd:.{places}f}" for r in shown]
+    saved = [f"{r.savings_usd:.{places}f}" for r in shown]
+    wide_cost, wide_saved = max(14, *map(len, cost)), max(12, *map(len, saved))
     header = (f"{by:<28} {'requests':>9} {'errors':>7} {'prompt tok':>11} {'output tok':>11} "
-              f"{'cost USD':>14} {'saved USD':>12}")  # fmt: skip
+              f"{'cost USD':>{wide_cost}} {'saved USD':>{wide_saved}}")  # fmt: skip
     lines = [header, "-" * len(header)]
-    for r in [*rows, _total(rows)]:
-        lines.append(f"{r.label[:28]:<28} {r.requests:>9} {r.errors:>7} {r.prompt_tokens:>11} "
-                     f"{r.completion_tokens:>11} {r.cost_usd:>14.6f} {r.savings_usd:>12.6f}")  # fmt: skip
+    for r, c, v in zip(shown, cost, saved, strict=True):
+        lines.append(f"{terminal_text(r.label)[:28]:<28} {r.requests:>9} {r.errors:>7} {r.prompt_tokens:>11} "
+                     f"{r.completion_tokens:>11} {c:>{wide_cost}} {v:>{wide_saved}}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _places(amounts: list[Decimal]) -> int:
+    """Decimals that show every amount exactly: at least cents, at most picodollars (what is stored)."""
+    exponents = [a.normalize().as_tuple().exponent for a in amounts if a]
+    return min(12, max([2, *(-e for e in exponents if isinstance(e, int))]))
+
+
+def terminal_text(text: str) -> str:
+    """`text` with nothing a terminal would act on: key, team and model names are chosen by clients
+    and admins, and an ESC or OSC sequence, CR or LF in one could retitle or clear the operator's
+    terminal or forge a row. Control, format (bidi), surrogate and line-separator characters become
+    Python-style escapes; a backslash is doubled so an escape cannot be forged."""
+    return "".join(_escaped(c) for c in text)
+
+
+def _escaped(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    if unicodedata.category(char) not in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+        return char
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _record(row: SpendRow) -> dict[str, Any]:

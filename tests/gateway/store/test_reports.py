@@ -20,7 +20,7 @@ from gateway.main import create_app
 from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import PICO
-from gateway.store.reports import render, spend
+from gateway.store.reports import SpendRow, render, spend
 from gateway.store.request_log import RequestLogWriter
 from tests.gateway.processes import read_log_rows
 
@@ -183,3 +183,44 @@ def test_names_no_model_has_are_one_group_in_the_aggregates(database_url: str) -
     assert {(r.group, r.requests, r.errors) for r in report} == {("(unknown model)", 30, 30), ("fast", 1, 0)}
     logged = {r["id"]: r["requested_model"] for r in read_log_rows(database_url)}
     assert logged["u3"] == "=bogus-3"  # the request log keeps what the client asked for
+
+
+def _row(label: str, cost: str) -> SpendRow:
+    return SpendRow(label, label, 1, 0, 10, 5, 0, Decimal(cost), Decimal(0), Decimal(0))
+
+
+def test_the_table_shows_names_with_no_control_character_a_terminal_would_act_on() -> None:
+    hostile = [
+        "\x1b]0;owned\x07",
+        "\x1b[31mred",
+        "a\r\nforged 9",
+        "\x9b2J",
+        "\u202egnp.exe",
+        "\u2028x",
+        "x\\x1b",
+    ]
+    table = render([_row(name, "1") for name in hostile], "table", "key")
+    assert not [c for c in table if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F)]
+    assert "\u202e" not in table and "\u2028" not in table and len(table.splitlines()) == 3 + len(hostile)
+    for shown in (
+        "\\x1b]0;owned\\x07",
+        "\\x1b[31mred",
+        "a\\x0d\\x0aforged 9",
+        "\\x9b2J",
+        "\\u202egnp",
+        "\\u2028x",
+    ):
+        assert shown in table, shown
+    assert "x\\\\x1b" in table  # a name's own backslash is doubled: no forged escape either
+    assert "caf\u00e9 team" in render([_row("caf\u00e9 team", "1")], "table", "team")
+
+
+def test_the_table_shows_every_amount_exactly_so_the_rows_add_up_to_the_total() -> None:
+    rows = [_row("a", "0.00000074"), _row("b", "0.00000074"), _row("c", "1.5")]
+    lines = render(rows, "table", "key").splitlines()[2:]
+    costs = [Decimal(line.split()[-2]) for line in lines]
+    assert costs == [Decimal("0.00000074"), Decimal("0.00000074"), Decimal("1.5"), Decimal("1.50000148")]
+    assert sum(costs[:-1]) == costs[-1]
+    assert len({len(line) for line in lines}) == 1  # aligned: every amount has the same decimals
+    cents = render([_row("a", "2"), _row("b", "0.25")], "table", "key").splitlines()
+    assert cents[-1].split()[-2] == "2.25"  # at least cents, no more than needed
