@@ -13,6 +13,8 @@ from gateway.errors import GatewayError, error_answer
 
 logger = logging.getLogger(__name__)
 
+_SOURCES = ("body", "query", "path", "header", "cookie")  # where FastAPI found a value: not its name
+
 
 def error_response(exc: GatewayError) -> Response:
     """The JSON error response to `exc`, with the headers it needs."""
@@ -32,7 +34,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ())]
+        if loc and loc[0] in _SOURCES:  # the client named `limit`, not `query.limit`
+            loc = loc[1:]
         param = ".".join(loc) or None
         message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
         return error_response(GatewayError(400, message, param=param, code="invalid_value"))

@@ -528,7 +528,7 @@ def test_admin_lists_keys_in_pages_after_an_id(admin: TestClient) -> None:
             break
         url = f"/admin/keys?limit=2&after={page['last_id']}"
     assert pages == [2, 2, 1] and seen == [k["id"] for k in whole["data"]]  # the same order, in pages
-    for bad, param in (("limit=0", "query.limit"), ("limit=1001", "query.limit"), ("after=nope", "after")):
+    for bad, param in (("limit=0", "limit"), ("limit=1001", "limit"), ("after=nope", "after")):
         r = admin.get(f"/admin/keys?{bad}", headers=ADMIN)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -586,3 +586,10 @@ def test_an_expiry_that_leaves_the_calendar_in_utc_is_400_on_both_databases(
     made = admin.post("/admin/keys", json={"name": "ok"}, headers=ADMIN).json()
     patch = admin.patch(f"/admin/keys/{made['id']}", json={"expires_at": when}, headers=ADMIN)
     assert patch.status_code == 400 and patch.json()["error"]["param"] == "expires_at"
+
+
+def test_a_bad_query_parameter_is_named_as_the_client_named_it(admin: TestClient) -> None:
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("after=", "after")):
+        r = admin.get(f"/admin/keys?{query}", headers=ADMIN)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text  # not query.limit
+        assert f"'{param}'" in r.json()["error"]["message"]
