@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import date
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Response
@@ -11,7 +10,7 @@ from gateway.api.admin_keys import require_master_key
 from gateway.api.services import Database
 from gateway.errors import GatewayError
 from gateway.store.db import DATABASE_ERRORS, unavailable
-from gateway.store.reports import Dimension, render, spend
+from gateway.store.reports import Day, Dimension, render, spend
 
 router = APIRouter(prefix="/admin/reports", dependencies=[Depends(require_master_key)])
 
@@ -19,8 +18,8 @@ router = APIRouter(prefix="/admin/reports", dependencies=[Depends(require_master
 @router.get("/spend")
 async def spend_report(
     db: Database,
-    start: Annotated[date, Query(alias="from")],
-    end: Annotated[date, Query(alias="to")],
+    start: Annotated[Day, Query(alias="from")],
+    end: Annotated[Day, Query(alias="to")],
     by: Dimension = "key",
     format: Literal["json", "csv"] = "json",
 ) -> Response:

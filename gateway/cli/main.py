@@ -30,10 +30,11 @@ from gateway.store.migrate import (
     downgrade,
     ensure_schema,
     head_revision,
+    require_database,
     upgrade,
     wait_for_schema,
 )
-from gateway.store.reports import DIMENSIONS, render, spend
+from gateway.store.reports import DIMENSIONS, parse_day, render, spend
 from gateway.telemetry.access_log import log_config
 
 
@@ -72,18 +73,32 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
 
 async def _report(args: argparse.Namespace, settings: GatewaySettings) -> str:
     url = settings.resolved_database_url
+    require_database(url)  # a report only reads: it must not create an empty database
+    own = _self_hosted(args.policy, settings) if args.format == "html" else frozenset()
     await ensure_schema(url, auto_upgrade=False)
     db = create_db(url)
     try:
         if args.format == "html":
             from gateway.store.report_html import html_report
 
-            policy = load_policy(args.policy or settings.policy_path)
-            own = frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
             return await html_report(db, args.start, args.end, own)
         return render(await spend(db, args.start, args.end, args.by), args.format, args.by)
     finally:
         await db.dispose()
+
+
+def _self_hosted(given: Path | None, settings: GatewaySettings) -> frozenset[str]:
+    """The policy's engine backends, for the HTML report's self-hosted share: from --policy, else
+    the gateway's own (GATEWAY_POLICY_PATH, default policies/default.yaml, relative to the current
+    folder as `serve` reads it), named in the error when it is not there."""
+    path = given or settings.policy_path
+    if given is None and not path.exists():
+        raise PolicyError(
+            f"--format html reads the policy to tell self-hosted backends from hosted ones, and {path} "
+            f"is not there (in {Path.cwd()}): give --policy FILE or set GATEWAY_POLICY_PATH"
+        )
+    policy = load_policy(path)
+    return frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
 
 
 class _CleanExitServer(uvicorn.Server):
@@ -197,10 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="finance reports (from the daily aggregates)")
     report_sub = report.add_subparsers(dest="report_command", required=True)
     spend = report_sub.add_parser("spend", help="spend, tokens and savings over a date range")
-    spend.add_argument("--from", dest="start", type=date.fromisoformat, required=True, help="YYYY-MM-DD")
-    spend.add_argument(
-        "--to", dest="end", type=date.fromisoformat, required=True, help="YYYY-MM-DD, included"
-    )
+    spend.add_argument("--from", dest="start", type=_day, required=True, help="YYYY-MM-DD")
+    spend.add_argument("--to", dest="end", type=_day, required=True, help="YYYY-MM-DD, included")
     spend.add_argument("--by", choices=DIMENSIONS, default="key")
     spend.add_argument("--format", choices=["table", "csv", "json", "html"], default="table")
     spend.add_argument("--policy", type=Path, default=None, help="which backends are self-hosted (html)")
@@ -231,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
 _ERRORS: tuple[type[Exception], ...] = (
     ValidationError, SchemaMismatchError, PolicyError, ValueError, DatabaseUnavailableError, *DATABASE_ERRORS
 )  # fmt: skip
+
+
+def _day(text: str) -> date:
+    """A report's day, parsed as the admin API and the console parse it, with their message."""
+    try:
+        return parse_day(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _positive(text: str) -> int:

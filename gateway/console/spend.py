@@ -15,7 +15,7 @@ from gateway.console.data import MAX_CHART_DAYS, daily_by_backend
 from gateway.console.web import SECURITY_HEADERS, ConsoleSession, page
 from gateway.errors import GatewayError
 from gateway.store.db import DATABASE_ERRORS, unavailable
-from gateway.store.reports import DIMENSIONS, Dimension, SpendRow, render, spend
+from gateway.store.reports import DIMENSIONS, Day, Dimension, SpendRow, render, spend
 
 router = APIRouter(prefix="/ui/spend")
 
@@ -42,8 +42,8 @@ async def spend_page(
     db: Database,
     watcher: Watcher,
     session: ConsoleSession,
-    start: Annotated[date | None, Query(alias="from")] = None,
-    end: Annotated[date | None, Query(alias="to")] = None,
+    start: Annotated[Day | None, Query(alias="from")] = None,
+    end: Annotated[Day | None, Query(alias="to")] = None,
     by: Dimension = "key",
     format: Literal["html", "csv"] = "html",
 ) -> Response:

@@ -9,7 +9,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 
 from gateway.store.db import DATABASE_ERRORS, create_db
 
@@ -55,6 +55,19 @@ async def current_revision(url: str) -> str | None:
             return await conn.run_sync(read)
     finally:
         await db.dispose()
+
+
+def require_database(url: str) -> None:
+    """SchemaMismatchError when `url` names a SQLite file that does not exist: a command that only
+    reads (a report) would otherwise create an empty database, and its folder, to find no schema."""
+    parsed = make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:" or Path(path).exists():
+        return
+    raise SchemaMismatchError(
+        f"there is no database at {path}: set GATEWAY_DATABASE_URL to the gateway's database "
+        "(or create this one with `python -m gateway db upgrade`)"
+    )
 
 
 async def ensure_schema(url: str, auto_upgrade: bool) -> None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import unicodedata
 from dataclasses import asdict, dataclass
 from datetime import date
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
+from pydantic import BeforeValidator
+from pydantic_core import PydanticCustomError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,6 +22,31 @@ from gateway.store.models import ApiKey, UsageDaily
 Dimension = Literal["key", "team", "model", "backend", "day"]
 DIMENSIONS: tuple[Dimension, ...] = ("key", "team", "model", "backend", "day")
 Format = Literal["table", "csv", "json"]
+
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def parse_day(text: str) -> date:
+    """A report's day, exactly YYYY-MM-DD: the one parser of the CLI, the admin API and the console,
+    so each accepts what the others do (the CLI took 20261128, the API a Unix timestamp)."""
+    if not _DAY.fullmatch(text):
+        raise ValueError("must be a day as YYYY-MM-DD, e.g. 2026-11-28")
+    try:
+        return date.fromisoformat(text)
+    except ValueError as exc:  # 2026-02-30
+        raise ValueError(f"{text} is not a day of the calendar ({exc})") from exc
+
+
+def _day(value: object) -> object:
+    if isinstance(value, date) or not isinstance(value, str):
+        return value  # a date already, or pydantic's own type error
+    try:
+        return parse_day(value)
+    except ValueError as exc:  # a custom error: its message without pydantic's "Value error, "
+        raise PydanticCustomError("day", str(exc)) from exc
+
+
+Day = Annotated[date, BeforeValidator(_day)]  # for a route's query parameter
 
 _COLUMN = {
     "key": UsageDaily.key_id,

@@ -137,3 +137,41 @@ def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
     config.load()
     assert config.http_protocol_class is GatewayHttpProtocol
     assert config.ws == "none" and not config.server_header
+
+
+@pytest.mark.usefixtures("database")
+@pytest.mark.parametrize("day", ["20261128", "2026-W48-6", "2026-11-28T00:00", "2026-02-30"])
+def test_report_days_are_yyyy_mm_dd_as_the_admin_api_and_console_read_them(
+    capsys: pytest.CaptureFixture[str], day: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["report", "spend", "--from", day, "--to", "2026-11-30"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --from: " in err and ("must be a day as YYYY-MM-DD" in err or "not a day of" in err)
+
+
+def test_a_report_without_a_database_says_so_and_creates_none(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    data = tmp_path / "data"
+    monkeypatch.setenv("GATEWAY_DATA_DIR", str(data))
+    assert cli.main(["report", "spend", "--from", "2026-11-01", "--to", "2026-11-30"]) == 2
+    err = capsys.readouterr().err
+    assert f"there is no database at {data / 'gateway.db'}" in err and "GATEWAY_DATABASE_URL" in err
+    assert not data.exists()  # a read-only command created neither the file nor its folder
+
+
+@pytest.mark.usefixtures("database")
+def test_an_html_report_outside_the_repository_asks_for_the_policy(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    policy = POLICY.resolve()
+    monkeypatch.chdir(tmp_path)
+    html = ["report", "spend", "--from", "2026-11-01", "--to", "2026-11-30", "--format", "html"]
+    assert cli.main(html) == 2
+    assert "give --policy FILE or set GATEWAY_POLICY_PATH" in capsys.readouterr().err
+    assert cli.main([*html, "--policy", str(policy)]) == 0
+    assert capsys.readouterr().out.lstrip().lower().startswith("<!doctype html>")

@@ -540,6 +540,8 @@ def test_spend_ranges_at_the_calendars_start_and_money_without_exponents(url: st
         _login(client)
         for query in ("to=0001-01-01", "to=0001-01-06", "from=0001-01-01&to=0001-01-01"):
             assert client.get(f"/ui/spend?{query}", headers=HTML).status_code == 200, query
+        odd = client.get("/ui/spend?from=20261128", headers=HTML)  # what the CLI refuses too
+        assert odd.status_code == 400 and "from: must be a day as YYYY-MM-DD" in odd.text
         page = client.get(f"/ui/spend?from={day}&to={day}&by=model", headers=HTML).text
         csv_text = client.get(f"/ui/spend?from={day}&to={day}&by=team&format=csv").text
         model_csv = client.get(f"/ui/spend?from={day}&to={day}&by=model&format=csv").text

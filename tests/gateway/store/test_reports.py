@@ -127,6 +127,12 @@ def test_report_cli_and_admin_endpoint(tmp_path: Path) -> None:
         bad = client.get("/admin/reports/spend", params={"from": "2026-11-30", "to": "2026-11-01"},
                          headers={"Authorization": "Bearer m"})  # fmt: skip
         assert bad.status_code == 400 and "before it starts" in bad.json()["error"]["message"]
+        for day in ("20261128", "1764288000", "2026-11-28T00:00"):  # what the CLI refuses too
+            odd = client.get("/admin/reports/spend", params={"from": day, "to": "2026-11-30"},
+                             headers={"Authorization": "Bearer m"})  # fmt: skip
+            error = odd.json()["error"]
+            assert odd.status_code == 400 and error["param"] == "from", odd.text  # the client's name
+            assert "must be a day as YYYY-MM-DD" in error["message"] and "Value error" not in error["message"]
         assert (
             client.get("/admin/reports/spend", params={"from": "2026-11-01", "to": "2026-11-02"}).status_code
             == 401
