@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
+from gateway.config.endpoints import BaseUrl, KeyEnv, ReplicaUrl
+
 
 class PolicyError(ValueError):
     """The policy file is missing, not YAML, or breaks the schema; the message names the path."""
@@ -124,8 +126,8 @@ class EngineBackend(_Strict):
     """A pool of Switchboard engine servers (OpenAI-compatible), called directly over HTTP."""
 
     type: Literal["engine"]
-    urls: list[str] = Field(min_length=1)
-    api_key_env: str | None = None  # env var holding the engines' --api-key, if they have one
+    urls: list[ReplicaUrl] = Field(min_length=1)
+    api_key_env: KeyEnv | None = None  # env var holding the engines' --api-key, if they have one
     timeouts: Timeouts = Timeouts()
     health: HealthSettingsOverride = HealthSettingsOverride()
     price: Price | None = None  # what a self-hosted token costs us (for the cost reports) ...
@@ -145,13 +147,9 @@ class EngineBackend(_Strict):
     max_resumptions: int = Field(default=2, ge=0, le=8)
 
     @model_validator(mode="after")
-    def _urls_are_http(self) -> EngineBackend:
+    def _one_price_and_distinct_urls(self) -> EngineBackend:
         if self.price is not None and self.gpu is not None:
             raise ValueError("give price or gpu, not both")
-
-        for i, url in enumerate(self.urls):
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"urls[{i}]: must start with http:// or https://, got {url!r}")
         if len(set(self.urls)) != len(self.urls):
             raise ValueError("urls: each replica must be listed once")
         return self
@@ -162,8 +160,8 @@ class HostedBackend(_Strict):
 
     type: Literal["hosted"]
     model: str = Field(min_length=1)  # litellm's name, e.g. "openai/gpt-4o-mini", "anthropic/claude-..."
-    api_key_env: str | None = None  # env var holding the provider key; unset there: model unavailable
-    base_url: str | None = None  # for Azure or any OpenAI-compatible server
+    api_key_env: KeyEnv | None = None  # env var holding the provider key; unset there: model unavailable
+    base_url: BaseUrl | None = None  # for Azure or any OpenAI-compatible server
     api_version: str | None = None  # Azure
     timeouts: Timeouts = Timeouts()
     price: Price | None = None  # overrides litellm's price map

@@ -186,3 +186,56 @@ def test_docs_policy_md_documents_every_key_and_value_of_the_schema() -> None:
     names = _schema_names(Policy, set())
     assert {"log_bodies", "cooldown", "tokenizer", "total", "self_hosted_only"} <= names  # the walk works
     assert names - documented == set()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://127.0.0.1:99999", "not a valid URL (Port out of range"),
+        ("http://[::1", "not a valid URL (Invalid IPv6 URL)"),
+        ("http://", "has no host"),
+        ("http://host:port", "not a valid URL (Port could not be cast"),
+        ("http://host:0", "port must be 1 to 65535"),
+        ("http://host:8001/v1?x=1", "must not have a query or fragment"),
+        ("http://host:8001/a b", "must not contain spaces or control characters"),
+    ],
+)
+def test_an_engine_url_the_pool_could_not_open_is_a_policy_error(url: str, message: str) -> None:
+    """These passed `policy check` and then raised while pools were built: serve crashed, a reload
+    killed the watcher."""
+    with pytest.raises(PolicyError) as info:
+        parse_policy(GOOD.replace('"http://127.0.0.1:8002"', f'"{url}"'), "p.yaml")
+    assert f"p.yaml: backends.local.urls[1]: {message}" in str(info.value)
+
+
+def test_credentials_in_a_url_are_refused_without_repeating_them() -> None:
+    """A password in a URL would be shown wherever the URL is (logs, metric labels, the console)."""
+    for text in (
+        GOOD.replace('"http://127.0.0.1:8002"', '"http://admin:s3cret@127.0.0.1:8002"'),
+        GOOD.replace(
+            "models:", "  api: {type: hosted, model: openai/x, base_url: 'http://u:s3cret@h/v1'}\nmodels:"
+        ),
+    ):
+        with pytest.raises(PolicyError, match=r"must not hold credentials.*api_key_env") as info:
+            parse_policy(text, "p.yaml")
+        assert "s3cret" not in str(info.value)
+
+
+def test_a_hosted_base_url_is_checked_like_an_engine_url_but_may_have_a_query() -> None:
+    hosted = "  api: {type: hosted, model: openai/x, base_url: 'URL'}\nmodels:"
+    with pytest.raises(PolicyError, match=r"backends.api.base_url: not a valid URL \(Invalid IPv6"):
+        parse_policy(GOOD.replace("models:", hosted.replace("URL", "http://[::1")))
+    policy = parse_policy(GOOD.replace("models:", hosted.replace("URL", "https://h/v1?api-version=1")))
+    assert policy.backends["api"].base_url == "https://h/v1?api-version=1"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", ["GATEWAY_MASTER_KEY", "GATEWAY_KEY_SECRET", "gateway_database_url"])
+def test_api_key_env_may_not_name_the_gateways_own_secrets(name: str) -> None:
+    """The gateway would send that secret as a bearer key to whatever URL the policy names."""
+    engine = GOOD.replace("type: engine,", f"type: engine, api_key_env: {name},")
+    hosted_backend = f"  api: {{type: hosted, model: openai/x, api_key_env: {name}}}\n"
+    hosted = GOOD.replace("models:", hosted_backend + "models:")
+    for text, where in ((engine, "backends.local"), (hosted, "backends.api")):
+        with pytest.raises(PolicyError, match=f"{where}.api_key_env: '{name}' is one of the gateway's own"):
+            parse_policy(text)
+    assert parse_policy(GOOD.replace("type: engine,", "type: engine, api_key_env: ENGINE_KEY,"))
