@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from gateway.config.endpoints import BaseUrl, KeyEnv, ReplicaUrl
 
+# Ample: 20,000 teams take 1.5 MB. Parsing is pure-Python YAML (~6 s a MB, off the event loop on
+# a reload), so the cap also bounds how long a runaway file keeps a core busy.
+MAX_POLICY_BYTES = 8 << 20
+
 
 class PolicyError(ValueError):
     """The policy file is missing, not YAML, or breaks the schema; the message names the path."""
@@ -349,6 +353,10 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PolicyError(f"{source}: not valid YAML: {exc}") from exc
+    except RecursionError as exc:  # the parser recurses per level: 10 KB of `[[[...` is enough
+        raise PolicyError(f"{source}: not valid YAML: nested too deeply") from exc
+    except ValueError as exc:  # an int of more than 4,300 digits
+        raise PolicyError(f"{source}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise PolicyError(f"{source}: the policy must be a mapping")
     try:
@@ -365,11 +373,19 @@ def load_policy(path: Path) -> Policy:
 
 
 def read_policy_text(path: Path) -> str:
-    """The file's text, or a PolicyError saying why it cannot be read."""
+    """The file's UTF-8 text, or a PolicyError saying why it cannot be read (missing, too big, bytes)."""
     try:
-        return path.read_text()
+        with path.open("rb") as file:
+            data = file.read(MAX_POLICY_BYTES + 1)  # no more: a runaway file never fills memory
     except OSError as exc:
         raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
+    if len(data) > MAX_POLICY_BYTES:
+        raise PolicyError(f"cannot read policy {path}: larger than the limit, {MAX_POLICY_BYTES:,} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"cannot read policy {path}: not UTF-8 (byte {exc.start})") from exc
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # as read_text() did: versions stay the same
 
 
 def policy_version(text: str) -> str:

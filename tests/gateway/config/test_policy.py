@@ -11,7 +11,15 @@ import pytest
 from pydantic import BaseModel
 
 from gateway.backends.health import BreakerState, CircuitBreaker
-from gateway.config.policy import Breaker, Policy, PolicyError, load_policy, parse_policy
+from gateway.config.policy import (
+    MAX_POLICY_BYTES,
+    Breaker,
+    Policy,
+    PolicyError,
+    load_policy,
+    parse_policy,
+    read_policy_text,
+)
 
 GOOD = """
 backends:
@@ -239,3 +247,41 @@ def test_api_key_env_may_not_name_the_gateways_own_secrets(name: str) -> None:
         with pytest.raises(PolicyError, match=f"{where}.api_key_env: '{name}' is one of the gateway's own"):
             parse_policy(text)
     assert parse_policy(GOOD.replace("type: engine,", "type: engine, api_key_env: ENGINE_KEY,"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("backends: " + "[" * 1000 + "]" * 1000, "p.yaml: not valid YAML: nested too deeply"),
+        ("backends: " + "9" * 5000, "p.yaml: not valid YAML: Exceeds the limit (4300 digits)"),
+    ],
+)
+def test_yaml_the_parser_cannot_build_is_a_policy_error(text: str, message: str) -> None:
+    """A RecursionError here ended the hot-reload watcher: no later edit was ever applied."""
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert message in str(info.value)
+
+
+def test_a_policy_file_over_the_size_cap_is_refused_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_bytes(GOOD.encode() + b"#" * MAX_POLICY_BYTES)
+    with pytest.raises(PolicyError, match=r"big.yaml: larger than the limit, 8,388,608 bytes"):
+        load_policy(path)
+    monkeypatch.setattr("gateway.config.policy.MAX_POLICY_BYTES", len(GOOD))  # parsing 8 MiB takes 5 s
+    path.write_text(GOOD)
+    assert load_policy(path).models  # at the limit
+    path.write_text(GOOD + "\n")
+    with pytest.raises(PolicyError, match="larger than the limit"):
+        load_policy(path)
+
+
+def test_a_policy_file_that_is_not_utf8_is_a_policy_error(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(GOOD.replace("small", "sm\xffall").encode("latin-1"))
+    with pytest.raises(PolicyError, match=r"p.yaml: not UTF-8 \(byte \d+\)"):
+        read_policy_text(path)
+    path.write_bytes(GOOD.replace("\n", "\r\n").encode())
+    assert read_policy_text(path) == GOOD  # line ends as read_text() gave them: the same version hash
