@@ -14,13 +14,23 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 
 from gateway.config.endpoints import BaseUrl, KeyEnv, ReplicaUrl
 
 # Ample: 20,000 teams take 1.5 MB. Parsing is pure-Python YAML (~6 s a MB, off the event loop on
 # a reload), so the cap also bounds how long a runaway file keeps a core busy.
 MAX_POLICY_BYTES = 8 << 20
+MIN_HEALTH_INTERVAL = 0.05  # seconds: 20 checks a second per replica is more than any breaker needs
 
 
 class PolicyError(ValueError):
@@ -91,7 +101,9 @@ class Breaker(_Strict):
 class HealthSettings(_Strict):
     """Active checks of engine replicas and the thresholds that mark one unhealthy."""
 
-    interval: float = Field(default=1.0, gt=0)  # seconds between checks of each replica
+    # seconds between checks of each replica: at least 0.05 (1e-9 kept ~40% of a core busy per
+    # replica, in the gateway and the upstream) and finite (.inf stopped checking for good)
+    interval: float = Field(default=1.0, ge=MIN_HEALTH_INTERVAL, allow_inf_nan=False)
     timeout: float = Field(default=1.0, gt=0)
     first_token_slo: float | None = Field(default=None, gt=0)  # slower first token: a failure
     max_queue_depth: int | None = Field(default=None, ge=0)  # more waiting requests: avoided
@@ -102,7 +114,7 @@ class HealthSettings(_Strict):
 class HealthSettingsOverride(_Strict):
     """Per-backend changes to the policy's `health` section (unset fields keep its values)."""
 
-    interval: float | None = Field(default=None, gt=0)
+    interval: float | None = Field(default=None, ge=MIN_HEALTH_INTERVAL, allow_inf_nan=False)
     timeout: float | None = Field(default=None, gt=0)
     first_token_slo: float | None = Field(default=None, gt=0)
     max_queue_depth: int | None = Field(default=None, ge=0)
@@ -229,7 +241,9 @@ class Route(_Strict):
     retries: Retries = Retries()
     timeouts: Timeouts | None = None  # default: each backend's own
     resume_streams: bool | None = None  # off: no stream of this route is resumed (None: the pool decides)
-    complexity_weights: dict[str, float] = {}  # override learned feature weights by name
+    # override learned feature weights by name (names: checked by the Router, which knows the features);
+    # finite: a NaN weight made every score 1.0, sending every request to the top tier
+    complexity_weights: dict[str, FiniteFloat] = {}
 
     @model_validator(mode="after")
     def _candidates_or_tiers(self) -> Route:

@@ -61,6 +61,22 @@ class RouteDecision:
         return "; ".join(parts)
 
 
+def _scorers(policy: Policy, base: ComplexityModel) -> dict[str, ComplexityScorer]:
+    """A scorer for each tiered route; every route's weight overrides are checked, tiers or not.
+
+    Raises ValueError naming the route when a weight names no feature (docs/policy.md: an unknown
+    name makes the policy invalid, even where no tier would use it)."""
+    scorers: dict[str, ComplexityScorer] = {}
+    for name, route in policy.routes.items():
+        try:
+            model = base.with_overrides(route.complexity_weights)
+        except ValueError as exc:
+            raise ValueError(f"routes.{name}.complexity_weights: {exc}") from exc
+        if route.tiers:
+            scorers[name] = ComplexityScorer(model)
+    return scorers
+
+
 class Router:
     """Decides routes for one policy version (a new policy gets a new Router)."""
 
@@ -72,12 +88,7 @@ class Router:
     ) -> None:
         self.policy = policy
         self.capabilities = capabilities or CapabilityTable(policy)  # declared only, unless given learners
-        base = model or ComplexityModel.load()
-        self._scorers = {
-            name: ComplexityScorer(base.with_overrides(route.complexity_weights))
-            for name, route in policy.routes.items()
-            if route.tiers
-        }
+        self._scorers = _scorers(policy, model or ComplexityModel.load())
         self._by_key = {o.key: o for o in policy.overrides if o.key is not None}
         self._by_team = {o.team: o for o in policy.overrides if o.team is not None}
 

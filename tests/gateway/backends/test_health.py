@@ -133,7 +133,7 @@ class _FlakyChecker(HealthChecker):
 
 
 def test_the_health_loop_survives_any_exception_in_a_check_round(caplog: pytest.LogCaptureFixture) -> None:
-    health = HealthSettings(interval=0.01)
+    health = HealthSettings(interval=0.05)  # the least the policy takes
     replica = Replica("http://127.0.0.1:9", health)
     failures: list[BaseException] = [ZeroDivisionError("bug"), KeyError("gauge"), UnicodeDecodeError(
         "utf-8", b"\xff", 0, 1, "bad byte")]  # fmt: skip
@@ -156,7 +156,7 @@ def test_the_health_loop_survives_any_exception_in_a_check_round(caplog: pytest.
 
 
 def test_a_check_that_fails_unexpectedly_marks_only_that_replica_down() -> None:
-    health = HealthSettings(interval=0.01)
+    health = HealthSettings(interval=0.05)  # the least the policy takes
     replica = Replica("http://127.0.0.1:9", health)
     checker = HealthChecker("odd", [replica], health, {})
 

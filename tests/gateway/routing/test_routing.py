@@ -100,3 +100,13 @@ def test_complexity_weight_overrides_must_name_real_features() -> None:
     policy = parse_policy(POLICY.replace(fallbacks, fallbacks + "    complexity_weights: {nope: 1}\n"))
     with pytest.raises(ValueError, match="nope"):
         Router(policy, _model(0.5))
+
+
+def test_complexity_weight_overrides_must_name_real_features_on_a_route_without_tiers_too() -> None:
+    """docs/policy.md: an unknown name makes the policy invalid; a candidates route took any name."""
+    smart = "  smart: {candidates: [gpt], fallbacks: [claude]"
+    policy = parse_policy(POLICY.replace(smart, smart + ", complexity_weights: {nope: 1}"))
+    with pytest.raises(
+        ValueError, match=r"routes.smart.complexity_weights: unknown complexity feature\(s\): nope"
+    ):
+        Router(policy, _model(0.5))
