@@ -1,0 +1,203 @@
+"""The policy watcher in process: nothing in a file ends it, a reload never holds the event loop,
+and a change is seen however the file was replaced (tests/gateway/pipeline/test_reload.py runs a
+whole gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.backends.engine import EnginePool
+from gateway.config.policy import load_policy, policy_version, read_policy_text
+from gateway.pipeline import runtime as runtime_module
+from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
+from gateway.routing.complexity import ComplexityModel
+
+# port 9 (discard) refuses at once; checks a minute apart: the pools stay quiet during a test
+POLICY = """backends:
+  local: {{type: engine, urls: ["http://127.0.0.1:9"]}}
+{extra}models:
+  small: {{backend: local}}
+health: {{interval: 60}}
+"""
+MODEL = ComplexityModel(("log_tokens",), (0.0,), (1.0,), math.log(0.25 / 0.75))
+
+
+def _policy(extra: str = "") -> str:
+    return POLICY.format(extra=extra)
+
+
+class Watched:
+    """A watcher over `root`/policy.yaml, started on the file as it is then."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / "policy.yaml"
+        self.path.write_text(_policy())
+        self.registry = CollectorRegistry()
+
+    async def start(self, interval: float = 0.01) -> PolicyWatcher:
+        text = read_policy_text(self.path)
+        first = await build_runtime(load_policy(self.path), policy_version(text), MODEL)
+        self.watcher = PolicyWatcher(self.path, RuntimeHolder(first), MODEL, self.registry, interval)
+        return self.watcher
+
+    async def stop(self) -> None:
+        await self.watcher.stop()
+        for pool in self.watcher.holder.runtime.pools.values():
+            await pool.close()
+
+    def count(self, name: str) -> float:
+        return self.registry.get_sample_value(name) or 0.0
+
+
+@pytest.fixture
+def watched(tmp_path: Path) -> Iterator[Watched]:
+    yield Watched(tmp_path)
+
+
+def _run(watched: Watched, body: Callable[[PolicyWatcher], Awaitable[None]], interval: float = 0.01) -> None:
+    async def main() -> None:
+        watcher = await watched.start(interval)
+        try:
+            await body(watcher)
+        finally:
+            await watched.stop()
+
+    asyncio.run(main())
+
+
+async def _until(check: Callable[[], bool], seconds: float = 3.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"not within {seconds} s"
+        await asyncio.sleep(0.01)
+
+
+def test_a_reload_that_raises_anything_is_refused_and_later_edits_still_apply(
+    watched: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool constructor's ValueError (a port out of range) raised out of reload() and ended the
+    watcher: every later edit was ignored while /admin/policy showed no error."""
+    start = EnginePool.start
+
+    async def failing_start(self: EnginePool) -> None:
+        if self.name == "broken":
+            raise RuntimeError("cannot start")
+        await start(self)
+
+    monkeypatch.setattr(EnginePool, "start", failing_start)
+
+    async def body(watcher: PolicyWatcher) -> None:
+        watcher.start()
+        active = watcher.holder.runtime.version
+        watched.path.write_text(_policy('  broken: {type: engine, urls: ["http://127.0.0.1:9"]}\n'))
+        await _until(lambda: watcher.last_error is not None)
+        assert watcher.last_error == "RuntimeError: cannot start"
+        assert watcher.holder.runtime.version == active
+        assert watched.count("gateway_policy_reload_failures_total") == 1
+        watched.path.write_text(_policy('  other: {type: engine, urls: ["http://127.0.0.1:9"]}\n'))
+        await _until(lambda: "other" in watcher.holder.runtime.pools)
+        assert watcher.last_error is None and watcher._task is not None and not watcher._task.done()
+
+    _run(watched, body)
+
+
+def test_pools_started_for_a_refused_policy_are_closed(
+    watched: Watched, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They kept checking their replicas for good, for a policy that never became active."""
+    closed: list[str] = []
+    close = EnginePool.close
+
+    async def recording_close(self: EnginePool) -> None:
+        closed.append(self.name)
+        await close(self)
+
+    real_router = runtime_module.Router
+
+    def failing_router(*args: object) -> object:
+        if len(args) == 3:  # build_runtime's, with the pools (the check before it passes)
+            raise RuntimeError("router bug")
+        return real_router(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EnginePool, "close", recording_close)
+
+    async def body(watcher: PolicyWatcher) -> None:
+        monkeypatch.setattr(runtime_module, "Router", failing_router)  # after the first runtime
+        watched.path.write_text(_policy('  extra: {type: engine, urls: ["http://127.0.0.1:9"]}\n'))
+        assert await watcher.reload() is False
+        assert closed == ["extra"]  # the new pool; `local` was carried over and still serves
+        assert watcher.last_error == "RuntimeError: router bug"
+
+    _run(watched, body)
+
+
+def test_the_loop_survives_an_unexpected_error_outside_reload(
+    watched: Watched, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[int] = []
+    real_stamp = runtime_module._stamp
+
+    def flaky_stamp(path: Path) -> object:
+        calls.append(1)
+        if len(calls) == 2:  # the first poll (the first call is the watcher's own, at start)
+            raise RuntimeError("stat bug")
+        return real_stamp(path)
+
+    monkeypatch.setattr(runtime_module, "_stamp", flaky_stamp)
+
+    async def body(watcher: PolicyWatcher) -> None:
+        watcher.start()
+        await _until(lambda: len(calls) >= 4)
+        assert watcher._task is not None and not watcher._task.done()
+
+    _run(watched, body)
+    assert "stat bug" in caplog.text
+
+
+def test_a_reload_parses_off_the_event_loop(watched: Watched, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1.5 MB policy held the loop (every request, /health included) for 8.6 s while it parsed."""
+    real_parse = runtime_module.parse_policy
+
+    def slow_parse(text: str, source: str = "<policy>") -> object:
+        time.sleep(0.3)  # a big file
+        return real_parse(text, source)
+
+    monkeypatch.setattr(runtime_module, "parse_policy", slow_parse)
+
+    async def body(watcher: PolicyWatcher) -> None:
+        watched.path.write_text(_policy("  # a change\n"))
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        assert await watcher.reload() is True
+        ticker.cancel()
+        assert ticks >= 10  # the loop ran on while the file parsed (blocked: 0)
+
+    _run(watched, body)
+
+
+def test_last_error_clears_when_the_file_goes_back_to_the_active_version(watched: Watched) -> None:
+    """A reverted bad edit left its error shown in /admin/policy and the console for good."""
+
+    async def body(watcher: PolicyWatcher) -> None:
+        good = watched.path.read_text()
+        watched.path.write_text("backends: [")
+        assert await watcher.reload() is False and watcher.last_error is not None
+        watched.path.write_text(good)
+        assert await watcher.reload() is True
+        assert watcher.last_error is None and watcher.last_error_at is None
+
+    _run(watched, body)
