@@ -272,9 +272,15 @@ def _capabilities(rt: Runtime, model: str) -> dict[str, Any]:
             "sources": dict(resolved.sources)}  # fmt: skip
 
 
-def _stamp(path: Path) -> tuple[float, int] | None:
+def _stamp(path: Path) -> tuple[str, int, int, int, int, int] | None:
+    """What tells a changed file without reading it: the resolved target, its inode, size, mtime and ctime.
+
+    The target and inode catch a symlink swapped to another file of the same size and mtime (a
+    Kubernetes ConfigMap's `..data`, Nix or Bazel outputs with normalised mtimes); ctime moves on
+    every write, even one that sets the mtime back."""
     try:
-        info = os.stat(path)
-    except OSError:
+        real = os.path.realpath(path)
+        info = os.stat(real)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
         return None
-    return (info.st_mtime, info.st_size)
+    return (real, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)

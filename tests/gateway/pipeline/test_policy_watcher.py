@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -199,5 +200,28 @@ def test_last_error_clears_when_the_file_goes_back_to_the_active_version(watched
         watched.path.write_text(good)
         assert await watcher.reload() is True
         assert watcher.last_error is None and watcher.last_error_at is None
+
+    _run(watched, body)
+
+
+def test_a_symlink_swapped_to_a_file_of_the_same_size_and_mtime_is_seen(tmp_path: Path) -> None:
+    """A ConfigMap's `..data` swap (or Nix/Bazel outputs with normalised mtimes) went unnoticed."""
+    for version, log_bodies in (("v1", "true "), ("v2", "false")):
+        (tmp_path / version).mkdir()
+        target = tmp_path / version / "p.yaml"
+        target.write_text(_policy() + f"log_bodies: {log_bodies}\n")
+        os.utime(target, ns=(1_577_836_800 * 10**9, 1_577_836_800 * 10**9))
+    assert (tmp_path / "v1/p.yaml").stat().st_size == (tmp_path / "v2/p.yaml").stat().st_size
+    (tmp_path / "data").symlink_to("v1")
+    watched = Watched(tmp_path)
+    watched.path.unlink()
+    watched.path.symlink_to(tmp_path / "data/p.yaml")
+
+    async def body(watcher: PolicyWatcher) -> None:
+        assert watcher.holder.runtime.policy.log_bodies is True
+        watcher.start()
+        (tmp_path / "next").symlink_to("v2")
+        (tmp_path / "next").replace(tmp_path / "data")  # the atomic swap kubelet does
+        await _until(lambda: watcher.holder.runtime.policy.log_bodies is False)
 
     _run(watched, body)
