@@ -15,8 +15,9 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator
 
 # the gateway's own settings (master key, key secret, database URL, ...): gateway/config/settings.py
-# reads them case-insensitively, so `gateway_master_key` names the master key too
-_OWN_PREFIX = "GATEWAY_"
+# reads them case-insensitively, so `gateway_master_key` names the master key too; and the
+# OpenTelemetry exporter's (OTEL_EXPORTER_OTLP_HEADERS carries the trace collector's token)
+_OWN_PREFIXES = ("GATEWAY_", "OTEL_")
 
 
 def check_upstream_url(url: str, *, query_allowed: bool = False) -> str:
@@ -47,10 +48,11 @@ def check_upstream_url(url: str, *, query_allowed: bool = False) -> str:
 
 def check_key_env(name: str) -> str:
     """`name` unless it is one of the gateway's own variables, whose secret must never go upstream."""
-    if name.upper().startswith(_OWN_PREFIX):
+    if name.upper().startswith(_OWN_PREFIXES):
         raise ValueError(
-            f"{name!r} is one of the gateway's own settings ({_OWN_PREFIX}*: master key, key secret, "
-            "database URL, ...); name a variable that holds only this backend's key"
+            f"{name!r} is one of the gateway's own settings (GATEWAY_*: master key, key secret, "
+            "database URL, ...; OTEL_*: the trace exporter's); name a variable that holds only this "
+            "backend's key"
         )
     return name
 

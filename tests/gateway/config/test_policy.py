@@ -237,7 +237,9 @@ def test_a_hosted_base_url_is_checked_like_an_engine_url_but_may_have_a_query() 
     assert policy.backends["api"].base_url == "https://h/v1?api-version=1"  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("name", ["GATEWAY_MASTER_KEY", "GATEWAY_KEY_SECRET", "gateway_database_url"])
+@pytest.mark.parametrize(
+    "name", ["GATEWAY_MASTER_KEY", "GATEWAY_KEY_SECRET", "gateway_database_url", "OTEL_EXPORTER_OTLP_HEADERS"]
+)
 def test_api_key_env_may_not_name_the_gateways_own_secrets(name: str) -> None:
     """The gateway would send that secret as a bearer key to whatever URL the policy names."""
     engine = GOOD.replace("type: engine,", f"type: engine, api_key_env: {name},")
