@@ -38,7 +38,9 @@ class PolicyError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # every number finite: an .inf timeout or cooldown would wait forever (a replica's breaker never
+    # half-opening again), a .nan one compares false with everything
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Timeouts(_Strict):

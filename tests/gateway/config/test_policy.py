@@ -320,3 +320,16 @@ def test_the_health_interval_has_a_floor_and_is_finite(health: str, message: str
     ):
         parse_policy(override)
     assert parse_policy(GOOD + "health: {interval: 0.05}").health.interval == 0.05
+
+
+@pytest.mark.parametrize(
+    ("setting", "where"),
+    [
+        ("timeouts: {first_token: .inf}", "backends.local.timeouts.first_token"),
+        ("health: {breaker: {cooldown: .inf}}", "backends.local.health.breaker.cooldown"),
+    ],
+)
+def test_no_number_in_the_policy_may_be_infinite(setting: str, where: str) -> None:
+    """An infinite timeout waits forever; an infinite cooldown never lets the replica back."""
+    with pytest.raises(PolicyError, match=where.replace(".", r"\.")):
+        parse_policy(GOOD.replace("type: engine,", f"type: engine, {setting},"))
