@@ -96,10 +96,30 @@ def _utc(value: datetime | None) -> datetime | None:
         raise ValueError("out of range once converted to UTC (years 1 to 9999)") from exc
 
 
-class KeyCreate(BaseModel):
-    """POST /admin/keys."""
+class _KeyFields(BaseModel):
+    """The checks both key bodies make alike (on their own fields: `check_fields=False`)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("name", "team", "allowed_models", check_fields=False)
+    @classmethod
+    def _storable(cls, value: object) -> object:
+        return _text_only(value)
+
+    @field_validator("metadata", check_fields=False)
+    @classmethod
+    def _json(cls, value: object) -> object:
+        return _json_only(value, "metadata")
+
+    @field_validator("expires_at", check_fields=False)
+    @classmethod
+    def _in_utc(cls, value: datetime | None) -> datetime | None:
+        return _utc(value)
+
+
+class KeyCreate(_KeyFields):
+    """POST /admin/keys."""
+
     name: str = Field(min_length=1, max_length=200)
     team: str | None = Field(None, min_length=1, max_length=200)
     allowed_models: list[str] | None = None
@@ -111,21 +131,6 @@ class KeyCreate(BaseModel):
     tpm_limit: PerMinute | None = None
     budget_usd: BudgetUsd | None = None
     budget_period: Period = "monthly"
-
-    @field_validator("name", "team", "allowed_models")
-    @classmethod
-    def _storable(cls, value: object) -> object:
-        return _text_only(value)
-
-    @field_validator("metadata")
-    @classmethod
-    def _json(cls, value: object) -> object:
-        return _json_only(value, "metadata")
-
-    @field_validator("expires_at")
-    @classmethod
-    def _in_utc(cls, value: datetime | None) -> datetime | None:
-        return _utc(value)
 
     @model_validator(mode="after")
     def _one_expiry(self) -> KeyCreate:
@@ -140,7 +145,7 @@ class KeyCreate(BaseModel):
         return self.expires_at
 
 
-class KeyUpdate(BaseModel):
+class KeyUpdate(_KeyFields):
     """PATCH /admin/keys/{id}: only the fields given change; null clears an optional one.
 
     Null lifts a limit (`rpm_limit`, `tpm_limit`), removes the budget (`budget_usd`, and its
@@ -148,7 +153,6 @@ class KeyUpdate(BaseModel):
     `budget_period` cannot be null.
     """
 
-    model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, min_length=1, max_length=200)
     team: str | None = Field(None, min_length=1, max_length=200)
     allowed_models: list[str] | None = None
@@ -166,21 +170,6 @@ class KeyUpdate(BaseModel):
         if value is None:
             raise ValueError("cannot be null (leave the field out to keep its value)")
         return value
-
-    @field_validator("name", "team", "allowed_models")
-    @classmethod
-    def _storable(cls, value: object) -> object:
-        return _text_only(value)
-
-    @field_validator("metadata")
-    @classmethod
-    def _json(cls, value: object) -> object:
-        return _json_only(value, "metadata")
-
-    @field_validator("expires_at")
-    @classmethod
-    def _in_utc(cls, value: datetime | None) -> datetime | None:
-        return _utc(value)
 
 
 admin = [Depends(require_master_key)]
