@@ -206,7 +206,10 @@ class LocalBudgetStore:
         return True
 
     async def settle(self, charge: Charge, actual: int) -> None:
-        self._spent[charge.counter] = self._spent.get(charge.counter, 0) + actual - charge.amount
+        """As in Redis: on a counter that exists. One that does not (the database could not seed it
+        while budgets failed open) is seeded later from the request log, which has this request."""
+        if charge.counter in self._spent:
+            self._spent[charge.counter] += actual - charge.amount
 
     async def close(self) -> None:
         return None

@@ -99,8 +99,7 @@ class Admission:
         except BaseException:
             self._reconcile(ticket, 0)  # refused: give the tokens back (the request still counts)
             raise
-        if reserved:  # not reserved (budgets failing open): nothing to settle
-            ticket.charges = charges
+        ticket.charges = charges if reserved else _unreserved(charges)
 
     def release(self, ticket: Ticket, usage: dict[str, Any], cost: Decimal | None) -> None:
         """After the request: tokens and money reconciled with what it really used (background)."""
@@ -212,13 +211,22 @@ class RedisAdmission(Admission):
         except SpendUnavailableError as exc:  # the database, not Redis: the limits can still be checked
             budgets.unreachable(exc)  # budgets fail closed (raises) or open
             await limiter.acquire(limits)
+            ticket.charges = _unreserved(charges)
             return
         except budgets.errors as exc:
             budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
             if not limiter.fail_open:  # the cause is in the server's log, not the client's answer
                 raise LimiterUnavailableError("rate limits cannot be checked: Redis is unreachable") from exc
+            ticket.charges = _unreserved(charges)
             return
         ticket.charges = charges
+
+
+def _unreserved(charges: list[Charge]) -> list[Charge]:
+    """The charges of a request admitted while budgets fail open: nothing is held on the counters,
+    but what it costs is still owed to them, settled (from 0) once Redis answers again; a counter
+    gone by then is seeded from the request log, which has the request."""
+    return [replace(charge, amount=0) for charge in charges]
 
 
 def _total(usage: dict[str, Any]) -> int:
