@@ -216,10 +216,14 @@ class LocalBudgetStore:
 
 
 _SETTLE_RETRY_SECONDS = 1.0
-# a settle's change, on a counter that still exists (an expired one is seeded again from the log)
+# a settle's change, on a counter that still exists (an expired one is seeded again from the log);
+# never below zero: a counter flushed or evicted while requests were in flight is seeded again
+# without their reservations, and their settles would take those back a second time
 _SETTLE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('INCRBY', KEYS[1], ARGV[1]) end
-return false
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local value = redis.call('INCRBY', KEYS[1], ARGV[1])
+if value < 0 then redis.call('SET', KEYS[1], 0, 'KEEPTTL') return 0 end
+return value
 """
 
 # One round trip for a whole admission: rate limits (GCRA, as in gateway/governance/ratelimit.py) and budgets,

@@ -369,3 +369,29 @@ def test_settles_owed_when_the_gateway_stops_are_written_on_close() -> None:
         return value
 
     assert asyncio.run(run()) == to_picousd(Decimal("0.05"))
+
+
+def test_a_counter_seeded_again_mid_flight_never_goes_below_zero() -> None:
+    """Flushed (or evicted) while a request held 80 cents, the counter is seeded again without that
+    reservation; the request's settle (-75 cents) used to leave it negative: room beyond the budget."""
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
+    now = datetime.now(UTC)
+
+    async def run() -> tuple[int, int | None]:
+        store = RedisBudgetStore(REDIS)
+        try:
+            first = _charge(budget, now, "0.80")
+            await store.reserve([first], _nothing_spent)
+            counter = "switchboard:" + first.counter
+            await store._redis.delete(counter)  # flushed mid-flight
+            await store.reserve([_charge(budget, now, "0.10")], _nothing_spent)  # seeded at 0, +10 cents
+            await store.settle(first, to_picousd(Decimal("0.05")))
+            value = int(await store._redis.get(counter))
+            ttl = await store._redis.ttl(counter)
+            await store._redis.delete(counter)
+            return value, ttl
+        finally:
+            await store.close()
+
+    value, ttl = asyncio.run(run())
+    assert value == 0 and ttl == -1  # clamped, and a total budget's counter still never expires
