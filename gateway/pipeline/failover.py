@@ -366,6 +366,17 @@ def _unavailable(exc: UpstreamUnavailableError) -> str:
     return "timeout" if exc.timeout else "unreachable"
 
 
+def _failed_upstream(line: str) -> bool:
+    """Whether a data line is an error event of the upstream's own (a server error: the next
+    candidate may answer); a request's own fault (`invalid_request_error`) is the client's answer."""
+    try:
+        chunk = orjson.loads(line[5:])
+    except orjson.JSONDecodeError:
+        return False
+    error = chunk.get("error") if isinstance(chunk, dict) else None
+    return isinstance(error, dict) and error.get("type") != "invalid_request_error"
+
+
 def _has_token(line: str) -> bool:
     """Whether an SSE line carries output (content, text, tool calls, a finish, usage) or ends the stream."""
     if not line.startswith("data:"):
@@ -429,6 +440,8 @@ async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent 
             first_event = None
         head.append(line)
         if _has_token(line):
+            if '"error"' in line and _failed_upstream(line):
+                raise UpstreamStreamError("the stream sent an error before its first token")
             return head
         if len(head) >= _HEAD_EVENTS:
             raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")

@@ -62,14 +62,15 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     # read before committing to this upstream: one event for the client (one send);
                     # nothing after the end is the client's
                     lines = current.head[: current.head.index(_DONE) + 1] if ended else current.head
-                    events = (relay_line(call, ln, wants_usage, tokens) for ln in lines)
-                    head = [e for e in events if e is not None]
+                    head, broke = _relayed_head(call, lines, wants_usage, tokens)
                     mark = perf_counter()
                     if head:
-                        answered = ended
-                        if ended:
+                        answered = ended and broke is None
+                        if answered:
                             done(call, status, error)  # released before the client can ask again
                         yield b"".join(head)
+                    if broke is not None:  # after the events before it (the role chunk is the client's)
+                        raise broke
                     if not ended:
                         async for line in upstream.lines:
                             call.upstream_seconds += perf_counter() - mark
@@ -125,6 +126,22 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     yield error_event(f"the upstream stream ({call.backend}) failed", error)
     finally:
         done(call, status, error)
+
+
+def _relayed_head(call: Call, lines: list[str], wants_usage: bool,
+                  tokens: StreamTokens | None) -> tuple[list[bytes], Exception | None]:  # fmt: skip
+    """The client's events of the head's lines, up to the first that breaks the stream (returned
+    too): the events before it still go out, so that a stream resumed elsewhere, which sends no
+    role chunk of its own, keeps the one the client was owed."""
+    head: list[bytes] = []
+    for line in lines:
+        try:
+            event = relay_line(call, line, wants_usage, tokens)
+        except Exception as exc:
+            return head, exc
+        if event is not None:
+            head.append(event)
+    return head, None
 
 
 async def _drained(lines: AsyncIterator[str]) -> None:

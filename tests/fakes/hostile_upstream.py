@@ -24,6 +24,7 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   content_type       right bytes, wrong content-type (text/html)
   status:CODE        that HTTP status with a non-JSON body
   error_event        a stream whose second event is an error object, then [DONE]
+  first_not_json     a stream whose first event after the role chunk (its first token's) is not JSON
   odd_chunk          a stream opening with role chunks of the wrong shapes (choices 7, delta a string)
   html               a stream answered 200 with an HTML page that names an internal host
   after_done         a stream that goes on after its [DONE]: text, a second usage, [DONE] again
@@ -317,6 +318,8 @@ class Answer:
             out.append(b"data: " + orjson.dumps(role) + b"\n\n")
         if mode == "empty":  # nothing to say: the end arrives with the first event after the role
             return [*out, b"data: [DONE]\n\n"]
+        if mode == "first_not_json":
+            return [*out, b"data: {this is not json\n\n", b"data: [DONE]\n\n"]
         out.append(self._event("echo:"))
         if mode == "bad_utf8":
             out.append(self._event("MARKER").replace(b"MARKER", b" bad " + BAD_UTF8))

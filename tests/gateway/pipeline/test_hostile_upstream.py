@@ -344,6 +344,16 @@ def test_an_unbelievable_usage_chunk_leaves_the_believable_one_before_it(stack: 
     )
 
 
+def test_a_first_token_that_breaks_the_stream_leaves_the_client_its_role_chunk(stack: HostileStack) -> None:
+    # the head's role chunk used to be dropped with the broken line after it: a stream resumed
+    # elsewhere sends none of its own, and here (no other replica) the client got the error alone
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=first_not_json", True)))
+    assert answer.status == 200 and problems(answer) == []
+    events = [line for line in answer.body.split(b"\n") if line.startswith(b"data:")]
+    assert len(events) == 2 and b'"role":"assistant"' in events[0] and stream_error(answer.body) is not None
+    assert _row(stack, answer)["status"] == 502
+
+
 def test_a_stream_of_role_chunks_without_a_token_is_a_failure_not_held_in_memory(stack: HostileStack) -> None:
     # the head went with the first role chunk (policy `stream_head: first_event`): the failure is the
     # stream's one event, and nothing of the role chunks reaches the client

@@ -149,6 +149,28 @@ def test_a_replica_that_breaks_after_its_first_event_is_left_invisibly_in_the_ev
     assert held.headers["x-gateway-failover"] == "local=stream_broke"
 
 
+@pytest.mark.parametrize("head", ["first_event", "first_token"])
+def test_an_error_event_before_the_first_token_is_left_for_the_next(stack: Stack, head: str) -> None:
+    # A sends its role chunk, then a server error event: a failure before the first token, not a
+    # token (it used to commit the stream to A and end it with an error, the fallback never tried)
+    stack.control(stack.a, break_after=0, break_mode="error_event")
+    answer = stack.stream(head, "local")
+    assert answer.status == 200 and answer.lines[-1] == "data: [DONE]"
+    assert not any('"error"' in line for line in answer.lines)
+    assert sum('"role":"assistant"' in line for line in answer.lines) == 1
+    row = stack.row(head, answer.headers["x-request-id"])
+    assert row["status"] == 200 and row["backend"] == "second"
+    assert row["failover"].startswith(f"local@{stack.a.base_url}=stream broke")
+
+
+def test_a_request_error_before_the_first_token_is_the_clients_answer_not_a_failover(stack: Stack) -> None:
+    stack.control(stack.a, break_after=0, break_mode="request_error")  # the request's own fault
+    answer = stack.stream("first_event", "local")
+    assert answer.status == 200 and _error(answer.lines[-1])["code"] == "invalid_json_schema"
+    row = stack.row("first_event", answer.headers["x-request-id"])
+    assert (row["status"], row["backend"], row["failover"]) == (400, "first", None)  # B never asked
+
+
 def test_every_candidate_breaking_after_its_first_event_ends_the_stream_with_an_error_event(
     stack: Stack,
 ) -> None:
