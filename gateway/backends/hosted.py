@@ -188,6 +188,8 @@ class HostedModel:
                     chunk = await resp.__anext__()
                 except StopAsyncIteration:
                     return None
+                if _made_up_finish(resp, chunk):
+                    raise UpstreamStreamError("the stream broke off before the provider's finish")
                 shaped = openai_chunk(chunk.model_dump(mode="json", exclude_none=True), chat)
                 if shaped is not None:
                     return "data: " + orjson.dumps(shaped).decode()
@@ -422,3 +424,19 @@ async def _given(lines: list[str]) -> AsyncIterator[str]:
 async def _no_lines() -> AsyncIterator[str]:
     return
     yield  # an async generator that yields nothing
+
+
+# providers whose streams litellm's wrapper records the finish of (`received_finish_reason`)
+_FINISH_RECORDED = frozenset({"openai", "azure", "text-completion-openai", "azure_text"})
+
+
+def _made_up_finish(resp: Any, chunk: Any) -> bool:
+    """Whether `chunk` carries a finish the provider never sent. litellm's stream wrapper ends a
+    provider stream that broke off (a reset or cut connection, no finish) with a finish of its own,
+    "stop": relayed, a cut answer would look whole to the client and be billed as one. Its record
+    of the provider's own finish tells the two apart, for the providers where it keeps one."""
+    if getattr(resp, "custom_llm_provider", None) not in _FINISH_RECORDED:
+        return False
+    if getattr(resp, "received_finish_reason", None) is not None:
+        return False
+    return any(getattr(choice, "finish_reason", None) for choice in getattr(chunk, "choices", None) or ())

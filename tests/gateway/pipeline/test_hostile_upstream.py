@@ -400,3 +400,17 @@ def test_a_usage_that_comes_before_most_of_the_answer_does_not_bill_it(stack: Ho
     assert answer.status == 200 and problems(answer) == []
     row = _row(stack, answer)
     assert row["completion_tokens"] >= 400 and row["cost_estimated"] in (True, 1)
+
+
+@pytest.mark.parametrize("mode", ["cut", "reset"])
+def test_a_hosted_chat_stream_that_breaks_off_is_never_relayed_as_a_whole_answer(
+    answers: dict[tuple[str, str, bool], Answer], mode: str
+) -> None:
+    # litellm's stream wrapper ends a provider stream that broke off with a finish of its own
+    # ("stop"): the client saw a short answer as a whole one, and the row billed it as such
+    answer = answers[("host", mode, True)]
+    assert problems(answer) == [] and b"data: [DONE]" not in answer.body
+    if answer.status == 200:  # the client had part of it: the stream ends with an error event
+        assert stream_error(answer.body) is not None
+    else:  # it broke before anything reached the client (litellm held its first chunk back)
+        assert answer.status == 502 and b"upstream_unavailable" in answer.body
