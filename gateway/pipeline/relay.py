@@ -205,6 +205,9 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
         raise UpstreamStreamError("the upstream sent an event that is not JSON") from None
     if not isinstance(chunk, dict):
         raise UpstreamStreamError("the upstream sent an event that is not a JSON object")
+    if not _well_shaped(chunk.get("choices")):  # `choices: 7` or a string delta: the SDKs' loops raise
+        logger.warning("request %s: an event from %s with misshapen choices dropped", call.id, call.backend)
+        return None
     error = chunk.get("error")
     if isinstance(error, dict) and error.get("type") == "invalid_request_error":
         raise _request_error(error)
@@ -221,7 +224,7 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
             call.usage = checked
             model = chunk.get("model")
             call.response_model = model if isinstance(model, str) else None
-        if not wants_usage:
+        if not wants_usage or not checked:  # nor does the client get one the gateway does not believe
             if not chunk.get("choices"):
                 return None  # the usage-only chunk the client did not ask for
             chunk.pop("usage", None)
@@ -231,6 +234,16 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     if usage is None and not wants_usage and '"usage":null' in line:  # text edit: no re-encoding
         line = line.replace(',"usage":null', "")
     return line.encode() + b"\n\n"
+
+
+def _well_shaped(choices: object) -> bool:
+    """Whether an event's `choices` is absent or a list of objects whose `delta`, if any, is one
+    (a null one passes: some servers send it beside a finish, which must not be lost)."""
+    if choices is None:
+        return True
+    if not isinstance(choices, list):
+        return False
+    return all(isinstance(c, dict) and isinstance(c.get("delta") or {}, dict) for c in choices)
 
 
 def _carries_answer(chunk: dict[str, object]) -> bool:

@@ -234,6 +234,18 @@ def test_a_stream_opening_with_oddly_shaped_chunks_is_relayed_not_failed(
     # that was fine to relay (gateway/pipeline/failover.py `_has_token`).
     answer = answers[("eng", "odd_chunk", True)]
     assert answer.status == 200 and answer.body.endswith(b"data: [DONE]\n\n")
+    # ... and the misshapen events are not the client's: the SDKs' `for c in chunk.choices` raises
+    assert b'"choices":7' not in answer.body and b'"delta":"text"' not in answer.body
+    assert b"echo:" in answer.body  # the rest of the stream went on
+
+
+def test_the_client_never_gets_a_usage_the_gateway_does_not_believe(stack: HostileStack) -> None:
+    body = chat("eng", "mode=two_usage", True, stream_options={"include_usage": True})
+    answer = asyncio.run(_one(stack, stack.key, body))
+    assert answer.status == 200 and problems(answer) == []
+    usages = [orjson.loads(line[6:])["usage"] for line in answer.body.split(b"\n")
+              if line.startswith(b"data: {") and b'"usage":{' in line]  # fmt: skip
+    assert usages == [{"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}]  # not the 2**40 one
 
 
 def test_an_upstream_500_or_a_non_json_error_reaches_the_client_as_an_openai_error(
