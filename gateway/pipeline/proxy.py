@@ -98,8 +98,8 @@ class Proxy:
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
             progress = Progress()
             if call.stream:
-                early = head is not None and rt.policy.stream_head == "first_event"
-                commit = self._committer(call, head) if early and head is not None else None
+                early = rt.policy.stream_head == "first_event"
+                commit = self._committer(call, head) if head is not None and early else None
                 walk = rt.failover.stream(call.decision, path, body, trace, progress, commit)
                 served = await self._upstream(call, walk, progress)
                 return await self._streamed(call, served, wants_usage)
