@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ from gateway.governance.keys import AuthLimits, KeyHasher, KeyStore
 from gateway.governance.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.governance.redis_pool import pool_config
 from gateway.pipeline.admission import Admission, RedisAdmission
+from gateway.pipeline.call import request_id
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.routing.complexity import ComplexityModel
@@ -84,7 +84,7 @@ def _with_request_id(send: Send) -> Send:
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", ()))
             if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                headers.append((b"x-request-id", f"req-{uuid.uuid4().hex}".encode()))
+                headers.append((b"x-request-id", request_id().encode()))
                 message = {**message, "headers": headers}
         await send(message)
 

@@ -81,14 +81,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.refusal is not None:  # past a request the parser refused: nothing more is parsed
             return
         if self.header_bytes is not None:
-            if self.header_timer is None:  # the first bytes of a next request on a kept-alive connection
-                self._arm_header_timer()
             self.header_bytes += len(data)
         super().data_received(data)
         # Checked after parsing: headers complete within this chunk reset the count, so a body sent
         # with them is never counted; headers still incomplete are at most one read past the limit.
-        if self.header_bytes is not None and self.header_bytes > self.max_header_bytes:
-            self._headers_too_large()
+        if self.header_bytes:  # a request's headers begun, not complete
+            if self.header_bytes > self.max_header_bytes:
+                self._headers_too_large()
+            elif self.header_timer is None and self.lingering is None and self.refusal is None:
+                # timed from the first chunk that leaves them incomplete: a request whose headers
+                # come in one read (nearly all) never sets a timer, which costs every request
+                self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
         """The headers are in: stop counting and timing them; measure them if they came in one read."""

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from types import TracebackType
 
 from gateway.backends.base import (
     Learned,
@@ -204,8 +205,8 @@ class EnginePool:
             line = await resp.next_line(MAX_LINE_BYTES)
             if line is None:
                 return
-            resp.watch_silence(silence)
             yield line
+            resp.watch_silence(silence)  # once the reader asks for more: not on the first token's way out
             while (line := await resp.next_line(MAX_LINE_BYTES)) is not None:
                 yield line
         except (WireError, TimeoutError) as exc:
@@ -213,23 +214,37 @@ class EnginePool:
             name = "timeout" if isinstance(exc, TimeoutError) else str(exc)
             raise UpstreamStreamError(f"{self.name} ({replica.url}): {name}") from exc
 
-    @asynccontextmanager
-    async def _translated(self, replica: Replica) -> AsyncIterator[None]:
+    def _translated(self, replica: Replica) -> _Translated:
         """Connection failures and timeouts become UpstreamUnavailableError (502/504)."""
-        try:
-            yield
-        except TimeoutError as exc:
-            message = f"{self.name} ({replica.url}) timed out"
-            raise UpstreamUnavailableError(message, timeout=True, deployment=replica.url) from exc
-        except (WireError, OSError) as exc:
-            message = f"{self.name} ({replica.url}) is unreachable: {exc or type(exc).__name__}"
-            raise UpstreamUnavailableError(message, timeout=False, deployment=replica.url) from exc
+        return _Translated(self.name, replica.url)
 
     async def close(self) -> None:
         """Stop the checks and close the pooled connections."""
         await self._checker.stop()
         for wire in self._wires.values():
             wire.close()
+
+
+class _Translated:
+    """EnginePool._translated's context manager: a class, not a generator (one is entered on every
+    request's way to the replica, and a generator-based one costs several times as much)."""
+
+    __slots__ = ("_name", "_url")
+
+    def __init__(self, name: str, url: str) -> None:
+        self._name, self._url = name, url
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        if isinstance(exc, TimeoutError):
+            message = f"{self._name} ({self._url}) timed out"
+            raise UpstreamUnavailableError(message, timeout=True, deployment=self._url) from exc
+        if isinstance(exc, (WireError, OSError)):
+            message = f"{self._name} ({self._url}) is unreachable: {exc or type(exc).__name__}"
+            raise UpstreamUnavailableError(message, timeout=False, deployment=self._url) from exc
 
 
 def _settle(replica: Replica, verdict: bool | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -16,6 +17,12 @@ from gateway.pipeline.reply import Reply
 from gateway.routing.router import RouteDecision
 from gateway.store.record import LogRow, Resumption, blank_row, clip
 from gateway.telemetry.trace import NO_TRACE, Trace
+
+
+def request_id() -> str:
+    """A new request's id, `req-` and 32 hex digits (random bytes, as uuid4's but without building
+    a UUID object: every request makes one)."""
+    return "req-" + os.urandom(16).hex()
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable
 from datetime import UTC, datetime
 
@@ -21,7 +20,7 @@ from gateway.errors import GatewayError
 from gateway.governance.keys import KeyInfo
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.answer import passed_on, whole
-from gateway.pipeline.call import Call
+from gateway.pipeline.call import Call, request_id
 from gateway.pipeline.failover import ChainExhaustedError, Commit, Progress
 from gateway.pipeline.finish import Finish
 from gateway.pipeline.prepare import prepare
@@ -84,7 +83,7 @@ class Proxy:
         """Forward one request; every outcome, errors and client disconnects included, gets a log row.
         `head`: sends a stream's status and headers early (the policy's `stream_head`); once it has,
         the Reply's status and headers are spent and an error is the stream's one event."""
-        call = Call(f"req-{uuid.uuid4().hex}", key, time.perf_counter(), datetime.now(UTC), trace=trace)
+        call = Call(request_id(), key, time.perf_counter(), datetime.now(UTC), trace=trace)
         rt = self.runtime  # one policy version for the whole request, even if a reload lands meanwhile
         call.prices = rt.prices
         try:
@@ -132,14 +131,14 @@ class Proxy:
     def refuse(self, started: float, exc: GatewayError, trace: Trace = NO_TRACE) -> Reply:
         """The answer to a request refused before it reaches `handle` (method, key, body): counted and
         logged by the telemetry, not written to the request log (there is no key to charge it to)."""
-        request_id = f"req-{uuid.uuid4().hex}"
+        refused_id = request_id()
         row = blank_row(
-            request_id, datetime.now(UTC), exc.status, round((time.perf_counter() - started) * 1e3, 3)
+            refused_id, datetime.now(UTC), exc.status, round((time.perf_counter() - started) * 1e3, 3)
         )
         row["error_type"] = exc.code
         self.finish.observe(RequestRecord(row, trace_ids=trace.ids), trace)
         reply = error_reply(exc)
-        reply.headers.append((b"x-request-id", request_id.encode()))
+        reply.headers.append((b"x-request-id", refused_id.encode()))
         return reply
 
     async def drain(self) -> None:

@@ -215,3 +215,43 @@ def test_wrong_master_keys_and_metrics_tokens_count_against_the_address_like_wro
         assert r.json()["error"]["code"] == "too_many_failed_authentications"
     r = gateway.post("/admin/keys", json={"name": "x"}, headers=wrong)  # refused before the body is read
     assert r.status_code == 429 and r.headers["retry-after"] == "30"
+
+
+class CountingHasher(KeyHasher):
+    """A KeyHasher that counts the digests it computes."""
+
+    def __init__(self, secret: bytes) -> None:
+        super().__init__(secret)
+        self.computed = 0
+
+    def digest(self, key: str) -> str:
+        self.computed += 1
+        return super().digest(key)
+
+
+def test_a_key_that_authenticated_is_not_hashed_again_and_unknown_keys_are_never_remembered(
+    migrated: str,
+) -> None:
+    async def run() -> None:
+        hasher = CountingHasher(b"hmac-secret")
+        db = create_async_engine(migrated, poolclass=NullPool)
+        limits = AuthLimits(cache_size=2, failures_per_minute=0)
+        store = KeyStore(session_factory(db), hasher, 5.0, FakeClock(), limits)
+        keys = [(await store.create(f"k{i}"))[1] for i in range(3)]
+        hasher.computed = 0  # creating hashed each once
+        for _ in range(3):
+            await store.authenticate(keys[0], CLIENT)
+        assert hasher.computed == 1  # an HMAC per key, not per request
+        for i in range(20):
+            await _refusal(store, f"sk-random-{i}")
+            await _refusal(store, f"sk-random-{i}")
+        assert hasher.computed == 1 + 40  # an unknown key is hashed every time it is presented
+        assert list(store._digests) == [keys[0]]
+        await store.authenticate(keys[1], CLIENT)
+        await store.authenticate(keys[2], CLIENT)  # bounded by the key cache's size: the oldest goes
+        assert list(store._digests) == keys[1:]
+        assert (await store.authenticate(keys[0], CLIENT)).name == "k0"  # hashed again, still works
+        assert hasher.computed == 1 + 40 + 3
+        await db.dispose()
+
+    asyncio.run(run())
