@@ -111,7 +111,8 @@ class _CleanExitServer(uvicorn.Server):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = GatewaySettings(policy_path=args.policy)  # the flag wins over GATEWAY_POLICY_PATH
+    # the flag wins over GATEWAY_POLICY_PATH, which wins over the default, policies/default.yaml
+    settings = GatewaySettings() if args.policy is None else GatewaySettings(policy_path=args.policy)
     settings.require_secrets()  # fail here, naming the missing variables, not in a worker
     load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
     config = server_config(settings, args)
@@ -165,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible endpoint, admin API)")
     serve.add_argument(
-        "--policy", type=Path, default=Path("policies/default.yaml"), help="routing policy YAML"
-    )
+        "--policy", type=Path, default=None,
+        help="routing policy YAML (default: $GATEWAY_POLICY_PATH, else policies/default.yaml)",
+    )  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="worker processes")

@@ -140,6 +140,40 @@ def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
 
 
 @pytest.mark.usefixtures("database")
+@pytest.mark.parametrize(("env", "flag", "served"), [
+    ("elsewhere.yaml", None, Path("elsewhere.yaml")),  # GATEWAY_POLICY_PATH, as docs/gateway.md says
+    ("elsewhere.yaml", POLICY, POLICY),  # the flag wins over the variable
+    (None, None, POLICY),  # neither: policies/default.yaml
+])  # fmt: skip
+def test_serve_without_policy_flag_serves_gateway_policy_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: str | None, flag: Path | None, served: Path
+) -> None:
+    monkeypatch.setenv("GATEWAY_MASTER_KEY", "m")
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    (tmp_path / "policies").mkdir()
+    (tmp_path / POLICY).write_bytes(POLICY.read_bytes())
+    (tmp_path / "elsewhere.yaml").write_bytes(POLICY.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    if env:
+        monkeypatch.setenv("GATEWAY_POLICY_PATH", env)
+    started: list[uvicorn.Config] = []
+
+    class Recorder:
+        def __init__(self, config: uvicorn.Config) -> None:
+            started.append(config)
+            self.started = True
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "_CleanExitServer", Recorder)
+    assert cli.main(["serve", "--port", "0", *(["--policy", str(flag)] if flag else [])]) == 0
+    (config,) = started
+    assert isinstance(config.app, cli.AppFactory)
+    assert config.app.settings.policy_path == served
+
+
+@pytest.mark.usefixtures("database")
 @pytest.mark.parametrize("day", ["20261128", "2026-W48-6", "2026-11-28T00:00", "2026-02-30"])
 def test_report_days_are_yyyy_mm_dd_as_the_admin_api_and_console_read_them(
     capsys: pytest.CaptureFixture[str], day: str
