@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import AliasChoices, ValidationError
 
 from gateway.config.secrets import resolve_key_secret, resolve_secrets
 from gateway.config.settings import GatewaySettings, MissingSecretsError
@@ -99,3 +99,18 @@ def test_log_retention_days_still_refuses_bad_values(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("GATEWAY_LOG_RETENTION_DAYS", value)
     with pytest.raises(ValidationError, match="log_retention_days"):
         GatewaySettings()
+
+
+def _documented_variables() -> set[str]:
+    """The variables of docs/gateway.md's settings table (`| `NAME` | default | meaning |` rows)."""
+    doc = (Path(__file__).parents[3] / "docs" / "gateway.md").read_text()
+    table = doc.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    return {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+
+
+def test_every_setting_is_a_row_of_the_settings_table_in_docs_gateway_md() -> None:
+    variables = set()
+    for name, field in GatewaySettings.model_fields.items():
+        alias = field.validation_alias
+        variables.add(alias.choices[0] if isinstance(alias, AliasChoices) else f"GATEWAY_{name.upper()}")
+    assert variables == _documented_variables()
