@@ -121,15 +121,21 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 _NEGATED = {"no_prefix_caching": "enable_prefix_caching", "no_batch_invariant": "batch_invariant"}
 
 
-def _given_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, object]:
-    """EngineConfig fields set on the command line (flags left at their defaults are not)."""
+def _given_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, tail: list[str]
+) -> dict[str, object]:
+    """EngineConfig fields set on the command line `tail` (a flag given its default value too)."""
+    unset = object()
+    # argparse fills in only the defaults a namespace lacks: what stays `unset` was not on the line
+    seen = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    parser.parse_known_args(tail, seen)
     fields = EngineConfig.field_names()
     given: dict[str, object] = {}
     for action in parser._actions:
         name = action.dest
-        value = getattr(args, name, None)
-        if value == action.default:
+        if getattr(seen, name) is unset:
             continue
+        value = getattr(args, name)
         if name in _NEGATED:
             given[_NEGATED[name]] = not value
         elif name in fields:
@@ -389,10 +395,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and tokens, concurrent sequences per context length, a suggested max_num_seqs.",
     )
     add_plan_arguments(plan)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     commands = {"demo": demo, "serve": serve, "generate": gen, "eval": evaluate, "worker": worker}
-    if args.command in commands:
-        args.engine_options = _given_options(commands[args.command], args)
+    if args.command in commands:  # the command is argv's first word: the top parser has no options
+        args.engine_options = _given_options(commands[args.command], args, argv[1:])
     return args
 
 

@@ -75,6 +75,19 @@ def test_command_line_reads_engine_variables_and_flags_win(monkeypatch: pytest.M
     assert _config(parse_args(["generate", "hi", "--no-prefix-caching"])).enable_prefix_caching is False
 
 
+def test_a_flag_given_its_default_value_still_wins_over_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.__main__ import _config, parse_args
+
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_ATTENTION_BACKEND", "torch")
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_MODEL", "/from-env")
+    argv = ["serve", "--max-num-seqs", "64", "--attention-backend=auto", "--model", "default"]
+    config = _config(parse_args(argv))  # 64, auto and default are also the flags' defaults
+    assert (config.max_num_seqs, config.attention_backend, config.model) == (64, "auto", "default")
+    assert _config(parse_args(["eval", "--max-num-seqs", "64"])).max_num_seqs == 64
+    assert _config(parse_args(["generate", "hi"])).max_num_seqs == 7  # not given: the variable
+
+
 def test_bad_engine_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.__main__ import _config, parse_args
 
