@@ -4,7 +4,10 @@ and the engine never imports the gateway (they talk HTTP only)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 
@@ -40,3 +43,22 @@ def test_the_engine_never_imports_the_gateway() -> None:
         if m == "gateway" or m.startswith("gateway.")
     )
     assert not wrong, wrong
+
+
+def test_docs_architecture_md_names_every_engine_command_and_only_files_that_exist(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from engine.__main__ import parse_args
+
+    doc = (ENGINE.parent / "docs" / "architecture.md").read_text()
+    listed = re.search(r"engine/__main__\.py +python -m engine ([\w| -]+)", doc)
+    assert listed is not None
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    usage = re.search(r"\{([\w,-]+)\}", capsys.readouterr().out)
+    assert usage is not None
+    assert {c.strip() for c in listed.group(1).split("|")} == set(usage.group(1).split(","))
+    # a file named with its folder is there, from the repository or from its room (gateway/, engine/)
+    named = set(re.findall(r"[\w./-]+/[\w.-]*\w\.(?:py|c|h|json|yaml)\b", doc))
+    roots = [ENGINE.parent, ENGINE.parent / "gateway", ENGINE]
+    assert sorted(n for n in named if not any((root / n).exists() for root in roots)) == []
