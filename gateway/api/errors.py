@@ -14,6 +14,7 @@ from gateway.errors import GatewayError, error_answer
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("body", "query", "path", "header", "cookie")  # where FastAPI found a value: not its name
+_NOT_JSON = "We could not parse the JSON body of your request"
 
 
 def error_response(exc: GatewayError) -> Response:
@@ -34,6 +35,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is ("body", <offset>): no name the client used
+            return error_response(GatewayError(400, _NOT_JSON, code="invalid_value"))
         loc = [str(p) for p in first.get("loc", ())]
         if loc and loc[0] in _SOURCES:  # the client named `limit`, not `query.limit`
             loc = loc[1:]
@@ -49,6 +52,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400:  # FastAPI's only 400: a body it could not decode (not UTF-8)
+            return error_response(GatewayError(400, _NOT_JSON, code="invalid_value"))
         return error_response(GatewayError(exc.status_code, str(exc.detail)))
 
     app.add_exception_handler(GatewayError, gateway_error)

@@ -588,6 +588,14 @@ def test_an_expiry_that_leaves_the_calendar_in_utc_is_400_on_both_databases(
     assert patch.status_code == 400 and patch.json()["error"]["param"] == "expires_at"
 
 
+def test_a_body_that_is_not_json_is_400_without_a_param_named_after_its_offset(admin: TestClient) -> None:
+    for raw in (b"{bad", b'{"name": "x",}', b"\xff"):
+        r = admin.post("/admin/keys", content=raw, headers={**ADMIN, "content-type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "invalid_value", r.text
+        assert error["param"] is None and "JSON" in error["message"], r.text  # was param "1"
+
+
 def test_a_bad_query_parameter_is_named_as_the_client_named_it(admin: TestClient) -> None:
     for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("after=", "after")):
         r = admin.get(f"/admin/keys?{query}", headers=ADMIN)
