@@ -145,17 +145,21 @@ def run_dev_stack(
     Both signals get our own handler: Python installs its KeyboardInterrupt handler only when
     SIGINT was not ignored at start-up, and a background job, `nohup` or a CI runner starts us with
     it ignored. The handler raises, so a signal during the (long) start-up stops at once too.
+    Each child runs in a process group of its own: Ctrl-C at the terminal reaches only us, and each
+    child gets one SIGTERM from us. In our group it also got the terminal's SIGINT, and a second
+    signal forces uvicorn out without its shutdown (the gateway's queued request-log rows were lost).
+    The terminal closing (SIGHUP) stops both the same way.
     """
     settings = GatewaySettings(dev_mode=True)
     gateway_env = {**os.environ, "GATEWAY_DEV_MODE": "1"}  # the child's environment; ours is unchanged
     engine_url, gateway_url = f"http://{host}:{engine_port}", f"http://{host}:{port}"
     procs: list[subprocess.Popen[bytes]] = []
-    signal.signal(signal.SIGINT, _request_stop)
-    signal.signal(signal.SIGTERM, _request_stop)
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, _request_stop)
     try:
         engine_cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--host", host,
                       "--port", str(engine_port), "--no-access-log", *engine_options]  # fmt: skip
-        procs.append(subprocess.Popen(engine_cmd))
+        procs.append(subprocess.Popen(engine_cmd, process_group=0))
         print(f"starting the engine ({model}) on {engine_url} ...", flush=True)
         _wait_healthy("engine", procs[0], engine_url, timeout=900)
         served = [m["id"] for m in httpx.get(f"{engine_url}/v1/models", timeout=10).json()["data"]]
@@ -166,7 +170,7 @@ def run_dev_stack(
         key = asyncio.run(_dev_key(settings))
         gateway_cmd = [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--host", host,
                        "--port", str(port)]  # fmt: skip
-        procs.append(subprocess.Popen(gateway_cmd, env=gateway_env))
+        procs.append(subprocess.Popen(gateway_cmd, env=gateway_env, process_group=0))
         _wait_healthy("gateway", procs[1], gateway_url, timeout=120)
         exposed = yaml.safe_load(policy.read_text())
         models = [*exposed["models"], *(exposed.get("routes") or {})]
@@ -184,8 +188,8 @@ def run_dev_stack(
                 if p.poll() is None:
                     p.kill()
 
-        signal.signal(signal.SIGINT, kill_all)  # a second signal while they stop: kill, do not wait
-        signal.signal(signal.SIGTERM, kill_all)
+        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop, kill_all)  # a second signal while they stop: kill, do not wait
         for p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

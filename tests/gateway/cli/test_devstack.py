@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -45,9 +46,15 @@ def _dev_stack(
             out += proc.stdout.readline()
         yield proc, out
     finally:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the stack and its children, stopped or not
+        _kill_session(proc.pid)  # the stack and its children (each in a group of its own), stopped or not
         proc.wait(10)
+
+
+def _kill_session(sid: int) -> None:
+    listed = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout
+    for pid in [int(p) for p in listed.split()]:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _nothing_listens_on(*ports: int) -> None:
@@ -95,3 +102,28 @@ def test_dev_stack_started_with_sigint_ignored_still_stops_both_on_sigint(
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         _nothing_listens_on(port, engine_port)
+
+
+def test_ctrl_c_at_the_terminal_stops_both_gracefully_and_keeps_every_request_log_row(
+    tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    port, engine_port = free_port(), free_port()
+    with _dev_stack(tiny_chat_model, tmp_path, port, engine_port) as (proc, out):
+        key = re.search(r"^\s+key\s+(sk-\S+)", out, re.M)
+        assert key is not None, out
+        for _ in range(3):  # answered, their rows still queued (written every 0.5 s) at the Ctrl-C
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": f"Bearer {key.group(1)}"},
+                timeout=60,
+            )
+            assert r.status_code == 404, r.text
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal signals its whole foreground process group
+        assert proc.wait(60) == 0
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert "Traceback" not in rest, rest  # was: a second signal (SIGINT, then ours) forced both out
+    _nothing_listens_on(port, engine_port)
+    with sqlite3.connect(tmp_path / "gateway.db") as db:
+        assert db.execute("SELECT count(*) FROM request_logs").fetchone() == (3,)
