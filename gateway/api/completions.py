@@ -92,7 +92,9 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
 
     `answer` may send a stream's status and headers before its Reply is ready (the head sender it is
     given); the Reply's own are then spent. A watcher waits on `receive()`, which returns
-    `http.disconnect` when the client goes away (or once the response is complete). The handler
+    `http.disconnect` when the client goes away (or once the response is complete); it starts from
+    the loop once `answer` first waits, so that making it does not delay the upstream request (a
+    client gone before then is seen at once: `receive()` returns the disconnect it had noted). The handler
     task is cancelled only while the answer is still being produced or streamed; that cancellation
     is absorbed here, not passed to the server.
     """
@@ -110,7 +112,14 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
             state["left"] = True
             task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    watcher: asyncio.Task[None] | None = None
+
+    def start_watching() -> None:  # from the loop, once the answer waits (not on the request's way out)
+        nonlocal watcher
+        if not state["done"]:
+            watcher = asyncio.ensure_future(watch())
+
+    asyncio.get_running_loop().call_soon(start_watching)
     try:
         reply = await answer(head)
         if reply.events is None:
@@ -124,7 +133,8 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
         task.uncancel()  # the client left: nothing to answer, nothing to report to the server
     finally:
         state["done"] = True
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def _send_whole(reply: Reply, send: Send, close: bool = False) -> None:
