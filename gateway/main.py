@@ -103,7 +103,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.resolved_database_url
         await ensure_schema(url, auto_upgrade=settings.dev_mode)
-        db = create_db(url)
+        db = create_db(url, serving=True)
         secrets = resolve_secrets(settings)
         keys = KeyStore(
             session_factory(db),

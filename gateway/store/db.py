@@ -154,8 +154,19 @@ async def translated_errors(doing: str) -> AsyncIterator[None]:
         raise
 
 
-def create_db(url: str) -> AsyncEngine:
-    """The AsyncEngine; SQLite gets its folder created, WAL journaling (synchronous=NORMAL), foreign keys."""
+# A serving gateway's bounds on PostgreSQL. asyncpg waits 60 s for a new connection and forever for
+# a statement, so a database gone silent (a partition, a stalled proxy: no reset) held every key
+# lookup, budget seed and admin call for as long as the silence lasted. The statement bound is the
+# request log's write timeout. Not for migrations: a schema change on a big table may take longer.
+SERVING_CONNECT_TIMEOUT = 5.0  # s
+SERVING_STATEMENT_TIMEOUT = 15.0  # s, each statement (the pool's pre-ping too)
+
+
+def create_db(url: str, serving: bool = False) -> AsyncEngine:
+    """The AsyncEngine; SQLite gets its folder created, WAL journaling (synchronous=NORMAL), foreign keys.
+
+    `serving`: PostgreSQL connections and statements are bounded (a silent database is an outage).
+    """
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -171,7 +182,10 @@ def create_db(url: str) -> AsyncEngine:
             cursor.close()
 
         return db
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    bounds = (
+        {"timeout": SERVING_CONNECT_TIMEOUT, "command_timeout": SERVING_STATEMENT_TIMEOUT} if serving else {}
+    )
+    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=bounds)
 
 
 def session_factory(db: AsyncEngine) -> async_sessionmaker[AsyncSession]:

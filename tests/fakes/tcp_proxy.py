@@ -3,7 +3,8 @@ one client without stopping it for everybody else.
 
 `cut()` resets every open connection and resets each new one at once (a client sees its
 connection lost, then refused: a server that went down); `cut(hang=True)` accepts new ones and
-never answers (a host gone from the network: only a timeout tells); `restore()` forwards again,
+never answers (a host gone from the network: only a timeout tells); `silence()` does that to the
+open connections too, without a reset (a partition: pooled connections go quiet); `restore()` forwards again,
 as a server that came back. The listening port never changes.
 """
 
@@ -22,6 +23,7 @@ class TcpProxy:
         self._target = (target_host, target_port)
         self._cut = False
         self._hang = False
+        self._silent = False  # open connections forward nothing, in either direction
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -59,6 +61,8 @@ class TcpProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while data := await reader.read(65536):
+                while self._silent:  # held, never delivered: restore() resets these connections
+                    await asyncio.sleep(0.05)
                 writer.write(data)
                 await writer.drain()
         except (OSError, RuntimeError):
@@ -68,7 +72,10 @@ class TcpProxy:
 
     def _run(self, action: str, hang: bool = False) -> None:
         async def act() -> None:
-            self._cut, self._hang = action == "cut", hang
+            self._cut, self._hang = action in ("cut", "silence"), hang
+            self._silent = action == "silence"
+            if self._silent:  # the open connections stay open, and quiet
+                return
             for writer in list(self._writers):  # restore: the held connections go too
                 writer.transport.abort()
             self._writers.clear()
@@ -78,6 +85,10 @@ class TcpProxy:
     def cut(self, hang: bool = False) -> None:
         """Reset every connection now, and each new one (or, `hang`, hold it unanswered) until `restore()`."""
         self._run("cut", hang)
+
+    def silence(self) -> None:
+        """Forward nothing more on open connections, hold new ones unanswered; no reset until `restore()`."""
+        self._run("silence", hang=True)
 
     def restore(self) -> None:
         """Forward new connections again."""

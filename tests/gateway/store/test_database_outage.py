@@ -265,6 +265,34 @@ def test_every_request_made_while_the_database_is_cut_under_load_ends_in_exactly
     assert not list(settings.resolved_log_spool_dir.rglob("*.jsonl"))  # all replayed
 
 
+def test_a_database_gone_silent_answers_503_database_unavailable_in_bounded_time(
+    postgres_url: str, upstream: ManagedServer, tmp_path: Path
+) -> None:
+    """No reset, no answer (a partition): asyncpg waited 60 s for a new connection and forever for a
+    statement on a pooled one, so every uncached key lookup hung for as long as the silence lasted."""
+    upgrade(postgres_url)
+    with tcp_proxy("127.0.0.1", 5432) as proxy:
+        settings = GatewaySettings(
+            master_key=SecretStr(MASTER), key_secret=SecretStr(SECRET), key_cache_ttl=0,
+            policy_path=_policy(tmp_path, upstream),
+            database_url=postgres_url.replace(":5432/", f":{proxy.port}/"), data_dir=tmp_path,
+        )  # fmt: skip
+        with TestClient(create_app(settings)) as client, ThreadPoolExecutor(1) as pool:
+            key = client.post("/admin/keys", json={"name": "quiet"}, headers=ADMIN).json()["key"]
+            auth = {"Authorization": f"Bearer {key}"}
+            assert client.post("/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+            proxy.silence()  # the pooled connections go quiet, new ones are never answered
+            started = time.monotonic()
+            future = pool.submit(client.post, "/v1/chat/completions", json=CHAT, headers=auth)
+            try:
+                refused = future.result(timeout=40)
+            finally:
+                elapsed = time.monotonic() - started
+                proxy.restore()  # a hung request ends here, so the test can stop
+            assert elapsed < 25, elapsed
+            _assert_database_unavailable(refused, "the API key cannot be checked")
+
+
 def test_a_value_the_database_refuses_is_a_400_without_its_text_and_an_outage_stays_503(
     postgres_url: str, drop_database: Callable[[str], None], tmp_path: Path
 ) -> None:
