@@ -14,14 +14,23 @@ When budgets cannot be checked, because Redis is unreachable or because the data
 a new counter its seed, a store either refuses (BudgetUnavailableError, naming which of the two
 failed) or, with `fail_open`, admits the request without a budget and logs it; a request admitted
 that way reserved nothing, so nothing is settled for it.
+
+A Redis command that times out (or loses its connection) may still have run. So each reservation
+leaves a marker beside its counter, under the request's token, holding what it holds there; a
+settle moves the counter by the difference and removes the marker, and a resent one finds none and
+does nothing. A request whose reservation's fate is unknown settles "blind": the marker says
+whether the reservation happened, and is left as a tombstone so that a resend does not count twice.
+Without them a half-open Redis left refused requests' reservations on their counters for good and
+settled timed-out settles twice.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from functools import partial
@@ -87,6 +96,9 @@ class Charge:
     period_start: datetime
     reset: datetime | None
     amount: int  # picodollars reserved
+    # the request's own name for its reservations (their markers in Redis); the same for all its charges
+    token: str = field(default_factory=lambda: os.urandom(12).hex())
+    blind: bool = False  # whether the reservation happened is unknown (Redis failed): the marker says
 
 
 class BudgetExceededError(GatewayError):
@@ -170,8 +182,9 @@ class BudgetStore(Protocol):
         """
         ...
 
-    async def settle(self, charge: Charge, actual: int) -> None:
-        """Replace a reservation by the real cost (picodollars)."""
+    async def settle(self, charge: Charge, actual: int, final: bool = True) -> None:
+        """Replace a reservation by the real cost (picodollars); not `final`: by an upper bound of it,
+        settled again later."""
         ...
 
     async def close(self) -> None:
@@ -205,7 +218,7 @@ class LocalBudgetStore:
             self._spent[charge.counter] += charge.amount
         return True
 
-    async def settle(self, charge: Charge, actual: int) -> None:
+    async def settle(self, charge: Charge, actual: int, final: bool = True) -> None:
         """As in Redis: on a counter that exists. One that does not (the database could not seed it
         while budgets failed open) is seeded later from the request log, which has this request."""
         if charge.counter in self._spent:
@@ -216,22 +229,37 @@ class LocalBudgetStore:
 
 
 _SETTLE_RETRY_SECONDS = 1.0
-# a settle's change, on a counter that still exists (an expired one is seeded again from the log);
+# A marker outlives any request (a day); a settle removes it, so only requests in flight, and
+# tombstones of blind settles (Redis failed), hold one.
+MARKER_SECONDS = 86400
+# KEYS: counter, marker. ARGV: target (picodollars the request now owes), mode: `part` (a bound,
+# settled again later), `final`, or `blind` (final, the reservation's fate unknown: no marker means
+# it never happened; a tombstone is left so that a resend does not count twice).
+# A marker missing for `part` or `final` means this settle ran already (a resend): nothing to do.
+# The change goes only on a counter that still exists (an expired one is seeded again from the log);
 # never below zero: a counter flushed or evicted while requests were in flight is seeded again
-# without their reservations, and their settles would take those back a second time
+# without their reservations, and their settles would take those back a second time.
 _SETTLE = """
+local held = redis.call('GET', KEYS[2])
+if held == 'settled' or (not held and ARGV[2] ~= 'blind') then return false end
+local delta = tonumber(ARGV[1]) - tonumber(held or '0')
+if ARGV[2] == 'part' then redis.call('SET', KEYS[2], ARGV[1], 'KEEPTTL')
+elseif ARGV[2] == 'final' then redis.call('DEL', KEYS[2])
+else redis.call('SET', KEYS[2], 'settled', 'EX', ARGV[3]) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local value = redis.call('INCRBY', KEYS[1], ARGV[1])
+local value = redis.call('INCRBY', KEYS[1], delta)
 if value < 0 then redis.call('SET', KEYS[1], 0, 'KEEPTTL') return 0 end
 return value
 """
 
 # One round trip for a whole admission: rate limits (GCRA, as in gateway/governance/ratelimit.py) and budgets,
-# all or nothing. KEYS: limit counters, then budget counters. ARGV: n_limits, n_budgets, then
-# interval_i, cost_i per limit, then limit_j, amount_j per budget. Returns "ok", "missing <j>",
-# "over <j>" or "limit <wait> <i>".
+# all or nothing. KEYS: limit counters, then budget counters, then their markers. ARGV: n_limits,
+# n_budgets, then interval_i, cost_i per limit, then limit_j, amount_j per budget, then the markers'
+# lifetime. Returns "ok", "missing <j>", "over <j>" or "limit <wait> <i>". An admission sent again
+# (its connection lost after Redis ran it) finds its marker and spends nothing twice.
 _ADMIT = """
 local nl, nb = tonumber(ARGV[1]), tonumber(ARGV[2])
+if nb > 0 and redis.call('EXISTS', KEYS[nl + nb + 1]) == 1 then return 'ok' end
 for j = 1, nb do
   if redis.call('EXISTS', KEYS[nl + j]) == 0 then return 'missing ' .. j end
 end
@@ -258,6 +286,7 @@ for i = 1, nl do
 end
 for j = 1, nb do
   redis.call('INCRBY', KEYS[nl + j], ARGV[base + 2 * j])
+  redis.call('SET', KEYS[nl + nb + j], ARGV[base + 2 * j], 'EX', ARGV[base + 2 * nb + 1])
 end
 return 'ok'
 """
@@ -284,7 +313,9 @@ class RedisBudgetStore:
         self._seeding: SingleFlight[str, None] = SingleFlight()
         self._admit = self._redis.register_script(_ADMIT)
         self._settle_script = self._redis.register_script(_SETTLE)
-        self._unsettled: dict[str, int] = {}  # counter -> picodollars owed to it (Redis was away)
+        # (counter, marker) -> (target, mode): settles Redis did not confirm (it was away, or its
+        # answer was lost), written again until it does; the markers make that safe
+        self._unsettled: dict[tuple[str, str], tuple[int, str]] = {}
         self._writing = False
         self._retry_at = 0.0  # monotonic time before which owed changes are not tried again
         self._prefix = prefix
@@ -295,17 +326,32 @@ class RedisBudgetStore:
         try:
             await self.admit([], "", charges, seed)
         except self._errors as exc:
-            self.unreachable(exc)
+            self.unreachable(exc, charges)
             return False
         except SpendUnavailableError as exc:
             self.unreachable(exc)
             return False
         return True
 
-    def unreachable(self, exc: BaseException) -> None:
+    def unreachable(self, exc: BaseException, charges: Sequence[Charge] = ()) -> None:
         """Redis (or, for a SpendUnavailableError, the database) failed: admit (fail open, logged)
-        or raise BudgetUnavailableError saying which."""
-        unchecked(self.fail_open, exc)
+        or raise BudgetUnavailableError saying which. `charges`: the reservations whose fate Redis's
+        failure left unknown, given back (blind) when the request is refused."""
+        try:
+            unchecked(self.fail_open, exc)
+        except BudgetUnavailableError:
+            self.give_back(charges)
+            raise
+
+    def give_back(self, charges: Sequence[Charge]) -> None:
+        """A refused request's reservations, which Redis may have made although it did not answer,
+        are taken back once it does (blind: only those that happened)."""
+        for charge in charges:
+            key = self._prefix + charge.counter
+            self._unsettled[(key, self._marker(charge))] = (0, "blind")
+
+    def _marker(self, charge: Charge) -> str:
+        return f"{self._prefix}{charge.counter}:held:{charge.token}"
 
     async def admit(
         self, limits: Sequence[Limit], limit_prefix: str, charges: Sequence[Charge], seed: Seed
@@ -319,11 +365,13 @@ class RedisBudgetStore:
         if self._unsettled:  # Redis may be back: what earlier settles owe is written first
             await self._write_unsettled()
         keys = [limit_prefix + limit.name for limit in limits] + [self._prefix + c.counter for c in charges]
+        keys += [self._marker(c) for c in charges]
         args: list[float | int] = [len(limits), len(charges)]
         for limit in limits:
             args += [limit.interval, limit.cost]
         for charge in charges:
             args += [to_picousd(charge.budget.limit_usd), charge.amount]
+        args.append(MARKER_SECONDS)
         for _ in range(3):
             answer = await self._admit(keys=keys, args=args)
             verdict, *rest = (answer.decode() if isinstance(answer, bytes) else str(answer)).split()
@@ -335,7 +383,9 @@ class RedisBudgetStore:
             if verdict == "over":
                 raise BudgetExceededError(charge.budget, charge.reset, charge.amount)
             await self._seeding.run(charge.counter, partial(self._seed_counter, charge, seed))
-        logger.error("budget counters %s could not be seeded in three tries", keys[len(limits) :])
+        logger.error(
+            "budget counters %s could not be seeded in three tries", keys[len(limits) :][: len(charges)]
+        )
         raise BudgetUnavailableError("budgets cannot be checked: their counters could not be set up")
 
     async def _seed_counter(self, charge: Charge, seed: Seed) -> None:
@@ -351,35 +401,39 @@ class RedisBudgetStore:
         """What an unreachable Redis raises."""
         return self._errors
 
-    async def settle(self, charge: Charge, actual: int) -> None:
-        """The reservation becomes the real cost. One Redis could not take (it was away) is kept
-        and written by a later settle or reservation: dropping it left the whole worst case on the
-        budget until the counter expired (never, for a total budget)."""
-        delta = actual - charge.amount
-        if delta:
-            key = self._prefix + charge.counter
-            self._unsettled[key] = self._unsettled.get(key, 0) + delta
+    async def settle(self, charge: Charge, actual: int, final: bool = True) -> None:
+        """The reservation becomes the real cost. One Redis did not confirm (it was away, or its
+        answer was lost) is kept and written again by a later settle or reservation: dropping it
+        left the whole worst case on the budget until the counter expired (never, for a total
+        budget); the marker makes writing it twice harmless."""
+        mode = "blind" if charge.blind else "final" if final else "part"
+        if mode == "part" and actual == charge.amount:
+            return
+        owed = (self._prefix + charge.counter, self._marker(charge))
+        if mode != "part" or self._unsettled.get(owed, (0, "part"))[1] == "part":  # never undo a final
+            self._unsettled[owed] = (actual, mode)
         await self._write_unsettled()
 
     async def _write_unsettled(self) -> None:
-        """Write the changes still owed, one writer at a time (a second would write them twice);
-        a counter gone meanwhile (expired) is left to be seeded again from the request log."""
+        """Write the settles still owed, one writer at a time; a counter gone meanwhile (expired)
+        is left to be seeded again from the request log."""
         if not self._unsettled or self._writing or time.monotonic() < self._retry_at:
             return
         self._writing = True
         try:
             while self._unsettled:
-                key, delta = next(iter(self._unsettled.items()))
+                owed, (target, mode) = next(iter(self._unsettled.items()))
                 try:
-                    await self._settle_script(keys=[key], args=[delta])
+                    await self._settle_script(keys=list(owed), args=[target, mode, MARKER_SECONDS])
                 except self._errors as exc:
                     # tried again in a second: an admission meanwhile does not wait on Redis twice
                     self._retry_at = time.monotonic() + _SETTLE_RETRY_SECONDS
-                    logger.error("budget %s: %d picodollars not settled yet: %s", key, delta, exc)
+                    logger.error(
+                        "budget %s: a settle to %d picodollars not confirmed yet: %s", owed[0], target, exc
+                    )
                     return
-                left = self._unsettled.pop(key) - delta  # what other settles owed meanwhile
-                if left:
-                    self._unsettled[key] = left
+                if self._unsettled.get(owed) == (target, mode):  # not replaced by a later settle meanwhile
+                    del self._unsettled[owed]
         finally:
             self._writing = False
 

@@ -15,6 +15,7 @@ one script (one round trip instead of two).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -124,7 +125,7 @@ class Admission:
         narrowed = []
         for charge in ticket.charges:
             if held < charge.amount:
-                self._spawn(self.budgets.settle(charge, held))
+                self._spawn(self.budgets.settle(charge, held, final=False))
                 charge = replace(charge, amount=held)
             narrowed.append(charge)
         ticket.charges = narrowed
@@ -174,10 +175,11 @@ class Admission:
         amount = to_picousd(rt.prices.worst_case(decision.chain, body, body_bytes,
                                                  lambda m: capabilities.of(m).context_length))  # fmt: skip
         now = datetime.now(UTC)
+        token = os.urandom(12).hex()  # names this request's reservations (their markers in Redis)
         charges = []
         for budget in budgets:
             counter, start, reset = budget.counter(now)
-            charges.append(Charge(budget, counter, start, reset, amount))
+            charges.append(Charge(budget, counter, start, reset, amount, token))
         return charges
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
@@ -214,8 +216,9 @@ class RedisAdmission(Admission):
             ticket.charges = _unreserved(charges)
             return
         except budgets.errors as exc:
-            budgets.unreachable(exc)  # budgets fail closed (raises) or open; then the limits decide
+            budgets.unreachable(exc, charges)  # budgets fail closed (raises) or open; then the limits decide
             if not limiter.fail_open:  # the cause is in the server's log, not the client's answer
+                budgets.give_back(charges)  # Redis may have reserved them before it stopped answering
                 raise LimiterUnavailableError("rate limits cannot be checked: Redis is unreachable") from exc
             ticket.charges = _unreserved(charges)
             return
@@ -223,10 +226,11 @@ class RedisAdmission(Admission):
 
 
 def _unreserved(charges: list[Charge]) -> list[Charge]:
-    """The charges of a request admitted while budgets fail open: nothing is held on the counters,
-    but what it costs is still owed to them, settled (from 0) once Redis answers again; a counter
-    gone by then is seeded from the request log, which has the request."""
-    return [replace(charge, amount=0) for charge in charges]
+    """The charges of a request admitted while budgets fail open: nothing is held on the counters
+    as far as the gateway knows, but what it costs is still owed to them, settled blind once Redis
+    answers again (from what Redis did reserve, if it ran the admission without answering, else
+    from 0); a counter gone by then is seeded from the request log, which has the request."""
+    return [replace(charge, amount=0, blind=True) for charge in charges]
 
 
 def _total(usage: dict[str, Any]) -> int:

@@ -4,8 +4,9 @@ one client without stopping it for everybody else.
 `cut()` resets every open connection and resets each new one at once (a client sees its
 connection lost, then refused: a server that went down); `cut(hang=True)` accepts new ones and
 never answers (a host gone from the network: only a timeout tells); `silence()` does that to the
-open connections too, without a reset (a partition: pooled connections go quiet); `restore()` forwards again,
-as a server that came back. The listening port never changes.
+open connections too, without a reset (a partition: pooled connections go quiet); `deafen()` passes
+requests on and drops every reply (half-open: the server acts, the client never hears);
+`restore()` forwards again, as a server that came back. The listening port never changes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class TcpProxy:
         self._cut = False
         self._hang = False
         self._silent = False  # open connections forward nothing, in either direction
+        self._deaf = False  # requests reach the server, its replies are dropped
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
@@ -54,13 +56,17 @@ class TcpProxy:
             return
         self._writers |= {writer, up_writer}
         try:
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer, reply=True))
         finally:
             self._writers -= {writer, up_writer}
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: bool = False
+    ) -> None:
         try:
             while data := await reader.read(65536):
+                if reply and self._deaf:
+                    continue
                 while self._silent:  # held, never delivered: restore() resets these connections
                     await asyncio.sleep(0.05)
                 writer.write(data)
@@ -73,8 +79,8 @@ class TcpProxy:
     def _run(self, action: str, hang: bool = False) -> None:
         async def act() -> None:
             self._cut, self._hang = action in ("cut", "silence"), hang
-            self._silent = action == "silence"
-            if self._silent:  # the open connections stay open, and quiet
+            self._silent, self._deaf = action == "silence", action == "deafen"
+            if self._silent or self._deaf:  # the open connections stay open
                 return
             for writer in list(self._writers):  # restore: the held connections go too
                 writer.transport.abort()
@@ -89,6 +95,10 @@ class TcpProxy:
     def silence(self) -> None:
         """Forward nothing more on open connections, hold new ones unanswered; no reset until `restore()`."""
         self._run("silence", hang=True)
+
+    def deafen(self) -> None:
+        """Pass requests on, open connections and new ones, and drop every reply, until `restore()`."""
+        self._run("deafen")
 
     def restore(self) -> None:
         """Forward new connections again."""

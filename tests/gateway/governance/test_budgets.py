@@ -23,10 +23,13 @@ from gateway.governance.budgets import (
     period_bounds,
     spend_seed,
 )
+from gateway.governance.redis_pool import RedisPoolConfig
+from gateway.pipeline.admission import _unreserved
 from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import to_picousd
 from gateway.store.request_log import RequestLogWriter
+from tests.fakes.tcp_proxy import tcp_proxy
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -224,13 +227,14 @@ def test_one_redis_script_admits_limits_and_budgets_all_or_nothing() -> None:
     async def run() -> None:
         store = RedisBudgetStore(REDIS)
         prefix = "switchboard:rl:"
-        await store.admit([rpm], prefix, [_charge(budget, now, "0.9")], _nothing_spent)
+        first = _charge(budget, now, "0.9")
+        await store.admit([rpm], prefix, [first], _nothing_spent)
         with pytest.raises(BudgetExceededError):  # refused by the budget: the limit is not spent
             await store.admit([rpm], prefix, [_charge(budget, now, "0.2")], _nothing_spent)
         await store.admit([rpm], prefix, [_charge(budget, now, "0.1")], _nothing_spent)  # rpm unit 2 of 2
         with pytest.raises(RateLimitedError):  # refused by the limit: the budget is not spent
             await store.admit([rpm], prefix, [], _nothing_spent)
-        await store.settle(_charge(budget, now, "0.9"), 0)  # the first request cost nothing after all
+        await store.settle(first, 0)  # the first request cost nothing after all
         await store.admit([], prefix, [_charge(budget, now, "0.9")], _nothing_spent)
         await store.close()
 
@@ -395,3 +399,88 @@ def test_a_counter_seeded_again_mid_flight_never_goes_below_zero() -> None:
 
     value, ttl = asyncio.run(run())
     assert value == 0 and ttl == -1  # clamped, and a total budget's counter still never expires
+
+
+async def _counter(url: str, key: str) -> int:
+    reader = RedisPoolConfig().client(url)
+    try:
+        return int(await reader.get(key) or 0)
+    finally:
+        await reader.aclose()
+
+
+def _deaf_redis_store(proxy_port: int, fail_open: bool = False) -> RedisBudgetStore:
+    """A store behind the proxy, quick to give up on an answer that does not come."""
+    url = REDIS.replace(":6379/", f":{proxy_port}/")
+    return RedisBudgetStore(url, fail_open, pool=RedisPoolConfig(timeout=0.5, socket_timeout=0.3))
+
+
+def test_a_reservation_and_a_settle_whose_answers_were_lost_count_once_when_redis_is_back() -> None:
+    """Half-open Redis: it runs the scripts, their answers never come. A refused request's
+    reservation stayed on its counter for good, and a settle sent again was counted twice."""
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
+    now = datetime.now(UTC)
+    counter = "switchboard:" + _charge(budget, now, "0").counter
+
+    async def run() -> list[int]:
+        seen = []
+        with tcp_proxy("127.0.0.1", 6379) as proxy:
+            store = _deaf_redis_store(proxy.port)
+            try:
+                first = _charge(budget, now, "0.80")
+                await store.reserve([first], _nothing_spent)
+                await asyncio.gather(*(store._redis.ping() for _ in range(3)))  # connections open to lose
+                proxy.deafen()
+                settled, refused = await asyncio.gather(  # each on an open connection: Redis runs both
+                    store.settle(first, to_picousd(Decimal("0.05"))),  # unconfirmed: owed
+                    store.reserve([_charge(budget, now, "0.40")], _nothing_spent),  # 40 cents held
+                    return_exceptions=True,
+                )
+                assert settled is None and isinstance(refused, BudgetUnavailableError), refused
+                seen.append(await _counter(REDIS, counter))
+                proxy.restore()
+                await asyncio.sleep(1.05)  # the next admission writes what is owed first
+                await store.reserve([_charge(budget, now, "0.10")], _nothing_spent)
+                seen.append(await _counter(REDIS, counter))
+            finally:
+                await store.close()
+                await store_cleanup(counter)
+        return seen
+
+    during, after = asyncio.run(run())
+    assert during == to_picousd(Decimal("0.45"))  # Redis did both: 5 cents spent, 40 held
+    assert after == to_picousd(Decimal("0.15"))  # the 40 given back, the settle counted once
+
+
+def test_a_request_admitted_blind_owes_its_cost_once_whatever_redis_did_with_its_reservation() -> None:
+    """Budgets failing open while Redis ran the reservation without answering: the request's cost
+    was added on top of the reservation Redis still held."""
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
+    now = datetime.now(UTC)
+    counter = "switchboard:" + _charge(budget, now, "0").counter
+
+    async def run() -> int:
+        with tcp_proxy("127.0.0.1", 6379) as proxy:
+            store = _deaf_redis_store(proxy.port, fail_open=True)
+            try:
+                await store.reserve([_charge(budget, now, "0.10")], _nothing_spent)  # in flight
+                proxy.deafen()
+                charge = _charge(budget, now, "0.50")
+                assert not await store.reserve([charge], _nothing_spent)  # admitted unchecked
+                proxy.restore()
+                # what the admission settles for it: its cost, from what Redis really reserved
+                await store.settle(_unreserved([charge])[0], to_picousd(Decimal("0.05")))
+                return await _counter(REDIS, counter)
+            finally:
+                await store.close()
+                await store_cleanup(counter)
+
+    assert asyncio.run(run()) == to_picousd(Decimal("0.15"))
+
+
+async def store_cleanup(counter: str) -> None:
+    cleaner = RedisPoolConfig().client(REDIS)
+    try:
+        await cleaner.delete(counter, *[k async for k in cleaner.scan_iter(counter + ":held:*")])
+    finally:
+        await cleaner.aclose()
