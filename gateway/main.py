@@ -33,7 +33,7 @@ from gateway.pipeline.call import request_id
 from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
 from gateway.routing.complexity import ComplexityModel
-from gateway.store.db import create_db, session_factory
+from gateway.store.db import create_db, dispose, session_factory
 from gateway.store.log_retention import LogRetention
 from gateway.store.migrate import ensure_schema
 from gateway.store.request_log import RequestLogWriter
@@ -141,7 +141,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
             await admission.close()
             for pool in holder.runtime.pools.values():
                 await pool.close()
-            await db.dispose()
+            await dispose(db)
             if tracer is not None:
                 tracer.shutdown()  # exports the spans still buffered
 

@@ -6,6 +6,7 @@ inference server), hence `create_db` rather than SQLAlchemy's `create_engine`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
@@ -160,6 +161,7 @@ async def translated_errors(doing: str) -> AsyncIterator[None]:
 # request log's write timeout. Not for migrations: a schema change on a big table may take longer.
 SERVING_CONNECT_TIMEOUT = 5.0  # s
 SERVING_STATEMENT_TIMEOUT = 15.0  # s, each statement (the pool's pre-ping too)
+DISPOSE_SECONDS = 5.0  # s a stopping gateway gives its connections to close gracefully
 
 
 def create_db(url: str, serving: bool = False) -> AsyncEngine:
@@ -191,3 +193,14 @@ def create_db(url: str, serving: bool = False) -> AsyncEngine:
 def session_factory(db: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     """Sessions that keep loaded objects usable after commit."""
     return async_sessionmaker(db, expire_on_commit=False)
+
+
+async def dispose(db: AsyncEngine) -> None:
+    """Close the pool's connections, giving up after DISPOSE_SECONDS (what is left is reset when the
+    process exits). A graceful close waits for the server's goodbye: with PostgreSQL silent, a
+    gateway told to stop never exited, its request log long spooled."""
+    try:
+        async with asyncio.timeout(DISPOSE_SECONDS):
+            await db.dispose()
+    except TimeoutError:
+        logger.warning("the database did not answer: its connections were not closed gracefully")

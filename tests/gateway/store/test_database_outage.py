@@ -293,6 +293,39 @@ def test_a_database_gone_silent_answers_503_database_unavailable_in_bounded_time
             _assert_database_unavailable(refused, "the API key cannot be checked")
 
 
+def test_a_gateway_told_to_stop_while_the_database_is_silent_stops_in_bounded_time(
+    postgres_url: str, upstream: ManagedServer, tmp_path: Path
+) -> None:
+    """Its rows spooled, the gateway still waited for each pooled connection's graceful close, which
+    a silent database never answers: it did not exit until the database spoke again."""
+    upgrade(postgres_url)
+    with tcp_proxy("127.0.0.1", 5432) as proxy, ThreadPoolExecutor(1) as pool:
+        settings = GatewaySettings(
+            master_key=SecretStr(MASTER), key_secret=SecretStr(SECRET),
+            policy_path=_policy(tmp_path, upstream),
+            database_url=postgres_url.replace(":5432/", f":{proxy.port}/"), data_dir=tmp_path,
+        )  # fmt: skip
+        client = TestClient(create_app(settings))
+        client.__enter__()
+        key = client.post("/admin/keys", json={"name": "stop"}, headers=ADMIN).json()["key"]
+        answers = [client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
+                   for _ in range(3)]  # fmt: skip
+        assert [a.status_code for a in answers] == [200] * 3
+        deadline = time.monotonic() + 10
+        while asyncio.run(_stored(postgres_url))[0] < 3:  # written: the log owes nothing at the stop
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proxy.silence()
+        started = time.monotonic()
+        stopping = pool.submit(client.__exit__, None, None, None)
+        try:
+            stopping.result(timeout=90)
+        finally:
+            elapsed = time.monotonic() - started
+            proxy.restore()
+        assert elapsed < 12, elapsed  # the connections are given 5 s, not 15 s each (or forever)
+
+
 def test_a_value_the_database_refuses_is_a_400_without_its_text_and_an_outage_stays_503(
     postgres_url: str, drop_database: Callable[[str], None], tmp_path: Path
 ) -> None:
