@@ -447,7 +447,7 @@ class RedisBudgetStore:
             except Exception:  # the shutdown goes on; what is owed is in the log
                 logger.exception("budgets: settles owed at shutdown could not be written")
             if self._unsettled:
-                logger.error("budgets: %d counters keep reservations they no longer owe: %s",
+                logger.error("budgets: %d settles not written, their counters keep what they held: %s",
                              len(self._unsettled), self._unsettled)  # fmt: skip
         await self._redis.aclose()
 
