@@ -102,9 +102,11 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
     assert task is not None
     state = {"done": False, "left": False, "head": False}
 
-    async def head(status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    async def head(status: int, headers: list[tuple[bytes, bytes]], opening: bytes | None) -> None:
         state["head"] = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
+        if opening is not None:  # in the same send as the head (api/http_protocol.py)
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
 
     async def watch() -> None:
         message = await receive()

@@ -7,7 +7,9 @@ returned as they are. A stream is committed to the client only once its first to
 until then none of its events has been sent, so switching is invisible; after that, it is never
 switched. Its status and headers may go earlier, with the first event of the first upstream that
 begins one (`commit`, the policy's `stream_head`): a later switch does not change them, and the
-request log names both.
+request log names both. That first event goes with them when it carries no token (a chat stream's
+role chunk: the client parses it while the model works, not after its first token); a later
+upstream's events before its first token then carry nothing the client lacks and are dropped.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def backoff(retries: Retries, round_: int, rng: random.Random) -> float:
 
 
 _RETRY, _NEXT = "retry", "next"  # a round's outcome when it did not serve: retry this model, or move on
-# called once, when an upstream's stream sends its first event: (backend, deployment, attempts before it)
-Commit = Callable[[str, str, list[Attempt]], Awaitable[None]]
+# called once, when an upstream's stream sends its first event: (backend, deployment, attempts before
+# it, that event's line when it carries no token, else None); True: the line went out with the head
+Commit = Callable[[str, str, list[Attempt], str | None], Awaitable[bool]]
 
 
 class Failover:
@@ -197,7 +200,7 @@ class Failover:
             try:
                 async with asyncio.timeout(first_token):
                     head = await _until_first_token(
-                        upstream.lines, self._on_first_event(state, pool, upstream)
+                        upstream.lines, self._on_first_event(state, pool, upstream), state.opened
                     )
             except TimeoutError:
                 upstream.verdict(False)
@@ -225,9 +228,10 @@ class Failover:
         if commit is None:
             return None
 
-        async def first_event() -> None:
+        async def first_event(line: str | None) -> bool:
             state.commit = None
-            await commit(pool.name, upstream.url, list(state.attempts))
+            state.opened = await commit(pool.name, upstream.url, list(state.attempts), line)
+            return state.opened
 
         return first_event
 
@@ -281,6 +285,7 @@ class _State:
         self.affinity: int | None = None  # the prefix key while the pool tried balances by it
         self.plan: ResumePlan | None = None  # how the model tried now resumes a broken stream
         self.commit: Commit | None = None  # a stream's head, not sent yet (sent at an upstream's first event)
+        self.opened = False  # the client has an upstream's opening event (sent with the head)
         self.attempts: list[Attempt] = progress.attempts  # shared: what a caller that left has seen
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None
@@ -408,25 +413,59 @@ def _has_token(line: str) -> bool:
             or delta.get("tool_calls")
         ):
             return True
-        if delta.get("reasoning_content") or delta.get("function_call"):
+        if delta.get("reasoning_content") or delta.get("function_call") or delta.get("refusal"):
             return True
     return False
+
+
+def _carries_nothing(line: str) -> bool:
+    """Whether a data line is an opening event and no more: a JSON object whose choices' deltas
+    hold nothing but a role (an empty content at most), with no finish, logprobs, usage or error.
+    Only such a line goes out with a stream's head, and only such lines of a later upstream are
+    dropped once the client has one (anything else in them is the client's)."""
+    try:
+        chunk = orjson.loads(line[5:])
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(chunk, dict) or chunk.get("error") is not None or chunk.get("usage") is not None:
+        return False
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict) or any(
+            value not in (None, "", [], {})
+            for name, value in choice.items()
+            if name not in ("index", "delta")
+        ):
+            return False
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or any(
+            value not in (None, "") for name, value in delta.items() if name != "role"
+        ):
+            return False
+    return True
 
 
 _HEAD_EVENTS = 64  # events before the first token (a role chunk, a few empty deltas) at most
 _SSE_FIELDS = (":", "event:", "id:", "retry:")  # SSE lines that carry no data: skipped
 
 
-FirstEvent = Callable[[], Awaitable[None]]  # awaited when a stream's first event arrives
+# awaited when a stream's first event arrives, with its line if it carries no token; True: sent
+FirstEvent = Callable[[str | None], Awaitable[bool]]
 
 
-async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent | None = None) -> list[str]:
+async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent | None = None,
+                             opened: bool = False) -> list[str]:  # fmt: skip
     """Data lines up to and including the first that carries a token (the role chunk alone does
     not). A body that is not an event stream (an HTML page, a JSON answer), an end before any
     token, or more than _HEAD_EVENTS events without one is a stream that broke before its first
     token: the caller tries the next candidate, and none of its events reaches the client.
-    `first_event` is awaited when the first data line arrives (the upstream has begun a stream)."""
+    `first_event` is awaited when the first data line arrives (the upstream has begun a stream);
+    a line it sent is not kept. `opened`: the client has an opening event already (an earlier
+    upstream's), so lines without a token are dropped."""
     head: list[str] = []
+    events = 0  # data lines seen, kept or not
     async for line in lines:
         if not line.startswith("data:"):
             if line.startswith(TOKEN_IDS):  # an engine's token ids (resumption): the relay's to read
@@ -435,16 +474,24 @@ async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent 
             if line.startswith(_SSE_FIELDS):
                 continue
             raise UpstreamStreamError("the answer is not an event stream")
+        events += 1
+        token = _has_token(line)
+        empty = not token and _carries_nothing(line)
         if first_event is not None:
-            await first_event()
+            sent = await first_event(line if empty else None)
             first_event = None
-        head.append(line)
-        if _has_token(line):
+            opened = opened or sent
+            if sent:
+                continue
+        if token:
             if '"error"' in line and _failed_upstream(line):
                 raise UpstreamStreamError("the stream sent an error before its first token")
+            head.append(line)
             return head
-        if len(head) >= _HEAD_EVENTS:
+        if not (opened and empty):
+            head.append(line)
+        if events >= _HEAD_EVENTS:
             raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")
-    if not head:
+    if not events:
         raise UpstreamStreamError("the stream ended before its first event")
     raise UpstreamStreamError("the stream ended before its first token")

@@ -236,6 +236,15 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     return line.encode() + b"\n\n"
 
 
+def opening_event(call: Call, line: str, wants_usage: bool) -> bytes:
+    """The client's event for an upstream's opening line, which carries nothing but the opening
+    (failover.py checked it), sent with the stream's head before the first token."""
+    call.stream_chars += len(line)
+    if not wants_usage and '"usage":null' in line:
+        line = line.replace(',"usage":null', "")
+    return line.encode() + b"\n\n"
+
+
 def _well_shaped(choices: object) -> bool:
     """Whether an event's `choices` is absent or a list of objects whose `delta`, if any, is one
     (a null one passes: some servers send it beside a finish, which must not be lost)."""

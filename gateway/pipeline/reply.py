@@ -29,8 +29,9 @@ async def one_event(event: bytes) -> AsyncGenerator[bytes, None]:
     yield event
 
 
-# sends a stream's status and headers before its first event (the endpoint's; proxy.py decides when)
-HeadSender = Callable[[int, list[tuple[bytes, bytes]]], Awaitable[None]]
+# sends a stream's status and headers before its first token, with an opening event or None (the
+# endpoint's; proxy.py decides when)
+HeadSender = Callable[[int, list[tuple[bytes, bytes]], bytes | None], Awaitable[None]]
 JSON_HEADER = (b"content-type", b"application/json")
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]  # fmt: skip

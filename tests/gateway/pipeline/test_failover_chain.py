@@ -27,6 +27,13 @@ models:
 """
 
 
+ROLE = 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+EMPTY = 'data: {"choices":[{"index":0,"delta":{"role":"assistant"},"logprobs":null,"finish_reason":null}]}'
+LOGPROBS = 'data: {"choices":[{"index":0,"delta":{"role":"assistant"},"logprobs":{"content":[]}}]}'
+REFUSAL = 'data: {"choices":[{"index":0,"delta":{"refusal":"I cannot"}}]}'
+TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
+
+
 class ScriptedPool:
     """Each call takes the next scripted outcome for the replica it lands on."""
 
@@ -70,10 +77,15 @@ class ScriptedPool:
             raise UpstreamUnavailableError(f"{replica} refused", timeout=False, deployment=replica)
 
         async def lines() -> AsyncIterator[str]:
-            yield 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+            yield ROLE
             if outcome == "stall":
                 await asyncio.sleep(10)
-            yield 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
+            if outcome == "extras":  # before the first token: an empty role delta, then one with logprobs
+                yield EMPTY
+                yield LOGPROBS
+            if outcome == "refusal":
+                yield REFUSAL
+            yield TOKEN
             yield "data: [DONE]"
 
         yield UpstreamStream(200, lines(), b"", replica)
@@ -190,17 +202,46 @@ def test_a_stream_stalled_after_its_role_chunk_fails_over_before_anything_is_sen
     assert served.head[-1].endswith('"content":"hi"}}]}') and len(served.head) == 2
 
 
-def test_a_stream_commits_its_head_once_at_the_first_event_of_the_first_replica_that_sends_one() -> None:
+@pytest.mark.parametrize("sent", [True, False], ids=["opening sent", "opening kept"])
+def test_a_stream_commits_its_head_once_at_the_first_event_of_the_first_replica_that_sends_one(
+    sent: bool,
+) -> None:
     failover, _, _ = _setup({"http://r1": ["refused"], "http://r2": ["stall"]}, hosted=["ok"])
-    commits: list[tuple[str, str, list[str]]] = []
+    commits: list[tuple[str, str, list[str], str | None]] = []
 
-    async def commit(backend: str, deployment: str, attempts: list[Attempt]) -> None:
-        commits.append((backend, deployment, [a.describe() for a in attempts]))
+    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
+        commits.append((backend, deployment, [a.describe() for a in attempts], line))
+        return sent
 
     served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
     # r1 sent nothing; r2's role chunk committed the head, then it stalled: the hosted model served
-    assert commits == [("pool", "http://r2", ["local@http://r1=unreachable"])]
+    assert commits == [("pool", "http://r2", ["local@http://r1=unreachable"], ROLE)]
     assert served.backend == "hosted" and served.attempts[-1].outcome == "first token timeout"
+    # the client has r2's role chunk when it went with the head: the hosted one's is not sent again
+    assert served.head == ([TOKEN] if sent else [ROLE, TOKEN])
+
+
+def test_after_an_opening_went_out_only_events_carrying_nothing_are_dropped_before_the_first_token() -> None:
+    failover, _, _ = _setup({"http://r1": ["extras"], "http://r2": ["ok"]})
+
+    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
+        return line is not None
+
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    assert served.head == [LOGPROBS, TOKEN]  # the role chunk went out; the second carried nothing
+
+
+def test_a_token_or_a_refusal_is_never_sent_as_an_opening_and_a_refusal_is_a_first_token() -> None:
+    failover, _, _ = _setup({"http://r1": ["refusal"], "http://r2": ["ok"]})
+    offered: list[str | None] = []
+
+    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
+        offered.append(line)
+        return False
+
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    assert offered == [ROLE]
+    assert served.head == [ROLE, REFUSAL]  # the refusal ends the wait: it is the answer's first output
 
 
 def test_backoff_doubles_caps_and_jitters_within_bounds() -> None:

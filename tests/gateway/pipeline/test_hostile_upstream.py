@@ -367,10 +367,12 @@ def test_a_first_token_that_breaks_the_stream_leaves_the_client_its_role_chunk(s
 
 
 def test_a_stream_of_role_chunks_without_a_token_is_a_failure_not_held_in_memory(stack: HostileStack) -> None:
-    # the head went with the first role chunk (policy `stream_head: first_event`): the failure is the
-    # stream's one event, and nothing of the role chunks reaches the client
+    # the head went with the first role chunk (policy `stream_head: first_event`), and that chunk
+    # with it; the failure is the stream's next and last event: no other role chunk reaches the client
     answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=role_spam", True)))
-    assert answer.status == 200 and problems(answer) == [] and b'"role"' not in answer.body
+    assert answer.status == 200 and problems(answer) == [] and answer.body.count(b'"role"') == 1
+    events = [line for line in answer.body.split(b"\n") if line.startswith(b"data:")]
+    assert len(events) == 2 and b'"role"' in events[0]
     error = stream_error(answer.body)
     assert error is not None and error["code"] == "upstream_unavailable"
     assert _row(stack, answer)["status"] == 502

@@ -31,6 +31,7 @@ class Streamed:
     lines: list[str]
     head_at: float  # seconds from sending to the status and headers
     text_at: float | None  # ... to the first event that carries text
+    first_at: float | None  # ... to the first event
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Stack:
         body = {"model": model, "stream": True, "messages": [{"role": "user", "content": content}]}
         started = time.monotonic()
         lines: list[str] = []
-        text_at = None
+        text_at = first_at = None
         with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {key}"}, timeout=30) as r:  # fmt: skip
             head_at = time.monotonic() - started
@@ -52,9 +53,10 @@ class Stack:
                 if not line:
                     continue
                 lines.append(line)
+                first_at = first_at or time.monotonic() - started
                 if text_at is None and '"content":"' in line and '"content":""' not in line:
                     text_at = time.monotonic() - started
-        return Streamed(r.status_code, dict(r.headers), lines, head_at, text_at)
+        return Streamed(r.status_code, dict(r.headers), lines, head_at, text_at, first_at)
 
     def row(self, head: str, request_id: str) -> dict[str, Any]:
         deadline = time.monotonic() + 10
@@ -124,10 +126,13 @@ def test_the_head_goes_with_the_first_event_and_the_text_when_it_comes(stack: St
     early = stack.stream("first_event", "local", "hi")
     assert early.status == 200 and early.text_at is not None
     assert early.head_at < 0.6 < 0.9 < early.text_at  # the client had the head while the model worked
+    assert early.first_at is not None and early.first_at < 0.6  # and the role chunk, sent with it
+    assert '"role":"assistant"' in early.lines[0]
     assert early.headers["x-gateway-backend"] == "first" and early.lines[-1] == "data: [DONE]"
     held = stack.stream("first_token", "local", "hi")
     assert held.status == 200 and held.text_at is not None
     assert held.head_at > 0.9  # held until the first token, with it
+    assert held.first_at is not None and held.first_at > 0.9
 
 
 def test_a_replica_that_breaks_after_its_first_event_is_left_invisibly_in_the_events(stack: Stack) -> None:
@@ -135,7 +140,7 @@ def test_a_replica_that_breaks_after_its_first_event_is_left_invisibly_in_the_ev
     early = stack.stream("first_event", "local")
     assert early.status == 200 and early.lines[-1] == "data: [DONE]"
     assert not any('"error"' in line for line in early.lines)
-    assert sum('"role":"assistant"' in line for line in early.lines) == 1  # B's, A's never went out
+    assert sum('"role":"assistant"' in line for line in early.lines) == 1  # A's, with the head; B's dropped
     deltas = [orjson.loads(line[6:])["choices"][0]["delta"] for line in early.lines[:-1]]
     text = "".join(delta.get("content", "") for delta in deltas)
     assert text == "echo: one two"
@@ -177,8 +182,9 @@ def test_every_candidate_breaking_after_its_first_event_ends_the_stream_with_an_
     stack.control(stack.a, break_after=0)
     early = stack.stream("first_event", "solo")
     assert early.status == 200 and "data: [DONE]" not in early.lines
-    assert early.lines and len(early.lines) == 1  # the error is the stream's one event
-    error = _error(early.lines[0])
+    # the role chunk went with the head; the error is the stream's next and last event
+    assert len(early.lines) == 2 and '"role":"assistant"' in early.lines[0]
+    error = _error(early.lines[1])
     assert error["type"] == "api_error" and error["code"] == "upstream_unavailable"
     assert stack.a.base_url not in error["message"] and "127.0.0.1" not in error["message"]
     row = stack.row("first_event", early.headers["x-request-id"])
