@@ -275,6 +275,13 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         help="seconds a client may take to send its body after the head (408)",
     )
     http.add_argument(
+        "--send-timeout",
+        type=float,
+        default=_env("send_timeout", float, 120.0),
+        help="seconds a client may take no bytes of an answer the server is writing; then the "
+        "connection is aborted (and its request with it)",
+    )
+    http.add_argument(
         "--limit-concurrency",
         type=int,
         default=_env("limit_concurrency", int, 1024),
@@ -315,6 +322,7 @@ def serve(args: argparse.Namespace, **server_kwargs: Any) -> int:
         max_header_bytes=args.max_header_bytes,
         header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout,
+        send_timeout=args.send_timeout,
         limit_concurrency=args.limit_concurrency or None,
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,

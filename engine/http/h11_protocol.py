@@ -4,7 +4,12 @@ Why h11 and not httptools (uvicorn's default when installed): llhttp, under http
 headers of any size, and uvicorn has no option to bound them; h11 bounds its receive buffer
 (`h11_max_incomplete_event_size`). h11 costs some microseconds per request in Python, nothing next
 to a model step. uvicorn has no timeout for a client that opens a connection and sends its
-headers byte by byte; this protocol closes such a connection after `header_read_timeout`.
+headers byte by byte; this protocol closes such a connection after `header_read_timeout`. Nor has it
+one for a client that stops reading an answer and keeps its connection open: the response then waits
+for the socket forever, holding its request slot (limits.ConcurrencyLimit) and the output buffered
+for it, so `--limit-concurrency` such clients shut the engine out for good. This protocol aborts a
+connection whose client has taken no bytes for `send_timeout` seconds while the server had more to
+write (nginx's `send_timeout`); a slow reader that takes some goes on.
 
 Connections are bounded here, not by uvicorn's `limit_concurrency`, which past its count answers
 every request, /health included, with a plain-text 503, and counts idle keep-alive sockets: a few
@@ -77,16 +82,19 @@ def head_problem(request: h11.Request) -> HeadRefusedError | None:
 
 
 def limited_h11_protocol(
-    header_read_timeout: float, connection_limit: int | None = None
+    header_read_timeout: float, connection_limit: int | None = None, send_timeout: float | None = None
 ) -> type[H11Protocol]:
-    """An H11Protocol class that closes connections whose request head takes too long, and keeps at
-    most `connection_limit` connections (None: no bound) by closing the longest idle one."""
+    """An H11Protocol class that closes connections whose request head takes too long, keeps at
+    most `connection_limit` connections (None: no bound) by closing the longest idle one, and
+    aborts those whose client takes no bytes of an answer for `send_timeout` seconds (None: never)."""
 
     class LimitedH11Protocol(H11Protocol):
         """H11Protocol + header read timeout + connection bound + OpenAI-format bodies for malformed
         requests."""
 
         _header_timer: asyncio.TimerHandle | None = None
+        _send_timer: asyncio.TimerHandle | None = None
+        _send_buffered = 0  # bytes waiting for the client when the send timer was armed
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
@@ -131,7 +139,17 @@ def limited_h11_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
+            self._cancel_send_timer()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            """The client is not taking what is written: it has `send_timeout` seconds to take some."""
+            super().pause_writing()
+            self._arm_send_timer()
+
+        def resume_writing(self) -> None:
+            self._cancel_send_timer()
+            super().resume_writing()
 
         def send_400_response(self, msg: str) -> None:
             """h11 refused the request (malformed, or headers over the limit): answer in JSON."""
@@ -169,6 +187,26 @@ def limited_h11_protocol(
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+
+        def _arm_send_timer(self) -> None:
+            self._cancel_send_timer()
+            if send_timeout is not None:
+                self._send_buffered = self.transport.get_write_buffer_size()
+                self._send_timer = self.loop.call_later(send_timeout, self._send_timeout)
+
+        def _cancel_send_timer(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _send_timeout(self) -> None:
+            self._send_timer = None
+            if self.transport.get_write_buffer_size() < self._send_buffered:
+                self._arm_send_timer()  # it took some: a slow reader, not a stalled one
+                return
+            logger.info("aborting a connection whose client took no data for %.0fs", send_timeout)
+            # close() would wait for the buffer to drain, which is what never happens
+            self.transport.abort()
 
         def _header_timeout(self) -> None:
             self._header_timer = None

@@ -4,7 +4,8 @@ The body limit is enforced here, in ASGI middleware, before anything parses the 
 `Content-Length` over the limit is refused without reading a byte, and a chunked body is counted
 as it arrives and refused at the first byte over. The header limit is checked here too (431);
 h11 (`engine/http/h11_protocol.py`) bounds the memory a head can take before it is complete, and
-closes connections whose head is too slow. The connection limits are uvicorn's own options.
+closes connections whose head is too slow or whose client stops taking an answer. The connection
+limits are uvicorn's own options.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class HTTPLimits:
     max_header_bytes: int = 32 * 1024  # request line + headers
     header_read_timeout: float = 10.0  # from the first byte (or the connection) to the end of the headers
     body_read_timeout: float = 30.0  # from the end of the headers to the end of the body
+    send_timeout: float = 120.0  # a client that takes no bytes of an answer this long is cut off
     limit_concurrency: int | None = 1024  # requests in progress; past it, 503 (connections: twice it)
     timeout_keep_alive: int = (
         75  # idle keep-alive; above the gateway's pool (60 s), so the client closes first
@@ -48,8 +50,8 @@ class HTTPLimits:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_header_bytes < 1024:
             raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
-        if self.header_read_timeout <= 0 or self.body_read_timeout <= 0:
-            raise ValueError("header_read_timeout and body_read_timeout must be > 0")
+        if self.header_read_timeout <= 0 or self.body_read_timeout <= 0 or self.send_timeout <= 0:
+            raise ValueError("header_read_timeout, body_read_timeout and send_timeout must be > 0")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:
             raise ValueError(f"limit_concurrency must be >= 1, got {self.limit_concurrency}")
         if self.timeout_keep_alive < 1 or self.timeout_graceful_shutdown < 0:

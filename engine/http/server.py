@@ -368,7 +368,7 @@ def run_server(
         port=options.port,
         log_level=options.log_level,
         access_log=options.access_log,
-        http=limited_h11_protocol(limits.header_read_timeout, limits.connection_limit),
+        http=limited_h11_protocol(limits.header_read_timeout, limits.connection_limit, limits.send_timeout),
         h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=limits.timeout_keep_alive,
         timeout_graceful_shutdown=limits.timeout_graceful_shutdown,

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine.server_proc import ServerProcess
+from tests.engine.server_proc import ServerProcess, free_port
 
 BODY_LIMIT = 4 << 20
 
@@ -417,3 +417,58 @@ def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model:
     finally:
         if proc.proc.poll() is None:
             proc.stop()
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_client_that_stops_taking_an_answer_is_cut_off_and_a_slow_one_is_not(reads: bool) -> None:
+    """A client that keeps its connection open but reads nothing held its response (and its request
+    slot) forever; one that reads slowly, but reads, gets the whole answer."""
+    from uvicorn import Config, Server
+
+    from engine.http.h11_protocol import limited_h11_protocol
+
+    total = 8 << 20  # more than the socket buffers on both sides hold
+    ended: list[float] = []  # when the app's last send returned
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        piece = b"x" * (1 << 20)
+        for _ in range(total // len(piece)):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        ended.append(time.monotonic())
+
+    port = free_port()
+    config = Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                    http=limited_h11_protocol(10.0, None, send_timeout=0.5))  # fmt: skip
+    server = Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            start, got = time.monotonic(), 0
+            sock.settimeout(5)
+            if not reads:
+                time.sleep(3)  # takes nothing, well past the send timeout
+                assert ended and ended[0] - start < 2  # the response gave up: its slot is free
+            try:
+                while chunk := sock.recv(1 << 16):
+                    got += len(chunk)
+                    if reads:
+                        time.sleep(0.001)  # slow, but always taking some
+            except ConnectionResetError:
+                pass
+        if reads:
+            assert got > total and len(ended) == 1
+        else:
+            assert got < total  # cut off
+    finally:
+        server.should_exit = True
+        thread.join(10)
