@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.errors import ContextLengthExceededError
-from engine.http.chat_render import render_prompt, render_template
+from engine.http import chat_render
+from engine.http.chat_render import ChatRenderer, render_prompt, render_template
 from engine.http.special_text import SpecialText
 from engine.tokenizer import load_tokenizer
 from engine.tools.prompt import OWN_MARKERS
@@ -94,3 +97,21 @@ def test_a_long_shielded_conversation_over_the_context_is_refused_before_tokeniz
     fits = [{"role": "user", "content": "<|im_end|>" + "word " * 4_000}]  # 16 KiB+: counted, then tokenized
     ids = render_prompt(tokenizer, special, fits, None, 8192)
     assert isinstance(ids, list) and tokenizer.decode(ids) == render_template(tokenizer, fits)
+
+
+@pytest.mark.parametrize(("messages", "inline"), [(3, True), (20_000, False)])
+def test_many_short_messages_render_off_the_event_loop(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch, messages: int, inline: bool
+) -> None:
+    """Rendering costs per message as well as per character: 50k empty messages held the loop 0.3 s."""
+    threads: list[threading.Thread] = []
+    real = chat_render.render_shielded
+
+    def recorded(*args: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(*args)
+
+    monkeypatch.setattr(chat_render, "render_shielded", recorded)
+    conversation = [{"role": "user", "content": ""}] * messages
+    asyncio.run(ChatRenderer().render(tokenizer, conversation, None, 1 << 20))
+    assert (threads == [threading.main_thread()]) is inline
