@@ -177,6 +177,14 @@ def _legacy_token(lp: Logprob) -> str:
     return (lp.decoded_token or "") if lp.decoded_bytes is None else "bytes:" + escaped(lp.decoded_bytes)
 
 
+def logprobs_text_length(c: CompletionOutput) -> int:
+    """Characters of a delta's tokens as `completion_logprobs` counts them for `text_offset`."""
+    return sum(
+        len(entry[token].decoded_token or "")
+        for token, entry in zip(c.token_ids, c.logprobs or [], strict=False)
+    )
+
+
 def completion_logprobs(c: CompletionOutput, offset: int, k: int | None) -> dict[str, Any]:
     """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset) of a delta.
 

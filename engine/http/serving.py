@@ -21,6 +21,7 @@ from engine.http.openai_format import (
     chat_logprobs,
     completion_logprobs,
     event_pieces,
+    logprobs_text_length,
     marked,
     raise_if_aborted,
     response_head,
@@ -353,7 +354,7 @@ class OpenAIServing:
         extra = {"usage": None} if include_usage else {}
         n = params.n
         ended = [[False] * n for _ in streams]
-        # where the next delta's text starts in each choice's text (logprobs' text_offset)
+        # where the next delta's tokens start in each choice's text (logprobs' text_offset)
         offsets = [[len(echo[k]) if echo else 0] * n for k in range(len(streams))]
         finals: dict[int, RequestOutput] = {}
         if echo is not None:
@@ -373,7 +374,9 @@ class OpenAIServing:
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = completion_logprobs(c, offsets[k][c.index], params.logprobs)
-                    offsets[k][c.index] += len(text)
+                    # past this delta's tokens, as a whole answer counts them: its text may be
+                    # shorter (a possible stop string held back, or cut by one)
+                    offsets[k][c.index] += logprobs_text_length(c)
                 finish = c.finish_reason
                 pieces = event_pieces(text, len(logprobs["tokens"]) if logprobs is not None else 0)
                 if not pieces and finish is not None:

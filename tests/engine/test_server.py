@@ -244,6 +244,38 @@ def test_completion_logprobs_follow_legacy_shape(client: openai.OpenAI, model: s
     assert lp.text_offset is not None and lp.text_offset == sorted(lp.text_offset)
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_streamed_completion_logprobs_match_the_whole_answer_past_a_stop_string(
+    client: openai.OpenAI, model: str, cut: bool
+) -> None:
+    """Streamed text_offset counted the text sent, not the tokens: text held back as a possible stop
+    string (or cut by one) gave the next token a smaller offset than the whole answer's."""
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        prompt="Numbers:",
+        max_tokens=24,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    answer = client.completions.create(**kwargs).choices[0].logprobs
+    assert answer is not None and answer.tokens is not None and len(answer.tokens) == 24
+    t = answer.tokens
+    # a stop string spanning two tokens near the end, or one that a token's last character starts
+    # (that character is held back, then let go with the next token)
+    stop = t[-4][-2:] + t[-3][:2] if cut else t[3][-1] + "\x01"
+    whole = client.completions.create(**kwargs, stop=[stop]).choices[0].logprobs
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in client.completions.create(**kwargs, stop=[stop], stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens or []
+                offsets += choice.logprobs.text_offset or []
+    assert whole is not None and whole.tokens == tokens and len(tokens) > 4
+    assert whole.text_offset == offsets
+
+
 def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI, model: str) -> None:
     prompt = list(range(200, 264))  # four full blocks
     client.completions.create(model=model, prompt=prompt, max_tokens=2)
