@@ -3,6 +3,7 @@ huge prompts, failing steps and disconnects at every phase (a live subprocess)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import select
@@ -472,3 +473,23 @@ def test_a_client_that_stops_taking_an_answer_is_cut_off_and_a_slow_one_is_not(r
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize("pieces", [4000, 20_000])
+def test_a_body_in_thousands_of_tiny_chunks_is_refused(server: ServerProcess, pieces: int) -> None:
+    """1-byte chunks cost the event loop ~10 us each (2 MiB of them: 12 s, in stalls of up to 1 s):
+    past 4096 pieces a body must average 256 bytes a piece."""
+    body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+    body += b" " * (pieces - len(body))  # JSON allows trailing blanks
+    wire = b"".join(b"1\r\n" + body[i : i + 1] + b"\r\n" for i in range(len(body))) + b"0\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        with contextlib.suppress(ConnectionError):  # refused and closed while the rest was on its way
+            sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n" + wire)
+        status, answer = _reply(sock)
+    if pieces < 4096:
+        assert status == 200, answer
+    else:
+        assert status == 400 and answer["error"]["code"] == "invalid_http", answer
+        assert "pieces" in answer["error"]["message"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
