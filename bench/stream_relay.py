@@ -11,9 +11,11 @@ write, GAP ms apart, a role-only first chunk and then TOKENS chunks of one word 
 - at concurrency C for S seconds: the proxy process's CPU time (user + system, from /proc) per
   relayed chunk, and that CPU less what the same number of whole (non-streamed) requests costs,
   which is the relay's own cost per chunk.
-LiteLLM proxy can run beside ours (`--litellm`: bench/gateway_overhead.py installs it).
+LiteLLM proxy can run beside ours (`--litellm`: bench/gateway_overhead.py installs it). With
+`--sdk`, the concurrency-1 streams are read with the official OpenAI SDK (each event parsed into
+its objects, as an application does) instead of httpx lines.
 
-Usage: python bench/stream_relay.py [--gap-ms 5] [--tokens 20] [--requests 200] [--litellm]
+Usage: python bench/stream_relay.py [--gap-ms 5] [--tokens 20] [--requests 200] [--litellm] [--sdk]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -87,6 +90,24 @@ def stream_once(client: httpx.Client, target: Target) -> Timing:
     return Timing(first_byte, first_text, time.perf_counter() - start, chunks)
 
 
+def sdk_stream_once(client: openai.OpenAI, target: Target) -> Timing:
+    """One streamed request read with the official SDK: which chunk first carried text, and when."""
+    start = time.perf_counter()
+    first_byte = first_text = 0.0
+    chunks = 0
+    stream = client.chat.completions.create(
+        model="fast", messages=[{"role": "user", "content": "one two three"}], stream=True,
+        extra_headers=target.headers,
+    )  # fmt: skip
+    for chunk in stream:
+        now = time.perf_counter() - start
+        first_byte = first_byte or now
+        chunks += 1
+        if not first_text and chunk.choices and chunk.choices[0].delta.content:
+            first_text = now
+    return Timing(first_byte, first_text, time.perf_counter() - start, chunks)
+
+
 def cpu_seconds(server: ManagedServer) -> float:
     """User + system CPU of the server process so far."""
     fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -125,21 +146,32 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
 
-def measure(targets: list[Target], requests: int, concurrency: int, seconds: float) -> None:
+def measure(
+    targets: list[Target], requests: int, concurrency: int, seconds: float, sdk: bool = False
+) -> None:
     timings: dict[str, list[Timing]] = {t.name: [] for t in targets}
     clients = {t.name: httpx.Client(timeout=30) for t in targets}
+    sdks = {
+        t.name: openai.OpenAI(base_url=t.url.removesuffix("/chat/completions"), api_key="unused")
+        for t in targets
+    }
+
+    def once(t: Target) -> Timing:
+        return sdk_stream_once(sdks[t.name], t) if sdk else stream_once(clients[t.name], t)
+
     try:
         for _ in range(20):  # warm-up
             for t in targets:
-                stream_once(clients[t.name], t)
+                once(t)
         for _ in range(requests):  # interleaved: drift on a noisy machine hits every target alike
             for t in targets:
-                timings[t.name].append(stream_once(clients[t.name], t))
+                timings[t.name].append(once(t))
     finally:
         for client in clients.values():
             client.close()
     direct = timings["direct"]
-    print(f"\nconcurrency 1, {requests} streams each, ms (p50 / p99):")
+    reader = "the OpenAI SDK" if sdk else "httpx"
+    print(f"\nconcurrency 1, {requests} streams each, read with {reader}, ms (p50 / p99):")
     print(f"{'':>9} {'1st byte':>17} {'1st text':>17} {'whole':>17}")
     for name, ts in timings.items():
         cols = [(pct([getattr(x, f) for x in ts], 0.5), pct([getattr(x, f) for x in ts], 0.99))
@@ -178,6 +210,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="clients for the CPU measurement")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each CPU measurement")
     parser.add_argument("--litellm", action="store_true", help="measure LiteLLM proxy beside ours")
+    parser.add_argument(
+        "--sdk", action="store_true", help="read the c=1 streams with the official OpenAI SDK"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="relay-bench-"))
     servers: list[ManagedServer] = []
@@ -200,7 +235,7 @@ def main() -> None:
             auth = {"authorization": f"Bearer {LITELLM_MASTER}"}
             targets.append(Target("litellm", litellm.base_url + PATH, auth, litellm))
         print(f"upstream: {args.tokens} text chunks {args.gap_ms:g} ms apart; {os.cpu_count()} CPUs")
-        measure(targets, args.requests, args.concurrency, args.seconds)
+        measure(targets, args.requests, args.concurrency, args.seconds, args.sdk)
     finally:
         for server in reversed(servers):
             server.stop()
