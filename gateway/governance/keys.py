@@ -242,6 +242,7 @@ class KeyStore:
                 self._digests[presented] = digest
             return info
         self._failures.failed(address)
+        self._digests.pop(presented, None)  # a key that worked once keeps no trace once it does not
         if info is not None:  # a real key that no longer works: worth an operator's look (leaked?)
             state = "revoked" if info.revoked_at is not None else "expired"
             logger.warning("%s key %s (%s) presented by %s", state, info.id, info.key_prefix, address)

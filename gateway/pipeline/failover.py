@@ -230,8 +230,10 @@ class Failover:
 
         async def first_event(line: str | None) -> bool:
             state.commit = None
-            state.opened = await commit(pool.name, upstream.url, list(state.attempts), line)
-            return state.opened
+            sent = await commit(pool.name, upstream.url, list(state.attempts), line)
+            if sent and line is not None:
+                state.opened = _opening_choices(line) or frozenset()
+            return sent
 
         return first_event
 
@@ -285,7 +287,8 @@ class _State:
         self.affinity: int | None = None  # the prefix key while the pool tried balances by it
         self.plan: ResumePlan | None = None  # how the model tried now resumes a broken stream
         self.commit: Commit | None = None  # a stream's head, not sent yet (sent at an upstream's first event)
-        self.opened = False  # the client has an upstream's opening event (sent with the head)
+        # the choices whose opening event (sent with the head) the client has, from an upstream
+        self.opened: frozenset[int] = frozenset()
         self.attempts: list[Attempt] = progress.attempts  # shared: what a caller that left has seen
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None
@@ -418,33 +421,43 @@ def _has_token(line: str) -> bool:
     return False
 
 
-def _carries_nothing(line: str) -> bool:
-    """Whether a data line is an opening event and no more: a JSON object whose choices' deltas
-    hold nothing but a role (an empty content at most), with no finish, logprobs, usage or error.
-    Only such a line goes out with a stream's head, and only such lines of a later upstream are
-    dropped once the client has one (anything else in them is the client's)."""
+def _opening_choices(line: str) -> frozenset[int] | None:
+    """The choices a data line opens when it is an opening event and no more (None otherwise): a
+    JSON object of the usual fields whose choices' deltas hold nothing but a role (an empty content
+    at most), with no finish, logprobs, usage or error. Only such a line goes out with a stream's
+    head, and only such lines of a later upstream, for choices the client has an opening of, are
+    dropped (anything else in them is the client's)."""
     try:
         chunk = orjson.loads(line[5:])
     except orjson.JSONDecodeError:
-        return False
-    if not isinstance(chunk, dict) or chunk.get("error") is not None or chunk.get("usage") is not None:
-        return False
+        return None
+    if not isinstance(chunk, dict) or not chunk.keys() <= _CHUNK_KEYS or chunk.get("usage") is not None:
+        return None
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices:
-        return False
+        return None
+    indices = set()
     for choice in choices:
         if not isinstance(choice, dict) or any(
             value not in (None, "", [], {})
             for name, value in choice.items()
             if name not in ("index", "delta")
         ):
-            return False
-        delta = choice.get("delta")
-        if not isinstance(delta, dict) or any(
-            value not in (None, "") for name, value in delta.items() if name != "role"
+            return None
+        delta, index = choice.get("delta"), choice.get("index", 0)
+        if (
+            not isinstance(delta, dict)
+            or type(index) is not int
+            or any(value not in (None, "") for name, value in delta.items() if name != "role")
         ):
-            return False
-    return True
+            return None
+        indices.add(index)
+    return frozenset(indices)
+
+
+# a chunk's fields that carry nothing of the answer (an opening event with others is kept whole)
+_CHUNK_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage", "system_fingerprint",
+                         "service_tier", "obfuscation"})  # fmt: skip
 
 
 _HEAD_EVENTS = 64  # events before the first token (a role chunk, a few empty deltas) at most
@@ -456,31 +469,34 @@ FirstEvent = Callable[[str | None], Awaitable[bool]]
 
 
 async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent | None = None,
-                             opened: bool = False) -> list[str]:  # fmt: skip
+                             opened: frozenset[int] = frozenset()) -> list[str]:  # fmt: skip
     """Data lines up to and including the first that carries a token (the role chunk alone does
     not). A body that is not an event stream (an HTML page, a JSON answer), an end before any
     token, or more than _HEAD_EVENTS events without one is a stream that broke before its first
     token: the caller tries the next candidate, and none of its events reaches the client.
     `first_event` is awaited when the first data line arrives (the upstream has begun a stream);
-    a line it sent is not kept. `opened`: the client has an opening event already (an earlier
-    upstream's), so lines without a token are dropped."""
+    a line it sent is not kept. `opened`: the choices whose opening event the client has already
+    (an earlier upstream's): this upstream's opening events for those choices are dropped.
+    Every line counts toward _HEAD_EVENTS, token id lines too."""
     head: list[str] = []
     events = 0  # data lines seen, kept or not
     async for line in lines:
         if not line.startswith("data:"):
             if line.startswith(TOKEN_IDS):  # an engine's token ids (resumption): the relay's to read
                 head.append(line)
+                events += 1
+                if events >= _HEAD_EVENTS:
+                    raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")
                 continue
             if line.startswith(_SSE_FIELDS):
                 continue
             raise UpstreamStreamError("the answer is not an event stream")
         events += 1
         token = _has_token(line)
-        empty = not token and _carries_nothing(line)
+        opening = None if token else _opening_choices(line)
         if first_event is not None:
-            sent = await first_event(line if empty else None)
+            sent = await first_event(line if opening is not None else None)
             first_event = None
-            opened = opened or sent
             if sent:
                 continue
         if token:
@@ -488,7 +504,7 @@ async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent 
                 raise UpstreamStreamError("the stream sent an error before its first token")
             head.append(line)
             return head
-        if not (opened and empty):
+        if opening is None or not opening <= opened:  # (an empty set opens nothing: kept)
             head.append(line)
         if events >= _HEAD_EVENTS:
             raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")

@@ -238,8 +238,10 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
 
 def opening_event(call: Call, line: str, wants_usage: bool) -> bytes:
     """The client's event for an upstream's opening line, which carries nothing but the opening
-    (failover.py checked it), sent with the stream's head before the first token."""
+    (failover.py checked it), sent with the stream's head before the first token; kept for the
+    token count, as every event the client was sent."""
     call.stream_chars += len(line)
+    call.lines.append(line)
     if not wants_usage and '"usage":null' in line:
         line = line.replace(',"usage":null', "")
     return line.encode() + b"\n\n"

@@ -252,6 +252,10 @@ def test_a_key_that_authenticated_is_not_hashed_again_and_unknown_keys_are_never
         assert list(store._digests) == keys[1:]
         assert (await store.authenticate(keys[0], CLIENT)).name == "k0"  # hashed again, still works
         assert hasher.computed == 1 + 40 + 3
+        revoked = await store.authenticate(keys[2], CLIENT)
+        await store.revoke(revoked.id)
+        await _refusal(store, keys[2])
+        assert keys[2] not in store._digests  # a key that stopped working leaves no trace
         await db.dispose()
 
     asyncio.run(run())

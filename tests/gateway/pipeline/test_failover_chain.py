@@ -30,6 +30,8 @@ models:
 ROLE = 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
 EMPTY = 'data: {"choices":[{"index":0,"delta":{"role":"assistant"},"logprobs":null,"finish_reason":null}]}'
 LOGPROBS = 'data: {"choices":[{"index":0,"delta":{"role":"assistant"},"logprobs":{"content":[]}}]}'
+ROLE_1 = 'data: {"choices":[{"index":1,"delta":{"role":"assistant","content":""}}]}'
+ROLE_IDS = 'data: {"prompt_token_ids":[1,2],"choices":[{"index":0,"delta":{"role":"assistant"}}]}'
 REFUSAL = 'data: {"choices":[{"index":0,"delta":{"refusal":"I cannot"}}]}'
 TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
 
@@ -77,8 +79,10 @@ class ScriptedPool:
             raise UpstreamUnavailableError(f"{replica} refused", timeout=False, deployment=replica)
 
         async def lines() -> AsyncIterator[str]:
-            yield ROLE
-            if outcome == "stall":
+            yield ROLE_IDS if outcome == "ids" else ROLE
+            if outcome in ("two", "two_stall"):  # n=2: a role chunk per choice
+                yield ROLE_1
+            if outcome in ("stall", "two_stall"):
                 await asyncio.sleep(10)
             if outcome == "extras":  # before the first token: an empty role delta, then one with logprobs
                 yield EMPTY
@@ -222,13 +226,41 @@ def test_a_stream_commits_its_head_once_at_the_first_event_of_the_first_replica_
 
 
 def test_after_an_opening_went_out_only_events_carrying_nothing_are_dropped_before_the_first_token() -> None:
-    failover, _, _ = _setup({"http://r1": ["extras"], "http://r2": ["ok"]})
+    failover, _, _ = _setup({"http://r1": ["stall"], "http://r2": ["extras"]})
 
     async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
         return line is not None
 
     served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
-    assert served.head == [LOGPROBS, TOKEN]  # the role chunk went out; the second carried nothing
+    # r1's role chunk went out; r2's two openings of that choice carry nothing the client lacks
+    assert served.deployment == "http://r2" and served.head == [LOGPROBS, TOKEN]
+
+
+def test_with_two_choices_each_keeps_its_role_chunk_and_only_openings_the_client_has_are_dropped() -> None:
+    failover, _, _ = _setup({"http://r1": ["two_stall"], "http://r2": ["two"]})
+
+    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
+        return line is not None
+
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    # r1's choice-0 role chunk went with the head; its choice-1 one never reached the client, so r2's
+    # is kept, and r2's choice-0 one is dropped
+    assert served.deployment == "http://r2" and served.head == [ROLE_1, TOKEN]
+    failover, _, _ = _setup({"http://r1": ["two"], "http://r2": ["ok"]})
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    assert served.head == [ROLE_1, TOKEN]  # the serving upstream's own openings are never dropped
+
+
+def test_an_opening_with_fields_of_its_own_is_not_sent_early_nor_dropped() -> None:
+    failover, _, _ = _setup({"http://r1": ["ids"], "http://r2": ["ok"]})
+    offered: list[str | None] = []
+
+    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
+        offered.append(line)
+        return line is not None
+
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    assert offered == [None] and served.head == [ROLE_IDS, TOKEN]
 
 
 def test_a_token_or_a_refusal_is_never_sent_as_an_opening_and_a_refusal_is_a_first_token() -> None:
