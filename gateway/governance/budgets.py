@@ -40,6 +40,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import NO_RETRY, GatewayError, retry_after_header
+from gateway.governance.budget_scripts import ADMIT, MARKER_SECONDS, SETTLE
 from gateway.governance.ratelimit import Limit, refusal
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 from gateway.governance.singleflight import SingleFlight
@@ -229,67 +230,6 @@ class LocalBudgetStore:
 
 
 _SETTLE_RETRY_SECONDS = 1.0
-# A marker outlives any request (a day); a settle removes it, so only requests in flight, and
-# tombstones of blind settles (Redis failed), hold one.
-MARKER_SECONDS = 86400
-# KEYS: counter, marker. ARGV: target (picodollars the request now owes), mode: `part` (a bound,
-# settled again later), `final`, or `blind` (final, the reservation's fate unknown: no marker means
-# it never happened; a tombstone is left so that a resend does not count twice).
-# A marker missing for `part` or `final` means this settle ran already (a resend): nothing to do.
-# The change goes only on a counter that still exists (an expired one is seeded again from the log);
-# never below zero: a counter flushed or evicted while requests were in flight is seeded again
-# without their reservations, and their settles would take those back a second time.
-_SETTLE = """
-local held = redis.call('GET', KEYS[2])
-if held == 'settled' or (not held and ARGV[2] ~= 'blind') then return false end
-local delta = tonumber(ARGV[1]) - tonumber(held or '0')
-if ARGV[2] == 'part' then redis.call('SET', KEYS[2], ARGV[1], 'KEEPTTL')
-elseif ARGV[2] == 'final' then redis.call('DEL', KEYS[2])
-else redis.call('SET', KEYS[2], 'settled', 'EX', ARGV[3]) end
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local value = redis.call('INCRBY', KEYS[1], delta)
-if value < 0 then redis.call('SET', KEYS[1], 0, 'KEEPTTL') return 0 end
-return value
-"""
-
-# One round trip for a whole admission: rate limits (GCRA, as in gateway/governance/ratelimit.py) and budgets,
-# all or nothing. KEYS: limit counters, then budget counters, then their markers. ARGV: n_limits,
-# n_budgets, then interval_i, cost_i per limit, then limit_j, amount_j per budget, then the markers'
-# lifetime. Returns "ok", "missing <j>", "over <j>" or "limit <wait> <i>". An admission sent again
-# (its connection lost after Redis ran it) finds its marker and spends nothing twice.
-_ADMIT = """
-local nl, nb = tonumber(ARGV[1]), tonumber(ARGV[2])
-if nb > 0 and redis.call('EXISTS', KEYS[nl + nb + 1]) == 1 then return 'ok' end
-for j = 1, nb do
-  if redis.call('EXISTS', KEYS[nl + j]) == 0 then return 'missing ' .. j end
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local new = {}
-local wait, culprit = 0, 0
-for i = 1, nl do
-  local interval, cost = tonumber(ARGV[2 * i + 1]), tonumber(ARGV[2 * i + 2])
-  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
-  if tat < now then tat = now end
-  new[i] = tat + cost * interval
-  local over = new[i] - now - 60
-  if over > wait then wait, culprit = over, i end
-end
-if wait > 0 then return string.format('limit %.6f %d', wait, culprit) end
-local base = 2 + 2 * nl
-for j = 1, nb do
-  local value = tonumber(redis.call('GET', KEYS[nl + j]))
-  if value + tonumber(ARGV[base + 2 * j]) > tonumber(ARGV[base + 2 * j - 1]) then return 'over ' .. j end
-end
-for i = 1, nl do
-  redis.call('SET', KEYS[i], string.format('%.6f', new[i]), 'PX', math.ceil((new[i] - now) * 1000) + 1000)
-end
-for j = 1, nb do
-  redis.call('INCRBY', KEYS[nl + j], ARGV[base + 2 * j])
-  redis.call('SET', KEYS[nl + nb + j], ARGV[base + 2 * j], 'EX', ARGV[base + 2 * nb + 1])
-end
-return 'ok'
-"""
 
 
 class RedisBudgetStore:
@@ -311,8 +251,8 @@ class RedisBudgetStore:
 
         self._redis: Any = pool.client(url)
         self._seeding: SingleFlight[str, None] = SingleFlight()
-        self._admit = self._redis.register_script(_ADMIT)
-        self._settle_script = self._redis.register_script(_SETTLE)
+        self._admit = self._redis.register_script(ADMIT)
+        self._settle_script = self._redis.register_script(SETTLE)
         # (counter, marker) -> (target, mode): settles Redis did not confirm (it was away, or its
         # answer was lost), written again until it does; the markers make that safe
         self._unsettled: dict[tuple[str, str], tuple[int, str]] = {}

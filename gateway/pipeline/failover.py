@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +35,9 @@ from gateway.backends.upstream_errors import GATEWAY_FAULT_STATUSES
 from gateway.config.policy import EngineBackend, Policy, Retries
 from gateway.errors import GatewayError
 from gateway.pipeline.prefix_keys import PrefixKeys
-from gateway.pipeline.resume import TOKEN_IDS, ResumePlan, resumable_body
+from gateway.pipeline.resume import ResumePlan, resumable_body
 from gateway.pipeline.served import Served
+from gateway.pipeline.stream_start import FirstEvent, opening_choices, until_first_token
 from gateway.routing.router import RouteDecision
 from gateway.telemetry.trace import NO_TRACE, Trace
 
@@ -199,7 +200,7 @@ class Failover:
                 continue
             try:
                 async with asyncio.timeout(first_token):
-                    head = await _until_first_token(
+                    head = await until_first_token(
                         upstream.lines, self._on_first_event(state, pool, upstream), state.opened
                     )
             except TimeoutError:
@@ -232,7 +233,7 @@ class Failover:
             state.commit = None
             sent = await commit(pool.name, upstream.url, list(state.attempts), line)
             if sent and line is not None:
-                state.opened = _opening_choices(line) or frozenset()
+                state.opened = opening_choices(line) or frozenset()
             return sent
 
         return first_event
@@ -372,142 +373,3 @@ class _State:
 
 def _unavailable(exc: UpstreamUnavailableError) -> str:
     return "timeout" if exc.timeout else "unreachable"
-
-
-def _failed_upstream(line: str) -> bool:
-    """Whether a data line is an error event of the upstream's own (a server error: the next
-    candidate may answer); a request's own fault (`invalid_request_error`) is the client's answer."""
-    try:
-        chunk = orjson.loads(line[5:])
-    except orjson.JSONDecodeError:
-        return False
-    error = chunk.get("error") if isinstance(chunk, dict) else None
-    return isinstance(error, dict) and error.get("type") != "invalid_request_error"
-
-
-def _has_token(line: str) -> bool:
-    """Whether an SSE line carries output (content, text, tool calls, a finish, usage) or ends the stream."""
-    if not line.startswith("data:"):
-        return False
-    payload = line[5:].strip()
-    if '"role"' not in payload:
-        return True  # only the opening role chunk can be empty: skip parsing everything else
-    try:
-        chunk = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return True  # not ours to judge: pass it on
-    if not isinstance(chunk, dict):
-        return True
-    if chunk.get("error") or chunk.get("usage"):
-        return True
-    choices = chunk.get("choices")
-    if not isinstance(choices, list):
-        return True  # not a chunk we understand: not ours to judge either
-    for choice in choices:
-        if not isinstance(choice, dict):
-            return True
-        delta = choice.get("delta") or {}
-        if not isinstance(delta, dict):
-            return True
-        if (
-            choice.get("finish_reason")
-            or choice.get("text")
-            or delta.get("content")
-            or delta.get("tool_calls")
-        ):
-            return True
-        if delta.get("reasoning_content") or delta.get("function_call") or delta.get("refusal"):
-            return True
-    return False
-
-
-def _opening_choices(line: str) -> frozenset[int] | None:
-    """The choices a data line opens when it is an opening event and no more (None otherwise): a
-    JSON object of the usual fields whose choices' deltas hold nothing but a role (an empty content
-    at most), with no finish, logprobs, usage or error. Only such a line goes out with a stream's
-    head, and only such lines of a later upstream, for choices the client has an opening of, are
-    dropped (anything else in them is the client's)."""
-    try:
-        chunk = orjson.loads(line[5:])
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(chunk, dict) or not chunk.keys() <= _CHUNK_KEYS or chunk.get("usage") is not None:
-        return None
-    choices = chunk.get("choices")
-    if not isinstance(choices, list) or not choices:
-        return None
-    indices = set()
-    for choice in choices:
-        if not isinstance(choice, dict) or any(
-            value not in (None, "", [], {})
-            for name, value in choice.items()
-            if name not in ("index", "delta")
-        ):
-            return None
-        delta, index = choice.get("delta"), choice.get("index", 0)
-        if (
-            not isinstance(delta, dict)
-            or type(index) is not int
-            or any(value not in (None, "") for name, value in delta.items() if name != "role")
-        ):
-            return None
-        indices.add(index)
-    return frozenset(indices)
-
-
-# a chunk's fields that carry nothing of the answer (an opening event with others is kept whole)
-_CHUNK_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage", "system_fingerprint",
-                         "service_tier", "obfuscation"})  # fmt: skip
-
-
-_HEAD_EVENTS = 64  # events before the first token (a role chunk, a few empty deltas) at most
-_SSE_FIELDS = (":", "event:", "id:", "retry:")  # SSE lines that carry no data: skipped
-
-
-# awaited when a stream's first event arrives, with its line if it carries no token; True: sent
-FirstEvent = Callable[[str | None], Awaitable[bool]]
-
-
-async def _until_first_token(lines: AsyncIterator[str], first_event: FirstEvent | None = None,
-                             opened: frozenset[int] = frozenset()) -> list[str]:  # fmt: skip
-    """Data lines up to and including the first that carries a token (the role chunk alone does
-    not). A body that is not an event stream (an HTML page, a JSON answer), an end before any
-    token, or more than _HEAD_EVENTS events without one is a stream that broke before its first
-    token: the caller tries the next candidate, and none of its events reaches the client.
-    `first_event` is awaited when the first data line arrives (the upstream has begun a stream);
-    a line it sent is not kept. `opened`: the choices whose opening event the client has already
-    (an earlier upstream's): this upstream's opening events for those choices are dropped.
-    Every line counts toward _HEAD_EVENTS, token id lines too."""
-    head: list[str] = []
-    events = 0  # data lines seen, kept or not
-    async for line in lines:
-        if not line.startswith("data:"):
-            if line.startswith(TOKEN_IDS):  # an engine's token ids (resumption): the relay's to read
-                head.append(line)
-                events += 1
-                if events >= _HEAD_EVENTS:
-                    raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")
-                continue
-            if line.startswith(_SSE_FIELDS):
-                continue
-            raise UpstreamStreamError("the answer is not an event stream")
-        events += 1
-        token = _has_token(line)
-        opening = None if token else _opening_choices(line)
-        if first_event is not None:
-            sent = await first_event(line if opening is not None else None)
-            first_event = None
-            if sent:
-                continue
-        if token:
-            if '"error"' in line and _failed_upstream(line):
-                raise UpstreamStreamError("the stream sent an error before its first token")
-            head.append(line)
-            return head
-        if opening is None or not opening <= opened:  # (an empty set opens nothing: kept)
-            head.append(line)
-        if events >= _HEAD_EVENTS:
-            raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")
-    if not events:
-        raise UpstreamStreamError("the stream ended before its first event")
-    raise UpstreamStreamError("the stream ended before its first token")

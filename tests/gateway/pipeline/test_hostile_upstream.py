@@ -231,7 +231,7 @@ def test_a_stream_opening_with_oddly_shaped_chunks_is_relayed_not_failed(
     answers: dict[tuple[str, str, bool], Answer],
 ) -> None:
     # The first-token check used to raise on `"choices": 7` or a string delta: a 502 for a stream
-    # that was fine to relay (gateway/pipeline/failover.py `_has_token`).
+    # that was fine to relay (gateway/pipeline/stream_start.py `_has_token`).
     answer = answers[("eng", "odd_chunk", True)]
     assert answer.status == 200 and answer.body.endswith(b"data: [DONE]\n\n")
     # ... and the misshapen events are not the client's: the SDKs' `for c in chunk.choices` raises
