@@ -115,6 +115,7 @@ overrides:
         r = httpx.post(
             f"{self.gateway.base_url}/admin/keys", json=body, headers={"Authorization": f"Bearer {MASTER}"}
         )
+        assert r.status_code == 201, f"creating a key: {r.status_code} {r.text}"
         return str(r.json()["key"])
 
     def requests_seen(self, server: ManagedServer) -> int:
