@@ -107,8 +107,12 @@ overrides:
         self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         self.env = {"GATEWAY_MASTER_KEY": MASTER, "GATEWAY_KEY_SECRET": "chaos-secret",
                     "GATEWAY_DATABASE_URL": self.database_url, "FAKE_PROVIDER_KEY": "sk-fake"}  # fmt: skip
-        self.gateway = start_gateway(policy, self.env)
-        self.key = self.create_key(name="chaos")
+        try:  # a set-up that fails stops what it started
+            self.gateway = start_gateway(policy, self.env)
+            self.key = self.create_key(name="chaos")
+        except BaseException:
+            self.close()
+            raise
         self.url = f"{self.gateway.base_url}/v1/chat/completions"
 
     def create_key(self, **body: Any) -> str:
@@ -126,7 +130,9 @@ overrides:
         server.proc.wait()
 
     def close(self) -> None:
-        self.gateway.stop()
+        gateway: ManagedServer | None = getattr(self, "gateway", None)  # None: it never started
+        if gateway is not None:
+            gateway.stop()
         for s in (self.a, self.b, self.hosted):
             if s.proc.poll() is None:
                 s.stop()
