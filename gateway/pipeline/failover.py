@@ -7,9 +7,9 @@ returned as they are. A stream is committed to the client only once its first to
 until then none of its events has been sent, so switching is invisible; after that, it is never
 switched. Its status and headers may go earlier, with the first event of the first upstream that
 begins one (`commit`, the policy's `stream_head`): a later switch does not change them, and the
-request log names both. That first event goes with them when it carries no token (a chat stream's
-role chunk: the client parses it while the model works, not after its first token); a later
-upstream's events before its first token then carry nothing the client lacks and are dropped.
+request log names both. That first event goes with them when it only opens the answer (a chat
+stream's role chunk: the client parses it while the model works, not after its first token); a
+later upstream's opening events for the choices the client has one of are then dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from gateway.errors import GatewayError
 from gateway.pipeline.prefix_keys import PrefixKeys
 from gateway.pipeline.resume import ResumePlan, resumable_body
 from gateway.pipeline.served import Served
-from gateway.pipeline.stream_start import FirstEvent, opening_choices, until_first_token
+from gateway.pipeline.stream_start import FirstEvent, until_first_token
 from gateway.routing.router import RouteDecision
 from gateway.telemetry.trace import NO_TRACE, Trace
 
@@ -77,7 +77,7 @@ def backoff(retries: Retries, round_: int, rng: random.Random) -> float:
 
 _RETRY, _NEXT = "retry", "next"  # a round's outcome when it did not serve: retry this model, or move on
 # called once, when an upstream's stream sends its first event: (backend, deployment, attempts before
-# it, that event's line when it carries no token, else None); True: the line went out with the head
+# it, that event's line when it only opens the answer, else None); True: the line went out with the head
 Commit = Callable[[str, str, list[Attempt], str | None], Awaitable[bool]]
 
 
@@ -229,11 +229,13 @@ class Failover:
         if commit is None:
             return None
 
-        async def first_event(line: str | None) -> bool:
+        async def first_event(line: str, opening: frozenset[int] | None) -> bool:
             state.commit = None
-            sent = await commit(pool.name, upstream.url, list(state.attempts), line)
-            if sent and line is not None:
-                state.opened = opening_choices(line) or frozenset()
+            sent = await commit(
+                pool.name, upstream.url, list(state.attempts), None if opening is None else line
+            )
+            if sent and opening is not None:
+                state.opened = opening
             return sent
 
         return first_event

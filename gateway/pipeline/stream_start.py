@@ -103,8 +103,9 @@ _HEAD_EVENTS = 64  # events before the first token (a role chunk, a few empty de
 _SSE_FIELDS = (":", "event:", "id:", "retry:")  # SSE lines that carry no data: skipped
 
 
-# awaited when a stream's first event arrives, with its line if it carries no token; True: sent
-FirstEvent = Callable[[str | None], Awaitable[bool]]
+# awaited when a stream's first event arrives, with its line and the choices it opens (None: it is
+# not an opening event and no more); True: the line went out with the stream's head
+FirstEvent = Callable[[str, frozenset[int] | None], Awaitable[bool]]
 
 
 async def until_first_token(lines: AsyncIterator[str], first_event: FirstEvent | None = None,
@@ -118,33 +119,29 @@ async def until_first_token(lines: AsyncIterator[str], first_event: FirstEvent |
     (an earlier upstream's): this upstream's opening events for those choices are dropped.
     Every line counts toward _HEAD_EVENTS, token id lines too."""
     head: list[str] = []
-    events = 0  # data lines seen, kept or not
+    events = 0  # data and token id lines seen, kept or not
     async for line in lines:
-        if not line.startswith("data:"):
-            if line.startswith(TOKEN_IDS):  # an engine's token ids (resumption): the relay's to read
+        if line.startswith("data:"):
+            token = _has_token(line)
+            opening = None if token else opening_choices(line)
+            sent = False
+            if first_event is not None:
+                sent = await first_event(line, opening)
+                first_event = None
+            if token:
+                if '"error"' in line and _failed_upstream(line):
+                    raise UpstreamStreamError("the stream sent an error before its first token")
                 head.append(line)
-                events += 1
-                if events >= _HEAD_EVENTS:
-                    raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")
-                continue
-            if line.startswith(_SSE_FIELDS):
-                continue
+                return head
+            if not sent and (opening is None or not opening <= opened):
+                head.append(line)
+        elif line.startswith(TOKEN_IDS):  # an engine's token ids (resumption): the relay's to read
+            head.append(line)
+        elif line.startswith(_SSE_FIELDS):
+            continue
+        else:
             raise UpstreamStreamError("the answer is not an event stream")
         events += 1
-        token = _has_token(line)
-        opening = None if token else opening_choices(line)
-        if first_event is not None:
-            sent = await first_event(line if opening is not None else None)
-            first_event = None
-            if sent:
-                continue
-        if token:
-            if '"error"' in line and _failed_upstream(line):
-                raise UpstreamStreamError("the stream sent an error before its first token")
-            head.append(line)
-            return head
-        if opening is None or not opening <= opened:  # (an empty set opens nothing: kept)
-            head.append(line)
         if events >= _HEAD_EVENTS:
             raise UpstreamStreamError(f"no token in the stream's first {_HEAD_EVENTS} events")
     if not events:
