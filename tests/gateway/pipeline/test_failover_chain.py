@@ -15,6 +15,7 @@ import pytest
 from gateway.backends.base import Attempt, UpstreamReply, UpstreamStream, UpstreamUnavailableError
 from gateway.config.policy import Policy, Retries, Timeouts, parse_policy
 from gateway.pipeline.failover import ChainExhaustedError, Failover, backoff
+from gateway.pipeline.served import Served
 from gateway.routing.router import RouteDecision
 
 POLICY = """
@@ -225,53 +226,42 @@ def test_a_stream_commits_its_head_once_at_the_first_event_of_the_first_replica_
     assert served.head == ([TOKEN] if sent else [ROLE, TOKEN])
 
 
-def test_after_an_opening_went_out_only_events_carrying_nothing_are_dropped_before_the_first_token() -> None:
-    failover, _, _ = _setup({"http://r1": ["stall"], "http://r2": ["extras"]})
+def _committed(script: dict[str, list[Any]], sends: bool = True) -> tuple[Served, list[str | None]]:
+    """A stream along `script` whose commit sends the opening line it is offered (unless not
+    `sends`): what served, and every line offered (None: the first event was no opening)."""
+    failover, _, _ = _setup(script)
+    offered: list[str | None] = []
 
     async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
-        return line is not None
+        offered.append(line)
+        return sends and line is not None
 
     served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    return served, offered
+
+
+def test_after_an_opening_went_out_only_events_carrying_nothing_are_dropped_before_the_first_token() -> None:
+    served, _ = _committed({"http://r1": ["stall"], "http://r2": ["extras"]})
     # r1's role chunk went out; r2's two openings of that choice carry nothing the client lacks
     assert served.deployment == "http://r2" and served.head == [LOGPROBS, TOKEN]
 
 
 def test_with_two_choices_each_keeps_its_role_chunk_and_only_openings_the_client_has_are_dropped() -> None:
-    failover, _, _ = _setup({"http://r1": ["two_stall"], "http://r2": ["two"]})
-
-    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
-        return line is not None
-
-    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    served, _ = _committed({"http://r1": ["two_stall"], "http://r2": ["two"]})
     # r1's choice-0 role chunk went with the head; its choice-1 one never reached the client, so r2's
     # is kept, and r2's choice-0 one is dropped
     assert served.deployment == "http://r2" and served.head == [ROLE_1, TOKEN]
-    failover, _, _ = _setup({"http://r1": ["two"], "http://r2": ["ok"]})
-    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    served, _ = _committed({"http://r1": ["two"], "http://r2": ["ok"]})
     assert served.head == [ROLE_1, TOKEN]  # the serving upstream's own openings are never dropped
 
 
 def test_an_opening_with_fields_of_its_own_is_not_sent_early_nor_dropped() -> None:
-    failover, _, _ = _setup({"http://r1": ["ids"], "http://r2": ["ok"]})
-    offered: list[str | None] = []
-
-    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
-        offered.append(line)
-        return line is not None
-
-    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    served, offered = _committed({"http://r1": ["ids"], "http://r2": ["ok"]})
     assert offered == [None] and served.head == [ROLE_IDS, TOKEN]
 
 
 def test_a_token_or_a_refusal_is_never_sent_as_an_opening_and_a_refusal_is_a_first_token() -> None:
-    failover, _, _ = _setup({"http://r1": ["refusal"], "http://r2": ["ok"]})
-    offered: list[str | None] = []
-
-    async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
-        offered.append(line)
-        return False
-
-    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, commit=commit))
+    served, offered = _committed({"http://r1": ["refusal"], "http://r2": ["ok"]}, sends=False)
     assert offered == [ROLE]
     assert served.head == [ROLE, REFUSAL]  # the refusal ends the wait: it is the answer's first output
 
