@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -66,6 +67,13 @@ def _nothing_listens_on(*ports: int) -> None:
             pass
 
 
+def _chat(port: int, key: str, model: str, **fields: Any) -> httpx.Response:
+    """One chat completion through the dev stack's gateway."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **fields}
+    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+
+
 def test_dev_stack_serves_through_the_gateway_and_stops_on_sigint(
     tiny_chat_model: Path, tmp_path: Path
 ) -> None:
@@ -77,12 +85,7 @@ def test_dev_stack_serves_through_the_gateway_and_stops_on_sigint(
         session = subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True, text=True).stdout
         assert any(" engine serve " in p and p.endswith("--no-batch-invariant") for p in session.splitlines())
         for model in {tiny_chat_model.name, example.group(1)}:
-            r = httpx.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-                headers={"Authorization": f"Bearer {key.group(1)}"},
-                timeout=60,
-            )
+            r = _chat(port, key.group(1), model, max_tokens=3)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)
@@ -112,12 +115,7 @@ def test_ctrl_c_at_the_terminal_stops_both_gracefully_and_keeps_every_request_lo
         key = re.search(r"^\s+key\s+(sk-\S+)", out, re.M)
         assert key is not None, out
         for _ in range(3):  # answered, their rows still queued (written every 0.5 s) at the Ctrl-C
-            r = httpx.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
-                headers={"Authorization": f"Bearer {key.group(1)}"},
-                timeout=60,
-            )
+            r = _chat(port, key.group(1), "no-such-model")
             assert r.status_code == 404, r.text
         os.killpg(proc.pid, signal.SIGINT)  # a terminal signals its whole foreground process group
         assert proc.wait(60) == 0
