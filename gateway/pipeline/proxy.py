@@ -136,7 +136,7 @@ class Proxy:
             refused_id, datetime.now(UTC), exc.status, round((time.perf_counter() - started) * 1e3, 3)
         )
         row["error_type"] = exc.code
-        self.finish.observe(RequestRecord(row, trace_ids=trace.ids), trace)
+        self.finish.observe_later(RequestRecord(row, trace_ids=trace.ids), trace)
         reply = error_reply(exc)
         reply.headers.append((b"x-request-id", refused_id.encode()))
         return reply
