@@ -8,6 +8,7 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import litellm  # LITELLM_LOCAL_MODEL_COST_MAP keeps its import off the network: gateway/cli/environment.py
@@ -54,6 +55,8 @@ class HostedModel:
         self.name = name
         self.spec = spec
         self._api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+        # what a provider's error message may echo but a client must never read: our key, its host
+        self._hidden = (self._api_key or "", urlsplit(spec.base_url or "").hostname or "")
         self._side = SideLoop(f"litellm-{name}")  # litellm's per-call Python work runs there
         self._learned: dict[str, Learned] = {}
 
@@ -237,7 +240,7 @@ class HostedModel:
         elif 400 <= status < 500:
             given = _provider_error(exc)
             if given is not None:  # its message (clipped, URLs masked), param and code: what to change
-                error = reduced_fields(given, status, self.spec.model)
+                error = reduced_fields(given, status, self.spec.model, self._hidden)
                 error["code"] = error["code"] or f"provider_{status}"
                 return UpstreamReply(status, orjson.dumps({"error": error}), self.spec.model)
             message = f"the provider of {self.spec.model} refused the request"

@@ -4,6 +4,7 @@ the error event that ends a stream the gateway cannot relay further."""
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 import orjson
 
@@ -47,19 +48,24 @@ def reduced_error(body: bytes, status: int, model: str) -> bytes:
     return orjson.dumps({"error": reduced_fields(orjson.loads(body)["error"], status, model)})
 
 
-def reduced_fields(error: dict[str, object], status: int, model: str) -> dict[str, str | None]:
+def reduced_fields(
+    error: dict[str, object], status: int, model: str, hidden: Collection[str] = ()
+) -> dict[str, str | None]:
     """An upstream's OpenAI error object reduced to its four fields, nothing else of it. A client
     error (4xx) keeps its message, at most MAX_ERROR_MESSAGE characters with URLs masked: it says
     what to change, such as a context length. A server error's or a 429's message is replaced: it
     can only describe the upstream (its hosts, load, internals). Codes and types that are not plain
-    tokens are dropped; `param` is cut at 200 characters."""
+    tokens are dropped; `param` is cut at 200 characters. Each of `hidden` (the gateway's key for
+    that upstream, its host) is masked wherever it appears, before the clip cuts one in two: a
+    provider that echoes the Authorization header in a 400 must not hand our key to the client."""
 
     def token(value: object) -> str | None:
         return value if isinstance(value, str) and _CODE.fullmatch(value) else None
 
     message, param = error.get("message"), error.get("param")
     if status < 500 and status != 429:
-        kept = _URL.sub("[url]", message[:MAX_ERROR_MESSAGE]) if isinstance(message, str) else ""
+        text = _masked(message, hidden) if isinstance(message, str) else ""
+        kept = _URL.sub("[url]", text[:MAX_ERROR_MESSAGE])
         message = kept or "the request cannot be completed"
         kind = token(error.get("type")) or "invalid_request_error"
     else:
@@ -68,6 +74,15 @@ def reduced_fields(error: dict[str, object], status: int, model: str) -> dict[st
     return {
         "message": message,
         "type": kind,
-        "param": param[:200] if isinstance(param, str) else None,
+        "param": _masked(param, hidden)[:200] if isinstance(param, str) else None,
         "code": token(error.get("code")),
     }
+
+
+def _masked(text: str, hidden: Collection[str]) -> str:
+    """`text` with every string of `hidden` replaced, in any case; one shorter than 4 characters
+    (a one-letter service name) is left: masking it would garble the message, not protect it."""
+    for secret in hidden:
+        if len(secret) >= 4:
+            text = re.sub(re.escape(secret), "[hidden]", text, flags=re.IGNORECASE)
+    return text

@@ -84,6 +84,28 @@ def test_a_provider_never_reached_is_unreachable_not_a_provider_500() -> None:
     assert reply.status == 500 and orjson.loads(reply.body)["error"]["code"] == "provider_500"
 
 
+def test_a_provider_error_that_echoes_our_key_or_host_reaches_the_client_without_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A provider's 400 message is passed on (it says what to change), but one echoing the
+    Authorization header or naming its own host handed the gateway's provider key to the client."""
+    monkeypatch.setenv("SWITCHBOARD_TEST_ECHOED_KEY", "sk-provider-secret-1234")
+    spec = HostedBackend(type="hosted", model="openai/x", api_key_env="SWITCHBOARD_TEST_ECHOED_KEY",
+                         base_url="http://llm-proxy.corp.internal:8443/v1")  # fmt: skip
+    model = HostedModel("frontier", spec)
+    message = ("max_tokens is too large (got Authorization: Bearer sk-provider-secret-1234 via "
+               "LLM-PROXY.corp.internal:8443)")  # fmt: skip
+    refused = litellm.exceptions.BadRequestError(
+        message, "x", "openai", body={"message": message, "param": "sk-provider-secret-1234", "code": "bad"}
+    )
+    reply = model._error(refused)
+    error = orjson.loads(reply.body)["error"]
+    assert reply.status == 400 and error["code"] == "bad"
+    assert error["message"].startswith("max_tokens is too large")  # what to change is still said
+    for secret in ("sk-provider-secret", "llm-proxy", "LLM-PROXY"):
+        assert secret not in reply.body.decode()
+
+
 def test_a_policy_base_url_is_the_only_one_a_hosted_call_uses() -> None:
     spec = HostedBackend(type="hosted", model="openai/x", base_url="http://provider.internal/v1")
     _, params = HostedModel("p", spec)._kwargs(
