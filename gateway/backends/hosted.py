@@ -430,7 +430,7 @@ async def _no_lines() -> AsyncIterator[str]:
 
 
 # providers whose streams litellm's wrapper records the finish of (`received_finish_reason`)
-_FINISH_RECORDED = frozenset({"openai", "azure", "text-completion-openai", "azure_text"})
+_FINISH_RECORDED = frozenset({"openai", "azure", "text-completion-openai", "azure_text", "anthropic"})
 
 
 def _made_up_finish(resp: Any, chunk: Any) -> bool:
