@@ -2,13 +2,16 @@
 
 The upstream is not trusted with money: a negative count would refund a budget, 2**40 tokens would
 lock a key out for years, a string or a float would break the log batch. Usage is accepted only as
-non-negative integers within MAX_TOKENS whose parts add up; anything else is rejected here and the
-answer is counted with the tokenizer instead (the row is marked estimated).
+non-negative integers within MAX_TOKENS whose parts add up, and no more tokens than the request
+could hold or ask for; anything else is rejected here and the answer is counted with the tokenizer
+instead (the row is marked estimated).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import orjson
 
 MAX_TOKENS = 1 << 24  # 16.7M: above any context window served today, far below int32 and money overflow
 
@@ -33,6 +36,9 @@ def checked_usage(raw: Any, body: dict[str, Any] | None = None) -> dict[str, Any
     limit = max_output(body) if body is not None else None
     if limit is not None and body is not None and completion > limit * choices(body):
         return None
+    most = max_prompt(body) if body is not None else None
+    if most is not None and prompt > most:
+        return None  # a 60-byte question billed as 900,000 prompt tokens: 18x its key's budget
     total = raw.get("total_tokens")
     if total is not None and _count(total) != prompt + completion:
         return None  # the parts and the total disagree: believe neither
@@ -48,6 +54,29 @@ def checked_usage(raw: Any, body: dict[str, Any] | None = None) -> dict[str, Any
             return None
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
+
+
+# prompt tokens a request may be billed for beyond its own bytes: chat templates and default system
+# prompts, a provider's tool-use preamble (Anthropic's: a few hundred)
+PROMPT_SLACK = 4096
+
+
+def max_prompt(body: dict[str, Any]) -> int | None:
+    """The most prompt tokens a request can be billed for: its encoded size in bytes (byte-level
+    tokenizers, and SentencePiece with byte fallback, make at most one token of a byte) for each of
+    its answers (an engine counts the prompt once per choice), plus PROMPT_SLACK. None when a
+    message holds more than text (an image, audio, a file id: many tokens in a few bytes) or the
+    provider may add to the prompt itself (`web_search_options`: the pages it read)."""
+    if body.get("web_search_options") is not None:
+        return None
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and not all(
+            isinstance(p, dict) and p.get("type") == "text" for p in content
+        ):
+            return None
+    return len(orjson.dumps(body)) * choices(body) + PROMPT_SLACK
 
 
 MAX_CHOICES = 128  # OpenAI's own cap on `n`

@@ -139,6 +139,28 @@ def test_unbelievable_usage_is_not_billed(usage: Any) -> None:
     assert checked_usage(usage) is None
 
 
+def test_more_prompt_tokens_than_the_request_holds_are_not_billed() -> None:
+    """A provider billed a 60-byte question as 900,000 prompt tokens (believable as a count): 18x
+    its key's budget, the key locked out. A prompt cannot hold more tokens than bytes, plus slack
+    for templates and a provider's preamble; an image, audio or a file is worth more than its bytes."""
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "two plus two?"}]}
+    assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, body) is None
+    assert checked_usage({"prompt_tokens": 3_000, "completion_tokens": 2}, body) is not None
+    huge = {"prompt_tokens": 900_000, "completion_tokens": 2}
+    assert checked_usage(huge) is not None  # no request: no bound
+    text_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "two plus two?"}]}]}
+    assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, text_parts) is None
+    image = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+    ]}]}  # fmt: skip
+    assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, image) is not None
+    searched = {**body, "web_search_options": {}}  # the pages the provider read are its input too
+    assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, searched) is not None
+    # an engine counts the prompt once per choice
+    long = {"messages": [{"role": "user", "content": "word " * 20_000}], "n": 4}
+    assert checked_usage({"prompt_tokens": 4 * 20_001, "completion_tokens": 8}, long) is not None
+
+
 def test_believable_usage_is_normalised() -> None:
     raw = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "extra": "x",
            "prompt_tokens_details": {"cached_tokens": 4, "audio_tokens": 0}}  # fmt: skip
