@@ -24,7 +24,7 @@ from gateway.backends.base import (
     UpstreamUnavailableError,
 )
 from gateway.backends.side_loop import SideLoop
-from gateway.backends.upstream_errors import reduced_fields
+from gateway.backends.upstream_errors import GATEWAY_FAULT_STATUSES, reduced_fields
 from gateway.config.policy import Capabilities, HostedBackend, Timeouts
 
 logger = logging.getLogger(__name__)
@@ -216,8 +216,9 @@ class HostedModel:
         Only a 4xx about the client's own request passes the provider's error on (its message,
         clipped with URLs masked, its `param` and `code`: `upstream_errors.reduced_fields`). Our
         credentials refused (401/403/407) or a model the provider does not serve (404/405) is our
-        fault, not the client's: a 502 that fails over. Nothing else of litellm's text reaches the
-        client: it is logged.
+        fault, not the client's: kept as it is, it fails over and, last in the chain, reaches the
+        client as an engine's does (`answer.passed_on`: 502 `upstream_refused_gateway`, which the
+        SDKs do not retry). Nothing else of litellm's text reaches the client: it is logged.
         """
         failed = _connection_failure(exc)
         if isinstance(exc, litellm.exceptions.Timeout) or failed == "timeout":
@@ -231,10 +232,8 @@ class HostedModel:
         logger.warning("hosted model %s failed: %s", self.spec.model, exc)
         status = getattr(exc, "status_code", None)
         status = status if isinstance(status, int) and 400 <= status <= 599 else 502
-        if status in (401, 403, 407):
-            status, message = 502, f"the provider of {self.spec.model} refused the gateway's credentials"
-        elif status in (404, 405):  # the model's name (or the base URL) is the operator's mistake
-            status, message = 502, f"the provider of {self.spec.model} does not serve it (HTTP {status})"
+        if status in GATEWAY_FAULT_STATUSES:  # its status kept: the pipeline answers it as an engine's
+            message = f"the provider of {self.spec.model} refused the gateway (HTTP {status})"
         elif status == 429:
             message = f"the provider of {self.spec.model} is rate limiting the gateway"
         elif 400 <= status < 500:
@@ -246,7 +245,8 @@ class HostedModel:
             message = f"the provider of {self.spec.model} refused the request"
         else:
             message = f"the provider of {self.spec.model} failed (HTTP {status})"
-        kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
+        ours = status >= 500 or status in GATEWAY_FAULT_STATUSES
+        kind = "api_error" if ours else "invalid_request_error"
         body = {"error": {"message": message, "type": kind, "param": None, "code": f"provider_{status}"}}
         return UpstreamReply(status, orjson.dumps(body), self.spec.model)
 
