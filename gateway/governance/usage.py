@@ -23,11 +23,14 @@ def _count(value: Any) -> int | None:
     return None
 
 
-def checked_usage(raw: Any, body: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def checked_usage(
+    raw: Any, body: dict[str, Any] | None = None, size: int | None = None
+) -> dict[str, Any] | None:
     """The usage fields we bill from, normalised; None when `raw` is missing or not believable: a
-    count past MAX_TOKENS, parts that disagree with the total, or (given the request's `body`) more
-    completion tokens than its max_tokens allows each of its answers (a one-word answer billed as
-    millions of tokens locked its key out)."""
+    count past MAX_TOKENS, parts that disagree with the total, or (given the request's `body`, of
+    `size` bytes as received) more completion tokens than its max_tokens allows each of its answers
+    (a one-word answer billed as millions of tokens locked its key out) or more prompt tokens than
+    it can hold (max_prompt)."""
     if not isinstance(raw, dict):
         return None
     prompt, completion = _count(raw.get("prompt_tokens")), _count(raw.get("completion_tokens"))
@@ -36,7 +39,7 @@ def checked_usage(raw: Any, body: dict[str, Any] | None = None) -> dict[str, Any
     limit = max_output(body) if body is not None else None
     if limit is not None and body is not None and completion > limit * choices(body):
         return None
-    most = max_prompt(body) if body is not None else None
+    most = max_prompt(body, size) if body is not None else None
     if most is not None and prompt > most:
         return None  # a 60-byte question billed as 900,000 prompt tokens: 18x its key's budget
     total = raw.get("total_tokens")
@@ -61,9 +64,10 @@ def checked_usage(raw: Any, body: dict[str, Any] | None = None) -> dict[str, Any
 PROMPT_SLACK = 4096
 
 
-def max_prompt(body: dict[str, Any]) -> int | None:
-    """The most prompt tokens a request can be billed for: its encoded size in bytes (byte-level
-    tokenizers, and SentencePiece with byte fallback, make at most one token of a byte) for each of
+def max_prompt(body: dict[str, Any], size: int | None = None) -> int | None:
+    """The most prompt tokens a request can be billed for: its size in bytes (byte-level tokenizers,
+    and SentencePiece with byte fallback, make at most one token of a byte; `size` as received,
+    else its encoding's, a pass over megabytes that the callers on the loop avoid) for each of
     its answers (an engine counts the prompt once per choice), plus PROMPT_SLACK. None when a
     message holds more than text (an image, audio, a file id: many tokens in a few bytes) or the
     provider may add to the prompt itself (`web_search_options`: the pages it read)."""
@@ -76,7 +80,8 @@ def max_prompt(body: dict[str, Any]) -> int | None:
             isinstance(p, dict) and p.get("type") == "text" for p in content
         ):
             return None
-    return len(orjson.dumps(body)) * choices(body) + PROMPT_SLACK
+    given = len(orjson.dumps(body)) if size is None else size
+    return given * choices(body) + PROMPT_SLACK
 
 
 MAX_CHOICES = 128  # OpenAI's own cap on `n`

@@ -63,7 +63,7 @@ def whole(call: Call, reply: UpstreamReply, log_bodies: bool) -> tuple[Reply, st
         message = f"the upstream ({call.backend}) sent an answer that is not a JSON object"
         exc = GatewayError(502, message, "api_error", code="upstream_invalid_response")
         return error_reply(exc), exc.code
-    call.usage = checked_usage(answer.get("usage"), call.body) or {}
+    call.usage = checked_usage(answer.get("usage"), call.body, call.body_bytes) or {}
     model = answer.get("model")
     call.response_model = model if isinstance(model, str) else None
     relayed = reply.body

@@ -219,7 +219,7 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     call.lines.append(line)  # kept for the token count if the stream ends without usage
     usage = chunk.get("usage")
     if isinstance(usage, dict):
-        checked = checked_usage(usage, call.body)
+        checked = checked_usage(usage, call.body, call.body_bytes)
         if checked:  # one not believable leaves a believable one before it in place
             call.usage = checked
             model = chunk.get("model")

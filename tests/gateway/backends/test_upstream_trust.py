@@ -146,6 +146,9 @@ def test_more_prompt_tokens_than_the_request_holds_are_not_billed() -> None:
     body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "two plus two?"}]}
     assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, body) is None
     assert checked_usage({"prompt_tokens": 3_000, "completion_tokens": 2}, body) is not None
+    # the size as received bounds it when given (the body re-encoded is a pass over it on the loop)
+    assert checked_usage({"prompt_tokens": 9_000, "completion_tokens": 2}, body, 10_000) is not None
+    assert checked_usage({"prompt_tokens": 9_000, "completion_tokens": 2}, body, 100) is None
     huge = {"prompt_tokens": 900_000, "completion_tokens": 2}
     assert checked_usage(huge) is not None  # no request: no bound
     text_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "two plus two?"}]}]}
