@@ -18,6 +18,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # app's body read sees a disconnect
 REFUSED = "gateway.refused"
 
+# scope key set by the HTTP layer: an async callable that sends a streamed answer's next body part
+# as `send` would with `more_body` (chunked), without the message dict and uvicorn's checks of it
+# (every event of every stream goes through it); absent under another server: `send` then
+BODY_PART = "gateway.body_part"
+
 
 async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None:
     """`exc`'s OpenAI-format answer; `close`: end the connection after it (a request body left unread)."""

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from gateway.api.asgi import REFUSED, Receive, Scope, Send
+from gateway.api.asgi import BODY_PART, REFUSED, Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
 from gateway.errors import GatewayError
@@ -22,6 +22,8 @@ from gateway.pipeline.reply import HeadSender, Reply
 logger = logging.getLogger(__name__)
 
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+BodyPart = Callable[[bytes], Awaitable[None]]  # sends a stream's next body part (asgi.BODY_PART)
 
 
 class CompletionsEndpoint:
@@ -64,8 +66,9 @@ class CompletionsEndpoint:
             failed = GatewayError(503, message, "api_error", code="authentication_unavailable")
             await _send_whole(proxy.refuse(started, failed, trace), send, close)
             return
+        body_part = scope.get(BODY_PART) or _through(send)
         await _answer_until_disconnect(lambda head: proxy.handle(scope["path"], raw, key, trace, head),
-                                       receive, send)  # fmt: skip
+                                       receive, send, body_part)  # fmt: skip
 
 
 def _headers(scope: Scope) -> tuple[bytes, bytes | None]:
@@ -86,8 +89,17 @@ def _bearer(authorization: bytes) -> str | None:
     return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
+def _through(send: Send) -> BodyPart:
+    """A stream's body parts through `send` (a server other than ours: api/http_protocol.py)."""
+
+    async def body_part(body: bytes) -> None:
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
+    return body_part
+
+
 async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Reply]], receive: Receive,
-                                   send: Send) -> None:  # fmt: skip
+                                   send: Send, body_part: BodyPart) -> None:  # fmt: skip
     """Await `answer` and send it; if the client disconnects first, cancel it (and the upstream call).
 
     `answer` may send a stream's status and headers before its Reply is ready (the head sender it is
@@ -128,7 +140,7 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
             state["done"] = True
             await _send_whole(reply, send)
         else:
-            await _send_stream(reply, send, state)
+            await _send_stream(reply, send, body_part, state)
     except asyncio.CancelledError:
         if not state["left"]:
             raise
@@ -147,7 +159,7 @@ async def _send_whole(reply: Reply, send: Send, close: bool = False) -> None:
     await send({"type": "http.response.body", "body": reply.body})
 
 
-async def _send_stream(reply: Reply, send: Send, state: dict[str, bool]) -> None:
+async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dict[str, bool]) -> None:
     assert reply.events is not None
     events = reply.events
     try:
@@ -158,9 +170,9 @@ async def _send_stream(reply: Reply, send: Send, state: dict[str, bool]) -> None
         if not state["head"]:  # else it went with the first upstream event (proxy.py)
             await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
         if first is not None:
-            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await body_part(first)
             async for event in events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await body_part(event)
         state["done"] = True
         await send({"type": "http.response.body", "body": b""})
     finally:

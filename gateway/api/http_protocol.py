@@ -21,7 +21,7 @@ from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.api.asgi import REFUSED, send_error
+from gateway.api.asgi import BODY_PART, REFUSED, send_error
 from gateway.errors import GatewayError, error_answer
 
 
@@ -110,7 +110,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise _RefusedError
         super().on_headers_complete()
         if self.cycle is not None:
-            self.cycle.transport = _CycleTransport(self, self.cycle)  # type: ignore[assignment]
+            transport = _CycleTransport(self, self.cycle)
+            self.cycle.transport = transport  # type: ignore[assignment]
+            cast(dict[str, Any], self.cycle.scope)[BODY_PART] = transport.body_part
 
     def on_response_complete(self) -> None:
         """An answer is out: a refusal that waited for it (and those before it) goes now."""
@@ -251,6 +253,20 @@ class _CycleTransport:
         else:  # the head and the first body part: one send, now (not a loop iteration later)
             self._pending.append(data)
             self.flush()
+
+    async def body_part(self, body: bytes) -> None:
+        """A streamed answer's next part, as uvicorn's `send` writes one with `more_body` (a chunk
+        of a chunked answer; nothing once the client has gone; waiting while its socket buffer is
+        full), without building and checking an ASGI message for each of a stream's events. Before
+        the head or outside a chunked answer it is that `send`."""
+        cycle = self._cycle
+        if not cycle.chunked_encoding or not cycle.response_started or cycle.response_complete:
+            await cycle.send({"type": "http.response.body", "body": body, "more_body": True})
+            return
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if not cycle.disconnected and body:
+            self.write(b"%x\r\n%s\r\n" % (len(body), body))
 
     def flush(self) -> None:
         """Send what was written (nothing once the connection is closing)."""

@@ -26,7 +26,7 @@ from gateway.backends.base import (
 from gateway.backends.health import HealthChecker, Replica, pick
 from gateway.backends.model_cards import merge_replicas
 from gateway.backends.prefix_homes import PrefixHomes
-from gateway.backends.wire import WireError, WirePool, WireResponse
+from gateway.backends.wire import More, WireError, WirePool, WireResponse
 from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 
 logger = logging.getLogger(__name__)
@@ -193,22 +193,25 @@ class EnginePool:
                      verdict: _Verdict, silence: float) -> AsyncIterator[str]:  # fmt: skip
         """The stream's non-blank lines; the first one's delay is the replica's first-token verdict;
         after it, `silence` seconds without a byte break the stream (timeouts.between_tokens)."""
+        take, more, yielded = resp.buffered_line, More.MORE, 0
         try:
-            line = await resp.next_line(MAX_LINE_BYTES)
-            if line is None:
-                return
-            verdict(slo is None or time.perf_counter() - started <= slo)
-            yield line
-            # the silence watch starts with the second line: a chat stream's first is its role chunk,
-            # sent at once, and the wait for the first token is first_token's to bound (a prefill
-            # behind a grammar compile on a busy CPU may take longer than between_tokens)
-            line = await resp.next_line(MAX_LINE_BYTES)
-            if line is None:
-                return
-            yield line
-            resp.watch_silence(silence)  # once the reader asks for more: not on the first token's way out
-            while (line := await resp.next_line(MAX_LINE_BYTES)) is not None:
+            while True:
+                line = take(MAX_LINE_BYTES)
+                if line is more:
+                    await resp.more()
+                    continue
+                if line is None:
+                    return
+                if not yielded:
+                    verdict(slo is None or time.perf_counter() - started <= slo)
                 yield line
+                yielded += 1
+                # the silence watch starts once the reader asks for the third line: a chat stream's
+                # first is its role chunk, sent at once, and the wait for the first token is
+                # first_token's to bound (a prefill behind a grammar compile on a busy CPU may take
+                # longer than between_tokens); not set on the first token's way out
+                if yielded == 2:
+                    resp.watch_silence(silence)
         except (WireError, TimeoutError) as exc:
             verdict(False)
             name = "timeout" if isinstance(exc, TimeoutError) else str(exc)

@@ -12,6 +12,7 @@ status, a bounded whole body or bounded lines, and a close that the engine sees 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import ssl
 from collections.abc import Mapping
@@ -24,6 +25,12 @@ logger = logging.getLogger(__name__)
 # A reader that falls this far behind pauses the socket (the replica waits) until it catches up.
 _PAUSE_BYTES = 1 << 20
 MAX_HEAD_BYTES = 64 << 10  # a response's status line and headers (an engine's are ~200 bytes)
+
+
+class More(enum.Enum):
+    """WireResponse.buffered_line's answer when the line has not all arrived yet."""
+
+    MORE = "more"
 
 
 class WireError(Exception):
@@ -106,11 +113,16 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self) -> None:
         """Until more body, the end or an error arrives."""
+        await self.more()
+
+    def more(self) -> asyncio.Future[None]:
+        """A future resolved when more body, the end or an error arrives (a paused socket reads
+        again). A future, not a coroutine: a stream's reader awaits one per upstream write."""
         assert self.transport is not None
         if self.transport.is_reading() is False:
             self.transport.resume_reading()
-        self.waiter = asyncio.get_running_loop().create_future()
-        await self.waiter
+        self.waiter = waiter = asyncio.get_running_loop().create_future()
+        return waiter
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -161,6 +173,18 @@ class WireResponse:
         Bytes that are not UTF-8 become U+FFFD, so invalid text never reaches a client; blank lines
         (SSE event separators) are skipped: the relay frames each event itself.
         """
+        while (line := self.buffered_line(limit)) is More.MORE:
+            await self._conn.more()
+        return line
+
+    def more(self) -> asyncio.Future[None]:
+        """What a reader awaits when `buffered_line` says MORE."""
+        return self._conn.more()
+
+    def buffered_line(self, limit: int) -> str | More | None:
+        """`next_line` without waiting: the next line if the buffer holds it, None at the end, MORE
+        when the answer goes on beyond the buffer (await `more()`, then ask again). A stream's
+        reader calls this once or twice per upstream write: no coroutine made per line."""
         conn = self._conn
         while True:
             buffer = conn.buffer
@@ -188,7 +212,7 @@ class WireResponse:
                 return None
             if conn.error is not None:
                 raise conn.error
-            await conn.wait()
+            return More.MORE
 
     def watch_silence(self, seconds: float) -> None:
         """End the answer with TimeoutError once no byte has arrived for `seconds` (noticed within

@@ -254,7 +254,10 @@ def _well_shaped(choices: object) -> bool:
         return True
     if not isinstance(choices, list):
         return False
-    return all(isinstance(c, dict) and isinstance(c.get("delta") or {}, dict) for c in choices)
+    for choice in choices:  # a loop, not all(generator): once per event of every stream
+        if not isinstance(choice, dict) or not isinstance(choice.get("delta") or {}, dict):
+            return False
+    return True
 
 
 def _carries_answer(chunk: dict[str, object]) -> bool:
