@@ -2,6 +2,8 @@
 `delta.tool_calls` pieces in a stream (index, id, type and name once, then the arguments in
 pieces), and finish_reason "tool_calls" when an answer that ended by itself made calls (a stop
 string or a `stop_token_ids` token that ends it is a "stop": the call it cut is not whole).
+A request in the legacy `functions` spelling gets the legacy answer: `message.function_call`
+(`delta.function_call` pieces) and "function_call", as OpenAI answers it; its client reads nothing else.
 
 The answer was decoded under engine.tools.grammar, so the calls are read exactly
 (engine.tools.parser). With tool_choice none, or without tools, the text is passed as it is.
@@ -30,21 +32,28 @@ def whole_message(
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if not calls:
         return message, finish_reason
-    message["tool_calls"] = [c.as_openai() for c in calls]
-    return message, _reason(finish_reason, stop_reason)
+    assert tools is not None
+    if tools.legacy:  # parallel calls are off: one call
+        message["function_call"] = calls[0].as_openai()["function"]
+    else:
+        message["tool_calls"] = [c.as_openai() for c in calls]
+    return message, _reason(finish_reason, stop_reason, tools.legacy)
 
 
 class StreamedChoices:
     """The stream readers of a request's n choices."""
 
-    def __init__(self, n: int, calls_only: bool = False) -> None:
+    def __init__(self, n: int, calls_only: bool = False, legacy: bool = False) -> None:
         self._readers = [StreamedCalls(calls_only) for _ in range(n)]
+        self._legacy = legacy
 
     def deltas(self, index: int, text: str) -> list[dict[str, Any]]:
         """The deltas (content, or one call piece each) a choice's new text completes, in order."""
         content, calls = self._readers[index].feed(text)
         out: list[dict[str, Any]] = [{"content": content}] if content else []
-        out.extend({"tool_calls": [call.as_openai()]} for call in calls)
+        for call in calls:
+            piece = call.as_openai()
+            out.append({"function_call": piece["function"]} if self._legacy else {"tool_calls": [piece]})
         return out
 
     def finish(
@@ -53,11 +62,13 @@ class StreamedChoices:
         """The deltas still held back when a choice ends, and its finish_reason."""
         reader = self._readers[index]
         rest = reader.finish()
-        reason = _reason(finish_reason, stop_reason) if reader.calls else finish_reason
+        reason = _reason(finish_reason, stop_reason, self._legacy) if reader.calls else finish_reason
         return ([{"content": rest}] if rest else []), reason or finish_reason
 
 
-def _reason(finish_reason: str | None, stop_reason: int | str | None) -> str | None:
-    """An answer with calls: "tool_calls" when it ended by itself (EOS, the grammar's end), else
-    as it ended (a stop string or stop token cut it; max_tokens)."""
-    return "tool_calls" if finish_reason == "stop" and stop_reason is None else finish_reason
+def _reason(finish_reason: str | None, stop_reason: int | str | None, legacy: bool = False) -> str | None:
+    """An answer with calls: "tool_calls" ("function_call" in the legacy spelling) when it ended by
+    itself (EOS, the grammar's end), else as it ended (a stop string or stop token cut it; max_tokens)."""
+    if finish_reason == "stop" and stop_reason is None:
+        return "function_call" if legacy else "tool_calls"
+    return finish_reason

@@ -232,6 +232,7 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise APIError(
                 400, f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type"
             )
+        msg = _from_legacy(msg, i)
         role = msg.get("role")
         if role not in _ROLES:
             raise APIError(
@@ -266,6 +267,30 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             turn["tool_call_id"] = call_id
         out.append(turn)
     return out
+
+
+def _from_legacy(msg: dict[str, Any], i: int) -> dict[str, Any]:
+    """A turn of the deprecated function-calling API (a `function` role result, an assistant's
+    `function_call`) as its tool-calling twin, so that a `functions` client's history replays."""
+    where = f"messages[{i}]"
+    if msg.get("role") == "function":
+        if not isinstance(msg.get("name"), str):
+            raise APIError(
+                400, f"Missing required parameter: '{where}.name'", param=f"{where}.name",
+                code="missing_required_parameter",
+            )  # fmt: skip
+        return {**msg, "role": "tool", "tool_call_id": msg["name"]}
+    call = msg.get("function_call")
+    if msg.get("role") != "assistant" or call is None or msg.get("tool_calls"):
+        return msg
+    if not isinstance(call, dict):
+        param = f"{where}.function_call"
+        raise APIError(400, f"{param} must be an object", param=param, code="invalid_type")
+    for field in ("name", "arguments"):
+        if not isinstance(call.get(field), str):
+            param = f"{where}.function_call.{field}"
+            raise APIError(400, f"{param} must be a string", param=param, code="invalid_type")
+    return {**msg, "tool_calls": [{"id": call["name"], "type": "function", "function": call}]}
 
 
 def _content_text(content: object, param: str) -> str | None:

@@ -216,7 +216,9 @@ class OpenAIServing:
     ) -> AsyncIterator[bytes]:
         head = {**response_head(identity), "object": "chat.completion.chunk"}
         calls = (
-            StreamedChoices(params.n, tools is not None and tools.calls_only) if reads_calls(tools) else None
+            StreamedChoices(params.n, tools.calls_only, tools.legacy)
+            if tools is not None and reads_calls(tools)
+            else None
         )
         extra = {"usage": None} if include_usage else {}
 

@@ -5,8 +5,10 @@ description and a JSON-schema `parameters` object describing an object (absent: 
 at most 128 of them;
 `tool_choice` is none, auto, required or {"type": "function", "function": {"name"}} naming one of
 them, defaults to auto with tools and none without, and is refused without tools. The legacy
-`functions` / `function_call` fields map onto the same shape. Bounds keep a request's schemas
-within what the grammar compiler should see (`MAX_SCHEMA_BYTES`).
+`functions` / `function_call` fields map onto the same shape, one call at most (`legacy`: the
+answer then says `message.function_call`, as OpenAI's does, since a client of that API reads
+nothing else). Bounds keep a request's schemas within what the grammar compiler should see
+(`MAX_SCHEMA_BYTES`).
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ class Function:
 class ToolRequest:
     """The functions a request offers and how the model may use them.
 
-    `choice`: "none", "auto", "required", or the one function's name that must be called.
+    `choice`: "none", "auto", "required", or the one function's name that must be called;
+    `legacy`: asked with the deprecated `functions` field (one call, written as `function_call`).
     """
 
     functions: tuple[Function, ...]
     choice: str
     parallel: bool
+    legacy: bool = False
 
     @property
     def calls_allowed(self) -> bool:
@@ -96,6 +100,8 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
             raise ToolRequestError(f"{choice_param} is only allowed when tools are given", param=choice_param)
         return None
     parsed = _functions(tools)
+    if functions is not None:  # the legacy answer has room for one call: `message.function_call`
+        return ToolRequest(parsed, _choice(choice_value, choice_param, {f.name for f in parsed}), False, True)
     parallel = body.get("parallel_tool_calls", True)
     if parallel is None:
         parallel = True

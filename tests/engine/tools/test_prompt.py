@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.http.protocol import chat_messages
 from engine.tools.grammar import call_text
 from engine.tools.prompt import template_takes_tools, with_tools
 from engine.tools.request import parse_tool_request
@@ -76,3 +77,22 @@ def test_a_template_that_takes_tools_gets_them_and_the_history_with_arguments_as
     ]
     assert messages[2]["tool_calls"][1]["function"]["arguments"] == {"a": 3, "b": 4}
     assert messages[4] == {"role": "tool", "content": "7", "tool_call_id": "call_2"}
+
+
+def test_a_legacy_function_call_history_renders_as_its_tool_call_twin() -> None:
+    call = {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    legacy: list[dict[str, Any]] = [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": "add", "content": "3"},
+    ]
+    tools: list[dict[str, Any]] = [
+        {"role": "user", "content": "1+2?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "add", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "add", "content": "3"},
+    ]
+    assert chat_messages(legacy) == chat_messages(tools)

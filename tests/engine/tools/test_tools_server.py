@@ -294,6 +294,29 @@ class TestTinyModel:
             seen.add("no call" if not whole else "cut arguments" if not _parses(whole[-1][1]) else "whole")
         assert {"no call", "cut arguments"} <= seen, seen
 
+    def test_legacy_functions_get_a_function_call_answer_whole_and_streamed_and_replay(
+        self, client: openai.OpenAI
+    ) -> None:
+        functions = [t["function"] for t in SHORT_TOOLS]
+        ask: Any = {"model": "", "messages": QUESTION, "functions": functions,
+                    "function_call": {"name": "set_unit"}, "seed": 3, "max_tokens": 60}  # fmt: skip
+        reply = client.chat.completions.create(**ask).choices[0]
+        call = reply.message.function_call  # what a client of the legacy API reads, and nothing else
+        assert reply.finish_reason == "function_call" and reply.message.tool_calls is None and call
+        jsonschema.validate(json.loads(call.arguments), UNIT)
+        name, arguments, finish = "", "", None
+        for chunk in client.chat.completions.create(stream=True, **ask):
+            delta = chunk.choices[0].delta
+            assert not delta.tool_calls
+            name += delta.function_call.name or "" if delta.function_call else ""
+            arguments += delta.function_call.arguments or "" if delta.function_call else ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert (name, arguments, finish) == (call.name, call.arguments, "function_call")
+        history = [*QUESTION, {"role": "assistant", "content": None, "function_call": call.model_dump()},
+                   {"role": "function", "name": call.name, "content": '{"unit": "set"}'}]  # fmt: skip
+        again = client.chat.completions.create(**{**ask, "messages": history, "function_call": "none"})
+        assert again.choices[0].message.content and again.choices[0].message.function_call is None
+
     def test_a_stop_string_that_cuts_a_call_ends_it_as_stop_not_tool_calls(
         self, client: openai.OpenAI
     ) -> None:
