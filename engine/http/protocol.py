@@ -363,7 +363,8 @@ def validation_error(exc: ValidationError) -> APIError:
         text = msg.removeprefix("Value error, ")
         name, _, detail = text.partition(": ")
         return APIError(400, detail or text, param=name or None, code="invalid_value")
-    param = ".".join(loc) if loc else None
+    # ("messages", 0, "role") -> messages[0].role, as the fields checked by hand are named
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".") or None
     if kind == "missing":
         return APIError(
             400, f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter"

@@ -114,7 +114,7 @@ def test_a_resume_that_cannot_be_is_a_400_naming_the_field() -> None:
         ({"resume": {"token_ids": [1]}}, "resume"),  # not a stream
         ({"stream": True, "n": 2, "resume": {"token_ids": [1]}}, "resume"),
         ({"stream": True, "resume": {"token_ids": [1], "id": "x y"}}, "resume.id"),
-        ({"stream": True, "resume": {"token_ids": ["a"]}}, "resume.token_ids.0"),
+        ({"stream": True, "resume": {"token_ids": ["a"]}}, "resume.token_ids[0]"),
         ({"stream": True, "resume": {"token_ids": [1], "other": 1}}, "resume.other"),
     ):
         with pytest.raises(Exception) as err:

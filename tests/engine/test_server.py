@@ -324,6 +324,7 @@ BAD_CHAT_FIELDS = [
     ({"seed": "abc"}, "seed"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": ["hi"]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
     (
