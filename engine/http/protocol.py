@@ -241,7 +241,7 @@ def chat_messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 param=f"messages[{i}].role",
                 code="invalid_value",
             )
-        content = _content_text(msg.get("content"), f"messages[{i}].content")
+        content = _content_text(msg.get("content"), f"messages[{i}].content", role == "assistant")
         if content is None and role != "assistant":
             raise APIError(
                 400,
@@ -293,7 +293,9 @@ def _from_legacy(msg: dict[str, Any], i: int) -> dict[str, Any]:
     return {**msg, "tool_calls": [{"id": call["name"], "type": "function", "function": call}]}
 
 
-def _content_text(content: object, param: str) -> str | None:
+def _content_text(content: object, param: str, assistant: bool = False) -> str | None:
+    """The text of a message's content; an assistant's may hold `refusal` parts (OpenAI's history of
+    a refused answer), read as the words it said."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -302,7 +304,9 @@ def _content_text(content: object, param: str) -> str | None:
         )
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
+        refusal = assistant and isinstance(part, dict) and part.get("type") == "refusal"
+        field = "refusal" if refusal else "text"
+        if not isinstance(part, dict) or part.get("type") != field:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(
                 400,
@@ -310,15 +314,15 @@ def _content_text(content: object, param: str) -> str | None:
                 param=f"{param}[{j}]",
                 code="invalid_value",
             )
-        text = part.get("text")
+        text = part.get(field)
         if not isinstance(text, str):
-            missing = "text" not in part
+            missing = field not in part
             raise APIError(
                 400,
-                f"Missing required parameter: '{param}[{j}].text'"
+                f"Missing required parameter: '{param}[{j}].{field}'"
                 if missing
-                else f"{param}[{j}].text must be a string, got {type(text).__name__}",
-                param=f"{param}[{j}].text",
+                else f"{param}[{j}].{field} must be a string, got {type(text).__name__}",
+                param=f"{param}[{j}].{field}",
                 code="missing_required_parameter" if missing else "invalid_type",
             )
         parts.append(text)

@@ -291,6 +291,18 @@ def test_unknown_fields_are_ignored(client: openai.OpenAI, model: str) -> None:
     assert resp.usage is not None and resp.usage.completion_tokens >= 1
 
 
+def test_a_refused_answer_in_the_history_replays_as_the_words_it_said(
+    client: openai.OpenAI, model: str
+) -> None:
+    said = "I can't help with that."
+    refused: Any = {"role": "assistant", "content": [{"type": "refusal", "refusal": said}]}
+    plain: Any = {"role": "assistant", "content": said}
+    histories: list[Any] = [[*_user("x"), turn, *_user("y")] for turn in (refused, plain)]
+    prompts = [client.chat.completions.create(model=model, messages=h, max_tokens=1) for h in histories]
+    assert prompts[0].usage and prompts[1].usage
+    assert prompts[0].usage.prompt_tokens == prompts[1].usage.prompt_tokens
+
+
 def test_logit_bias_steers_the_tokens_both_ways(server: ServerProcess, model: str) -> None:
     def answer(bias: dict[str, float] | None) -> tuple[str, list[int]]:
         body = {"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
@@ -325,6 +337,14 @@ BAD_CHAT_FIELDS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": ["hi"]}, "messages[0]"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+        "messages[0].content[0]",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]},
+        "messages[0].content[0].refusal",
+    ),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
     (
