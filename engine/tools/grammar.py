@@ -23,7 +23,7 @@ import dataclasses
 import json
 
 from engine.guided.spec import GuidedSpec
-from engine.tools.request import Function, ToolRequest
+from engine.tools.request import Function, ToolRequest, function_param
 
 CALL_BEGIN = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -69,7 +69,9 @@ def tool_spec(tools: ToolRequest) -> GuidedSpec | None:
     lexemes.append("SEP: /\\n{1,2}/")
     grammar = "\n".join(["%llguidance {}", start, *rules, *lexemes]) + "\n"
     parts = tuple(
-        GuidedSpec.json_schema(f.parameters, param=f"tools[{i}].function.parameters", any_whitespace=False)
+        GuidedSpec.json_schema(
+            f.parameters, param=f"{function_param(i, tools.legacy)}.parameters", any_whitespace=False
+        )
         for i, f in enumerate(tools.functions)
         if f in functions
     )

@@ -99,7 +99,7 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
         if choice_value not in (None, "none"):
             raise ToolRequestError(f"{choice_param} is only allowed when tools are given", param=choice_param)
         return None
-    parsed = _functions(tools)
+    parsed = _functions(tools, legacy=functions is not None)
     if functions is not None:  # the legacy answer has room for one call: `message.function_call`
         return ToolRequest(parsed, _choice(choice_value, choice_param, {f.name for f in parsed}), False, True)
     parallel = body.get("parallel_tool_calls", True)
@@ -111,11 +111,14 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     return ToolRequest(parsed, choice, parallel)
 
 
-def _functions(tools: Any) -> tuple[Function, ...]:
+def _functions(tools: Any, legacy: bool = False) -> tuple[Function, ...]:
+    """The functions of `tools`; a refusal names the field as the client spelled it (`legacy`:
+    `functions[i].name`, its list wrapped as tools by `_legacy_tools`)."""
+    field = "functions" if legacy else "tools"
     if not isinstance(tools, list):
-        raise ToolRequestError("tools must be an array", param="tools")
+        raise ToolRequestError(f"{field} must be an array", param=field)
     if len(tools) > MAX_TOOLS:
-        raise ToolRequestError(f"at most {MAX_TOOLS} tools may be given, got {len(tools)}", param="tools")
+        raise ToolRequestError(f"at most {MAX_TOOLS} {field} may be given, got {len(tools)}", param=field)
     out: list[Function] = []
     seen: set[str] = set()
     size = 0
@@ -124,27 +127,29 @@ def _functions(tools: Any) -> tuple[Function, ...]:
         if not isinstance(tool, Mapping) or tool.get("type") != "function":
             raise ToolRequestError(f'{where}.type must be "function"', param=f"{where}.type")
         function = tool.get("function")
+        at = function_param(i, legacy)
         if not isinstance(function, Mapping):
-            raise ToolRequestError(f"{where}.function must be an object", param=f"{where}.function")
+            raise ToolRequestError(f"{at} must be an object", param=at)
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ToolRequestError(
-                f"{where}.function.name must be 1-64 letters, digits, _ or -", param=f"{where}.function.name"
-            )
+            raise ToolRequestError(f"{at}.name must be 1-64 letters, digits, _ or -", param=f"{at}.name")
         if name in seen:
-            raise ToolRequestError(f"two tools are named {name!r}", param=f"{where}.function.name")
+            raise ToolRequestError(f"two {field} are named {name!r}", param=f"{at}.name")
         seen.add(name)
         description = function.get("description")
         if description is not None and not isinstance(description, str):
-            raise ToolRequestError(
-                f"{where}.function.description must be a string", param=f"{where}.function.description"
-            )
-        parameters = _parameters(function.get("parameters"), f"{where}.function.parameters")
+            raise ToolRequestError(f"{at}.description must be a string", param=f"{at}.description")
+        parameters = _parameters(function.get("parameters"), f"{at}.parameters")
         size += len(parameters)
         if size > MAX_SCHEMA_BYTES:
-            raise ToolRequestError(f"the tools' parameters exceed {MAX_SCHEMA_BYTES} bytes", param="tools")
+            raise ToolRequestError(f"the {field}' parameters exceed {MAX_SCHEMA_BYTES} bytes", param=field)
         out.append(Function(name, description, parameters))
     return tuple(out)
+
+
+def function_param(index: int, legacy: bool) -> str:
+    """Where the request spelled its `index`-th function: tools[i].function, or functions[i]."""
+    return f"functions[{index}]" if legacy else f"tools[{index}].function"
 
 
 def _parameters(value: Any, param: str) -> str:

@@ -78,3 +78,11 @@ def test_the_grammar_takes_exactly_the_allowed_answers(
 def test_tool_choice_none_constrains_nothing() -> None:
     tools = parse_tool_request({"tools": TOOLS, "tool_choice": "none"})
     assert tools is not None and tool_spec(tools) is None
+
+
+def test_a_legacy_functions_schema_is_named_where_the_client_wrote_it() -> None:
+    req = parse_tool_request({"functions": [t["function"] for t in TOOLS]})
+    assert req is not None
+    spec = tool_spec(req)
+    assert spec is not None
+    assert [part.param for part in spec.parts] == ["functions[0].parameters", "functions[1].parameters"]

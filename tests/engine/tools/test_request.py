@@ -57,6 +57,11 @@ def test_legacy_functions_map_onto_tools() -> None:
         ),
         ({"tools": [tool("a")], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
         ({"tools": [tool("a")], "functions": [{"name": "a"}]}, "functions", "not both"),
+        # the legacy spelling is named as the client spelled it
+        ({"functions": [{"name": "bad name"}]}, "functions[0].name", "1-64 letters"),
+        ({"functions": [{"name": "a"}, {"name": "a"}]}, "functions[1].name", "two functions"),
+        ({"functions": [{"name": "a", "parameters": [1]}]}, "functions[0].parameters", "JSON schema object"),
+        ({"functions": [{"name": "a"}] * (MAX_TOOLS + 1)}, "functions", f"at most {MAX_TOOLS} functions"),
         ({"tools": [tool(f"t{i}") for i in range(MAX_TOOLS + 1)]}, "tools", f"at most {MAX_TOOLS}"),
         (
             {"tools": [tool("a", {"type": "object", "x": "y" * 300_000})]},
