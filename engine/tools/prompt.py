@@ -54,7 +54,17 @@ def with_tools(
         listed = [f.as_openai() for f in tools.functions] if tools is not None and offered else None
         return [_native(m) for m in messages], listed
     out: list[dict[str, Any]] = []
-    for message in messages:
+    # a run of tool results, joined once when it ends: appending each to the turn so far copied the
+    # whole turn per result, quadratic on the event loop (20k results in a 2 MB body: seconds)
+    results: list[str] = []
+    for message in [*messages, None]:
+        if results and (message is None or message["role"] != "tool"):
+            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
+                results.insert(0, out.pop()["content"])
+            out.append({"role": "user", "content": "\n".join(results)})
+            results = []
+        if message is None:
+            break
         role, content = message["role"], message.get("content") or ""
         if role == "assistant" and message.get("tool_calls"):
             calls = [
@@ -62,11 +72,7 @@ def with_tools(
             ]
             out.append({"role": "assistant", "content": "\n".join([content, *calls] if content else calls)})
         elif role == "tool":
-            result = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
-                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + result}
-            else:
-                out.append({"role": "user", "content": result})
+            results.append(f"<tool_response>\n{content}\n</tool_response>")
         else:
             out.append({"role": role, "content": content})
     if offered:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from engine.http.protocol import chat_messages
@@ -96,3 +97,30 @@ def test_a_legacy_function_call_history_renders_as_its_tool_call_twin() -> None:
         {"role": "tool", "tool_call_id": "add", "content": "3"},
     ]
     assert chat_messages(legacy) == chat_messages(tools)
+
+
+def test_a_long_run_of_tool_results_renders_in_linear_time() -> None:
+    """with_tools runs on the server's event loop: appending each result to the turn so far copied
+    that turn per result (quadratic: 20k results, which fit a 2 MB body, held the loop for seconds)."""
+
+    def seconds(n: int) -> float:
+        turns = [{"role": "user", "content": "go"}] + [
+            {"role": "tool", "tool_call_id": "c", "content": "y" * 40} for _ in range(n)
+        ]
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            with_tools(turns, None, native=False)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    # 4x the results: 4x the time when linear, 16x when quadratic
+    assert seconds(24_000) < 8 * seconds(6_000)
+    assert with_tools([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], None, False)[
+        0
+    ] == [
+        {
+            "role": "user",
+            "content": "<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response>",
+        }
+    ]
