@@ -37,10 +37,11 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0]
         if first.get("type") == "json_invalid":  # its loc is ("body", <offset>): no name the client used
             return error_response(GatewayError(400, _NOT_JSON, code="invalid_value"))
-        loc = [str(p) for p in first.get("loc", ())]
+        loc = list(first.get("loc", ()))
         if loc and loc[0] in _SOURCES:  # the client named `limit`, not `query.limit`
             loc = loc[1:]
-        param = ".".join(loc) or None
+        # ["allowed_models", 0] -> allowed_models[0], as OpenAI and the engine name a list's items
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
         message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
         return error_response(GatewayError(400, message, param=param, code="invalid_value"))
 

@@ -363,6 +363,7 @@ def test_patched_limits_and_budget_are_stored_and_admission_applies_them_at_once
         ({"budget_usd": None, "budget_period": "daily"}, "budget_period"),
         ({"name": None}, "name"),
         ({"metadata": None}, "metadata"),
+        ({"allowed_models": ["fast", 7]}, "allowed_models[1]"),  # a list's item, named as OpenAI does
     ],
 )
 def test_bad_limit_and_budget_patches_are_400_and_change_nothing(
