@@ -85,17 +85,21 @@ def measure(target: Target, stream: bool, seconds: float) -> Figures:
 
 
 def fake_and_gateway(
-    root: Path, servers: list[ManagedServer], *fake_args: str
+    root: Path, servers: list[ManagedServer], *fake_args: str, more: dict[str, str] | None = None
 ) -> tuple[ManagedServer, ManagedServer, str]:
     """The fast fake upstream (started with `fake_args`), one gateway worker whose policy serves it
-    as `fast` (SQLite request log under `root`), and a virtual key; both appended to `servers`."""
+    as `fast` (SQLite request log under `root`), and a virtual key; both appended to `servers`.
+    `more`: other models of the policy, each served by an upstream already running at its URL."""
     upstream = ManagedServer(
         lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port), *fake_args]
     )
     servers.append(upstream)
+    urls = {"fast": upstream.base_url, **(more or {})}
     policy = root / "policy.yaml"
-    policy.write_text(f'backends:\n  fake: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
-                      "models:\n  fast: {backend: fake}\n")  # fmt: skip
+    policy.write_text(
+        "backends:\n" + "".join(f'  {m}: {{type: engine, urls: ["{u}"]}}\n' for m, u in urls.items())
+        + "models:\n" + "".join(f"  {m}: {{backend: {m}}}\n" for m in urls)
+    )  # fmt: skip
     env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s",
            "GATEWAY_DATABASE_URL": f"sqlite+aiosqlite:///{root / 'g.db'}"}  # fmt: skip
     gateway = start_gateway(policy, env)

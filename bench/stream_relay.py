@@ -9,8 +9,9 @@ write, GAP ms apart, a role-only first chunk and then TOKENS chunks of one word 
   upstream's first event): "held" minus direct is what holding the head alone costs the client (it
   parses the head after the first text, not during the gap);
 - at concurrency C for S seconds: the proxy process's CPU time (user + system, from /proc) per
-  relayed chunk, and that CPU less what the same number of whole (non-streamed) requests costs,
-  which is the relay's own cost per chunk.
+  relayed chunk, and that CPU less what the same number of whole (non-streamed) requests costs;
+  for ours also the slope between streams of TOKENS and TOKENS/4 words through the same process,
+  the relay's own cost per further chunk (what a stream costs once cancels out).
 LiteLLM proxy can run beside ours (`--litellm`: bench/gateway_overhead.py installs it). With
 `--sdk`, the concurrency-1 streams are read with the official OpenAI SDK (each event parsed into
 its objects, as an application does) instead of httpx lines.
@@ -51,6 +52,7 @@ class Target:
     url: str
     headers: dict[str, str]
     server: ManagedServer | None
+    model: str = "fast"
 
 
 @dataclass
@@ -63,8 +65,8 @@ class Timing:
     chunks: int
 
 
-def body(stream: bool) -> dict[str, object]:
-    return {"model": "fast", "messages": [{"role": "user", "content": "one two three"}], "stream": stream}
+def body(stream: bool, model: str = "fast") -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "one two three"}], "stream": stream}
 
 
 def stream_once(client: httpx.Client, target: Target) -> Timing:
@@ -72,7 +74,7 @@ def stream_once(client: httpx.Client, target: Target) -> Timing:
     start = time.perf_counter()
     first_byte = first_text = 0.0
     chunks = 0
-    with client.stream("POST", target.url, json=body(True), headers=target.headers) as response:
+    with client.stream("POST", target.url, json=body(True, target.model), headers=target.headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{target.name}: status {response.status_code}")
         for line in response.iter_lines():
@@ -126,7 +128,7 @@ def load(target: Target, stream: bool, concurrency: int, seconds: float) -> tupl
                 if stream:
                     chunks = stream_once(client, target).chunks
                 else:
-                    r = client.post(target.url, json=body(False), headers=target.headers)
+                    r = client.post(target.url, json=body(False, target.model), headers=target.headers)
                     r.raise_for_status()
                     chunks = 0
                 with lock:
@@ -147,7 +149,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 def measure(
-    targets: list[Target], requests: int, concurrency: int, seconds: float, sdk: bool = False
+    targets: list[Target],
+    requests: int,
+    concurrency: int,
+    seconds: float,
+    sdk: bool = False,
+    short: Target | None = None,
 ) -> None:
     timings: dict[str, list[Timing]] = {t.name: [] for t in targets}
     clients = {t.name: httpx.Client(timeout=30) for t in targets}
@@ -198,6 +205,23 @@ def measure(
         print(f"  {t.name:>8}: {per_request * 1e3:.3f} ms per whole request; streams: "
               f"{cpu / chunks * 1e3:.3f} ms per chunk in all, {relay * 1e3:.3f} ms per chunk "
               f"for the relay ({streams} streams, {chunks} chunks)")  # fmt: skip
+        if short is not None and short.server is t.server:
+            marginal(t, short, cpu / streams, chunks / streams, concurrency, seconds)
+
+
+def marginal(long: Target, short: Target, cpu_long: float, chunks_long: float, concurrency: int,
+             seconds: float) -> None:  # fmt: skip
+    """The relay's own CPU per chunk as the slope between streams of two lengths through the same
+    proxy: what a stream costs once (its request, its head, its end) cancels out, where "less the
+    whole requests" leaves in what a stream costs beyond a whole answer."""
+    assert short.server is not None
+    before = cpu_seconds(short.server)
+    streams, chunks = load(short, True, concurrency, seconds)
+    cpu_short = (cpu_seconds(short.server) - before) / streams
+    slope = (cpu_long - cpu_short) / (chunks_long - chunks / streams)
+    print(f"  {long.name:>8}: streams of {chunks / streams:.0f} chunks {cpu_short * 1e3:.3f} ms, of "
+          f"{chunks_long:.0f} chunks {cpu_long * 1e3:.3f} ms: {slope * 1e3:.3f} ms per further chunk, "
+          f"{(cpu_short - slope * chunks / streams) * 1e3:.3f} ms per stream besides")  # fmt: skip
 
 
 def main() -> None:
@@ -218,7 +242,12 @@ def main() -> None:
     servers: list[ManagedServer] = []
     try:
         pacing = ("--gap-ms", str(args.gap_ms), "--tokens", str(args.tokens))
-        upstream, gateway, key = fake_and_gateway(root, servers, *pacing)
+        few = ("--gap-ms", str(args.gap_ms), "--tokens", str(max(1, args.tokens // 4)))
+        fewer = ManagedServer(
+            lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port), *few]
+        )  # a second length of stream: the relay's slope per chunk
+        servers.append(fewer)
+        upstream, gateway, key = fake_and_gateway(root, servers, *pacing, more={"short": fewer.base_url})
         held = ManagedServer(
             lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port), *pacing,
                           "--hold-head"]
@@ -235,7 +264,9 @@ def main() -> None:
             auth = {"authorization": f"Bearer {LITELLM_MASTER}"}
             targets.append(Target("litellm", litellm.base_url + PATH, auth, litellm))
         print(f"upstream: {args.tokens} text chunks {args.gap_ms:g} ms apart; {os.cpu_count()} CPUs")
-        measure(targets, args.requests, args.concurrency, args.seconds, args.sdk)
+        auth = {"authorization": f"Bearer {key}"}
+        short = Target("gateway", gateway.base_url + PATH, auth, gateway, "short")
+        measure(targets, args.requests, args.concurrency, args.seconds, args.sdk, short)
     finally:
         for server in reversed(servers):
             server.stop()
