@@ -1,0 +1,114 @@
+"""Finish: the release before the answer goes out, the row and the sinks once it is out (stamped
+when the request ended), and a sink that fails costs its record, never the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from gateway.config.policy import parse_policy
+from gateway.governance.costs import PriceBook
+from gateway.governance.keys import KeyInfo
+from gateway.pipeline.admission import Admission, Ticket
+from gateway.pipeline.call import Call
+from gateway.pipeline.failover import Failover
+from gateway.pipeline.finish import Finish
+from gateway.pipeline.runtime import Runtime, RuntimeHolder
+from gateway.routing.router import Router
+from gateway.store.record import RequestRecord
+
+POLICY = """
+backends:
+  local: {type: engine, urls: ["http://127.0.0.1:1"], price: {input_per_mtok: 1, output_per_mtok: 2}}
+models:
+  small: {backend: local}
+"""
+
+
+class Released(Admission):
+    """Admission that notes each release (and when) instead of settling counters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[tuple[float, Decimal | None]] = []
+
+    def release(self, ticket: Ticket, usage: dict[str, Any], cost: Decimal | None) -> None:
+        self.released.append((time.perf_counter(), cost))
+
+
+class Sink:
+    def __init__(self, fail: bool = False) -> None:
+        self.records: list[tuple[float, RequestRecord]] = []
+        self.fail = fail
+
+    def record(self, rec: RequestRecord) -> None:
+        if self.fail:
+            raise RuntimeError("the sink broke")
+        self.records.append((time.perf_counter(), rec))
+
+
+def _finish(log: Sink, telemetry: list[Sink]) -> tuple[Finish, Released]:
+    policy = parse_policy(POLICY)
+    runtime = Runtime(
+        policy, Router(policy), Failover(policy, {}), {}, "test", datetime.now(UTC), PriceBook(policy)
+    )
+    admission = Released()
+    return Finish(RuntimeHolder(runtime), admission, log, telemetry), admission
+
+
+def _served_call(finish: Finish) -> Call:
+    key = KeyInfo(uuid.uuid4().hex, "k", "sk-test", None, None, {}, datetime.now(UTC), None, None, None)
+    call = Call("req-1", key, time.perf_counter(), datetime.now(UTC), model="small")
+    call.prices = finish.holder.runtime.prices
+    call.served_by("local", "http://127.0.0.1:1", [])
+    call.usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+    call.ticket = Ticket()
+    return call
+
+
+def test_the_release_comes_at_once_and_the_row_after_the_answer_stamped_when_it_ended() -> None:
+    asyncio.run(_release_then_row())
+
+
+async def _release_then_row() -> None:
+    log, metrics = Sink(), Sink()
+    finish, admission = _finish(log, [metrics])
+    call = _served_call(finish)
+    finish(call, 200, None)
+    ended = time.perf_counter()
+    assert len(admission.released) == 1 and admission.released[0][1] is not None  # priced, released now
+    assert call.ticket is None
+    assert log.records == [] and metrics.records == []  # the answer is still to be sent
+    time.sleep(0.05)  # sending it (the row must not count this)
+    await asyncio.sleep(0)
+    assert len(log.records) == 1 and len(metrics.records) == 1
+    row = log.records[0][1].row
+    assert row["status"] == 200 and row["prompt_tokens"] == 10 and row["cost_picousd"] is not None
+    assert row["latency_ms"] <= (ended - call.started) * 1e3 + 1  # stamped at the finish, not 50 ms later
+    finish(call, 499, "client_disconnected")  # a second end (a relay's after a handler's): nothing
+    await asyncio.sleep(0)
+    assert len(log.records) == 1 and len(admission.released) == 1
+
+
+def test_a_failing_sink_costs_its_record_not_the_others_nor_the_caller(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log, broken = Sink(), Sink(fail=True)
+    finish, admission = _finish(log, [broken])
+
+    async def end() -> None:
+        finish(_served_call(finish), 200, None)  # returns: the answer goes out whatever the sinks do
+        await asyncio.sleep(0)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(end())
+    assert len(admission.released) == 1
+    assert len(log.records) == 1  # the request log got its row before the broken sink ran
+    assert any("recording a finished request failed" in r.getMessage() for r in caplog.records)
