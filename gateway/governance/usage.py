@@ -89,11 +89,17 @@ MAX_ANSWERS = 2048  # answers of one request (prompts x n): OpenAI caps a list o
 
 
 def max_output(body: dict[str, Any]) -> int | None:
-    """The output tokens a request may produce per choice, as it asks (None: it names no limit)."""
-    out = body.get("max_completion_tokens") or body.get("max_tokens")
-    if isinstance(out, int) and not isinstance(out, bool) and out > 0:
-        return min(out, MAX_TOKENS)
-    return None
+    """The output tokens a request may produce per choice, as it asks (None: it names no limit): the
+    larger of `max_tokens` and `max_completion_tokens`, since upstreams differ in which one they read
+    (our engine's legacy completions read only `max_tokens`). Taking the first one named let a request
+    with `max_completion_tokens: 1, max_tokens: 4000` reserve one output token on its budget and be
+    answered, and billed, 4,000: 30 at once overspent a budget by far more than one reservation."""
+    asked = [
+        v
+        for v in (body.get("max_completion_tokens"), body.get("max_tokens"))
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+    ]
+    return min(max(asked), MAX_TOKENS) if asked else None
 
 
 def choices(body: dict[str, Any]) -> int:

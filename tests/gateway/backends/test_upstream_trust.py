@@ -290,3 +290,18 @@ def test_usage_past_what_max_tokens_allows_every_answer_is_not_believed() -> Non
     assert checked_usage(fits, {"max_completion_tokens": 4, "prompt": ["a", "b"]}) is not None
     assert checked_usage(fits, {"max_tokens": 3, "n": 2}) is None
     assert checked_usage(fits, {}) is not None  # no max_tokens: the model's own cap applies
+
+
+def test_reservations_cover_the_larger_of_max_tokens_and_max_completion_tokens() -> None:
+    prices = PriceBook(parse_policy(POLICY))
+    prompt = 400 * Decimal(1) / 10**6
+    # our engine's legacy completions read only max_tokens; its chat reads max_completion_tokens first
+    both = {"max_completion_tokens": 1, "max_tokens": 4000}
+    assert prices.worst_case(("fast",), both, 400) == prompt + 4000 * Decimal(2) / 10**6
+    swapped = {"max_completion_tokens": 4000, "max_tokens": 1}
+    assert prices.worst_case(("fast",), swapped, 400) == prompt + 4000 * Decimal(2) / 10**6
+    # an answer as long as the larger limit is believed, not recounted as if it broke the request's limit
+    usage = {"prompt_tokens": 5, "completion_tokens": 4000, "total_tokens": 4005}
+    assert checked_usage(usage, both, 400) == usage
+    Admission._limits(_runtime(), _key(None, tpm=10**9), both, 400, ticket := Ticket())
+    assert ticket.reserved_tokens == 100 + 4000
