@@ -23,7 +23,6 @@ from gateway.store.models import RequestLog, UsageDaily
 PERCENTILE_ROWS = 20_000
 PAGE_ROWS = 50
 RECENT_FAILOVERS = 20
-MAX_CHART_DAYS = 366
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from fastapi import APIRouter, Query, Response
 from gateway.api.services import Database, Watcher
 from gateway.config.policy import EngineBackend
 from gateway.console.charts import stacked_by_day
-from gateway.console.data import MAX_CHART_DAYS, daily_by_backend
+from gateway.console.data import daily_by_backend
 from gateway.console.web import SECURITY_HEADERS, ConsoleSession, page
 from gateway.errors import GatewayError
 from gateway.store.db import DATABASE_ERRORS, unavailable
-from gateway.store.reports import DIMENSIONS, Day, Dimension, SpendRow, render, spend
+from gateway.store.reports import DIMENSIONS, MAX_CHART_DAYS, Day, Dimension, SpendRow, render, spend
 
 router = APIRouter(prefix="/ui/spend")
 

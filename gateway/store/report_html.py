@@ -16,14 +16,15 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.store.models import UsageDaily
-from gateway.store.reports import SpendRow, spend
+from gateway.store.reports import MAX_CHART_DAYS, SpendRow, spend
 
 _PALETTE = ("#3b6fb6", "#e07b39", "#4e9a5b", "#b5485d", "#7d5ba6", "#c2a23a", "#3fa3a8", "#8c6d4f")
 
 
 async def html_report(db: AsyncEngine, start: date, end: date, self_hosted: frozenset[str]) -> str:
     """Everything finance reads for `start`..`end` (both included), as one HTML document."""
-    daily = await _daily_by_backend(db, start, end)
+    long = (end - start).days >= MAX_CHART_DAYS
+    daily = {} if long else await _daily_by_backend(db, start, end)
     keys = await spend(db, start, end, "key")
     teams = await spend(db, start, end, "team")
     backends = await spend(db, start, end, "backend")
@@ -39,7 +40,9 @@ async def html_report(db: AsyncEngine, start: date, end: date, self_hosted: froz
         f"requests; self-hosted engines served <b>{_share(own_tokens, all_tokens)}</b> of the tokens; "
         f"savings against the reference model <b>${reference - basis:,.4f}</b>.</p>",
         "<h2>Daily spend by backend</h2>",
-        _stacked_days(daily, start, end),
+        f"<p>No daily chart over more than {MAX_CHART_DAYS} days: ask for a shorter range.</p>"
+        if long
+        else _stacked_days(daily, start, end),
         "<h2>Top keys</h2>",
         _bars(keys[:10]),
         "<h2>Top teams</h2>",

@@ -22,6 +22,9 @@ from gateway.store.models import ApiKey, UsageDaily
 Dimension = Literal["key", "team", "model", "backend", "day"]
 DIMENSIONS: tuple[Dimension, ...] = ("key", "team", "model", "backend", "day")
 Format = Literal["table", "csv", "json"]
+# the longest range drawn day by day (the console's chart, the HTML report's): 0001-01-01..9999-12-31
+# drew 3.65M days, an 817 MB file built in 2.5 GB of memory
+MAX_CHART_DAYS = 366
 
 _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
 

@@ -20,6 +20,7 @@ from gateway.main import create_app
 from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import PICO
+from gateway.store.report_html import html_report
 from gateway.store.reports import SpendRow, render, spend
 from gateway.store.request_log import RequestLogWriter
 from tests.gateway.processes import read_log_rows
@@ -165,6 +166,26 @@ def test_html_report_is_one_self_contained_file_with_its_charts(tmp_path: Path) 
     assert f"{100 * own / whole:.1f}%" in html
     total = Decimal(sum(int(r["cost_picousd"]) for r in raw)) / PICO
     assert f"${total:,.4f}" in html
+
+
+def test_html_report_over_a_long_range_draws_no_chart_day_by_day(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    _write(url)
+
+    async def run(start: date, end: date) -> str:
+        db = create_db(url)
+        try:
+            return await html_report(db, start, end, frozenset({"pool"}))
+        finally:
+            await db.dispose()
+
+    # 0001-01-01..9999-12-31 drew 3.65M days: an 817 MB file, built in 2.5 GB of memory
+    decades = asyncio.run(run(date(2000, 1, 1), date(2026, 12, 31)))
+    assert "No daily chart over more than 366 days" in decades and decades.count("<rect") < 100
+    total = Decimal(sum(int(r["cost_picousd"]) for r in read_log_rows(url))) / PICO
+    assert f"${total:,.4f}" in decades  # the figures are all there
+    year = asyncio.run(run(date(2026, 1, 1), date(2026, 12, 31)))  # 365 days: still drawn
+    assert "No daily chart" not in year and year.count("<rect") > 365
 
 
 def test_names_no_model_has_are_one_group_in_the_aggregates(database_url: str) -> None:
