@@ -139,10 +139,10 @@ class PriceBook:
                    context: Callable[[str], int | None] | None = None) -> Decimal:  # fmt: skip
         """The most a request may cost anywhere on its chain: a prompt token per body byte (a token
         is at least a byte; bytes / 4, an average, let concurrent requests overspend a budget by
-        more than one reservation), plus n x max_tokens per prompt at the dearest prices. Without
-        max_tokens: the largest output cap on the chain, a hosted model's from litellm's map, a
-        self-hosted one's its context (`context(model)`: an engine answers up to the rest of it),
-        else DEFAULT_OUTPUT_CAP."""
+        more than one reservation), plus n x max_tokens per prompt at the dearest prices (a prompt
+        token's, fresh or cached). Without max_tokens: the largest output cap on the chain, a hosted
+        model's from litellm's map, a self-hosted one's its context (`context(model)`: an engine
+        answers up to the rest of it), else DEFAULT_OUTPUT_CAP."""
         prices = [p for p in (self._prices.get(self._backend_of.get(m, "")) for m in chain) if p is not None]
         if not prices:
             return Decimal(0)
@@ -153,7 +153,9 @@ class PriceBook:
                 caps += [context(m) for m in chain if self._backend_of.get(m) in self.self_hosted]
             out = max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
         out *= choices(body)  # every one of n answers is billed
-        return body_bytes * max(p.input for p in prices) + out * max(p.output for p in prices)
+        # a cached prompt token may be priced above a fresh one (a policy's price is not checked for it)
+        prompt = max(max(p.input, p.cached_input) for p in prices)
+        return body_bytes * prompt + out * max(p.output for p in prices)
 
     def costs(self, backend: str, usage: dict[str, Any]) -> tuple[Decimal | None, Decimal | None]:
         """(what the request cost, what the reference model would have charged: self-hosted only)."""

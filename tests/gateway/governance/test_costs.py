@@ -74,3 +74,14 @@ def test_cached_tokens_never_exceed_the_prompt() -> None:
     price = TokenPrice(Decimal("1E-6"), Decimal("2E-6"), Decimal("5E-7"))
     assert price.cost(10, 0, 50) == 10 * Decimal("5E-7")
     assert price.cost(10, 0, -3) == 10 * Decimal("1E-6")
+
+
+def test_a_reservation_covers_a_prompt_whose_cached_tokens_are_priced_above_fresh_ones() -> None:
+    policy = POLICY.replace("cached_input_per_mtok: 0.5", "cached_input_per_mtok: 5")
+    book = PriceBook(
+        parse_policy(policy.replace("  a: {backend: pool}", "  a: {backend: pool}\n  c: {backend: custom}"))
+    )
+    custom = book.price("custom")
+    assert custom is not None
+    worst = book.worst_case(("c",), {"max_tokens": 10}, 400)
+    assert worst >= custom.cost(400, 10, cached_tokens=400) == (400 * 5 + 10 * 2) * Decimal(1) / 10**6
