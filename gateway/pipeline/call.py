@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.backends.base import Attempt
 from gateway.governance.costs import PriceBook
@@ -23,6 +23,16 @@ def request_id() -> str:
     """A new request's id, `req-` and 32 hex digits (random bytes, as uuid4's but without building
     a UUID object: every request makes one)."""
     return "req-" + os.urandom(16).hex()
+
+
+class Ended(NamedTuple):
+    """When a request ended, as its row tells it: perf_counter, wall clock, and the upstream's share
+    of the time up to then (a stream's relay counts upstream time on after its end, while it writes
+    the last event and drains what follows [DONE]: none of it is the row's)."""
+
+    at: float
+    wall: datetime
+    upstream_seconds: float
 
 
 @dataclass
@@ -58,25 +68,27 @@ class Call:
     logged: bool = False  # the row is written (or being counted): exactly one per request
     committed: bool = False  # a stream's status and headers went to the client (its events may not)
 
-    def overhead_ms(self, now: float | None = None) -> float:
-        """Milliseconds spent in the gateway up to `now` (perf_counter; default: so far): total
-        minus waiting on the upstream."""
-        end = time.perf_counter() if now is None else now
-        return max(0.0, (end - self.started - self.upstream_seconds) * 1e3)
+    def overhead_ms(self) -> float:
+        """Milliseconds spent in the gateway so far: total minus waiting on the upstream."""
+        return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
+
+    def ended(self) -> Ended:
+        """The request's end, now (the deferred row is built from it: Finish)."""
+        return Ended(time.perf_counter(), datetime.now(UTC), self.upstream_seconds)
 
     def served_by(self, backend: str, deployment: str, attempts: list[Attempt]) -> None:
         """The upstream that answers, and what was tried before it."""
         self.backend, self.deployment, self.attempts = backend, deployment, attempts
 
     def row(self, status: int, error: str | None, cost: Decimal | None, reference: Decimal | None,
-            estimated: bool, ended: tuple[float, datetime] | None = None) -> LogRow:  # fmt: skip
-        """The request-log row of a request that ended at `ended` (perf_counter, wall clock; default now)."""
-        end, finished_at = ended or (time.perf_counter(), datetime.now(UTC))
-        row = blank_row(self.id, self.created_at, status, round((end - self.started) * 1e3, 3))
+            estimated: bool, ended: Ended | None = None) -> LogRow:  # fmt: skip
+        """The request-log row of a request that ended at `ended` (default now)."""
+        end = ended or self.ended()
+        row = blank_row(self.id, self.created_at, status, round((end.at - self.started) * 1e3, 3))
         usage = self.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         decision = self.decision
-        row["finished_at"] = finished_at
+        row["finished_at"] = end.wall
         row["key_id"] = self.key.id
         row["team"] = self.key.team
         row["requested_model"] = clip(self.model, 200)
@@ -93,7 +105,7 @@ class Call:
         row["completion_tokens"] = usage.get("completion_tokens")
         row["cached_tokens"] = details.get("cached_tokens") if isinstance(details, dict) else None
         row["ttft_ms"] = round(self.ttft * 1e3, 3) if self.ttft is not None else None
-        row["overhead_ms"] = round(self.overhead_ms(end), 3)
+        row["overhead_ms"] = round(max(0.0, (end.at - self.started - end.upstream_seconds) * 1e3), 3)
         called = len([a for a in self.attempts if a.called])
         current = 1 if (self.backend and self.deployment) or self.calling else 0
         row["attempts"] = called + current + len(self.resumptions)

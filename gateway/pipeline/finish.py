@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -23,7 +21,7 @@ from gateway.config.policy import EngineBackend, Policy
 from gateway.governance import tokens
 from gateway.governance.usage import MAX_TOKENS, ZERO_COUNTS, says_zero
 from gateway.pipeline.admission import Admission
-from gateway.pipeline.call import Call
+from gateway.pipeline.call import Call, Ended
 from gateway.pipeline.runtime import RuntimeHolder
 from gateway.store.record import RecordSink, RequestRecord
 from gateway.telemetry.trace import Trace
@@ -104,12 +102,11 @@ class Finish:
         if call.ticket is not None:
             self.admission.release(call.ticket, usage, cost)
             call.ticket = None
-        ended = (time.perf_counter(), datetime.now(UTC))
-        later(self._record, call, status, error, cost, reference, estimated, ended)
+        later(self._record, call, status, error, cost, reference, estimated, call.ended())
 
     def _record(self, call: Call, status: int, error: str | None, cost: Decimal | None,
                 reference: Decimal | None, estimated: bool,
-                ended: tuple[float, datetime]) -> None:  # fmt: skip
+                ended: Ended) -> None:  # fmt: skip
         """The request's row and record, handed to the request log and the telemetry."""
         policy = self.holder.runtime.policy
         model = call.model

@@ -112,3 +112,21 @@ def test_a_failing_sink_costs_its_record_not_the_others_nor_the_caller(
     assert len(admission.released) == 1
     assert len(log.records) == 1  # the request log got its row before the broken sink ran
     assert any("recording a finished request failed" in r.getMessage() for r in caplog.records)
+
+
+def test_the_row_keeps_the_gateway_time_counted_when_the_request_ended() -> None:
+    """A stream's relay goes on after its end: it adds the [DONE] event's write (and the drain of
+    what follows it) to upstream_seconds before the deferred row is built, which took that time
+    (and the release's) off the row's overhead_ms."""
+    asyncio.run(_row_overhead_as_at_the_end())
+
+
+async def _row_overhead_as_at_the_end() -> None:
+    log = Sink()
+    finish, _ = _finish(log, [])
+    call = _served_call(finish)
+    time.sleep(0.02)  # the gateway's own time
+    finish(call, 200, None)
+    call.upstream_seconds += 0.02  # relay.py: the time after the end, counted once the event is out
+    await asyncio.sleep(0)
+    assert log.records[0][1].row["overhead_ms"] >= 19
