@@ -225,7 +225,10 @@ class WireResponse:
         if quiet is None or self._released or conn.complete or conn.error is not None:
             return
         period, seen, periods = quiet
-        periods = periods + 1 if conn.received == seen else 0
+        # a socket we paused (a megabyte unread: the relay's client is not reading) can bring no
+        # byte; that quiet is the reader's, not the replica's
+        paused = conn.transport is not None and conn.transport.is_reading() is False
+        periods = periods + 1 if conn.received == seen and not paused else 0
         if periods >= 4:
             conn.fail(TimeoutError())
             return

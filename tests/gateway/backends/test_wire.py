@@ -294,3 +294,37 @@ def test_a_stream_silent_for_its_limit_times_out_and_one_that_trickles_does_not(
             resp.release()
 
     asyncio.run(main())
+
+
+def test_a_stream_the_reader_holds_back_is_not_silent_while_its_socket_is_paused() -> None:
+    """A relay whose client stops reading stops reading the upstream too: past a megabyte buffered
+    the socket is paused, no byte can arrive, and that quiet is ours, not the replica's (it was
+    failed as a timeout, the stream broken and the healthy replica blamed)."""
+    line = b"data: " + b"x" * 1000 + b"\n"
+    count = 3000  # 3 MB: past the pause threshold and what loopback's buffers hold
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for _ in range(count):
+            writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> None:
+        async with serving(handler) as (url, _):
+            pool = WirePool(url, {})
+            resp = await pool.post("/", b"{}", 1.0, 10.0)
+            try:
+                assert await resp.next_line(2000) is not None
+                resp.watch_silence(0.2)
+                await asyncio.sleep(0.8)  # the client is not reading: neither are we
+                lines = 1
+                while await resp.next_line(2000) is not None:
+                    lines += 1
+                assert lines == count
+            finally:
+                resp.release()
+
+    asyncio.run(main())
