@@ -70,8 +70,9 @@ def max_prompt(body: dict[str, Any], size: int | None = None) -> int | None:
     else its encoding's, a pass over megabytes that the callers on the loop avoid) for each of
     its answers (an engine counts the prompt once per choice), plus PROMPT_SLACK. None when a
     message holds more than text (an image, audio, a file id: many tokens in a few bytes) or the
-    provider may add to the prompt itself (`web_search_options`: the pages it read)."""
-    if body.get("web_search_options") is not None:
+    provider may add to the prompt itself (`web_search_options`, or a tool it runs: the pages it
+    read, a code run's output)."""
+    if body.get("web_search_options") is not None or _provider_tools(body.get("tools")):
         return None
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
@@ -82,6 +83,15 @@ def max_prompt(body: dict[str, Any], size: int | None = None) -> int | None:
             return None
     given = len(orjson.dumps(body)) if size is None else size
     return given * choices(body) + PROMPT_SLACK
+
+
+def _provider_tools(tools: object) -> bool:
+    """Whether `tools` holds one the provider runs itself (Anthropic's web_search_*, web_fetch_*,
+    code_execution_*, an `mcp` server; Gemini's googleSearch, which has no type): anything but a
+    function (or custom tool) that the client runs and whose bytes are all it adds."""
+    return isinstance(tools, list) and any(
+        not isinstance(t, dict) or t.get("type") not in ("function", "custom") for t in tools
+    )
 
 
 MAX_CHOICES = 128  # OpenAI's own cap on `n`

@@ -164,6 +164,24 @@ def test_more_prompt_tokens_than_the_request_holds_are_not_billed() -> None:
     assert checked_usage({"prompt_tokens": 4 * 20_001, "completion_tokens": 8}, long) is not None
 
 
+def test_a_provider_run_tool_may_bill_more_prompt_than_the_request_holds() -> None:
+    """A hosted tool the provider runs itself (Anthropic's web_search, web_fetch, code execution, an
+    MCP server; Gemini's googleSearch) feeds what it read back as input tokens: a 200-byte question
+    with web_search is truly billed tens of thousands of them (was rejected: billed as estimated,
+    the search's tokens free). Functions the client runs add nothing but their own bytes."""
+    question = {"role": "user", "content": "what happened today?"}
+    usage = {"prompt_tokens": 40_000, "completion_tokens": 300}
+    provider_run: list[dict[str, Any]] = [
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+        {"type": "mcp", "server_url": "https://mcp.example/sse", "name": "docs"},
+        {"googleSearch": {}},
+    ]
+    for tool in provider_run:
+        assert checked_usage(usage, {"model": "m", "messages": [question], "tools": [tool]}) is not None
+    function = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert checked_usage(usage, {"model": "m", "messages": [question], "tools": [function]}) is None
+
+
 def test_believable_usage_is_normalised() -> None:
     raw = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "extra": "x",
            "prompt_tokens_details": {"cached_tokens": 4, "audio_tokens": 0}}  # fmt: skip
