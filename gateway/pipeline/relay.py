@@ -261,13 +261,16 @@ def _well_shaped(choices: object) -> bool:
 
 
 def _carries_answer(chunk: dict[str, object]) -> bool:
-    """Whether an event holds answer text or tool calls (role-only and finish-only events do not)."""
+    """Whether an event holds answer text or calls, legacy function_call too (role-only and
+    finish-only events do not)."""
     choices = chunk.get("choices")
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+        if isinstance(delta, dict) and (
+            delta.get("content") or delta.get("tool_calls") or delta.get("function_call")
+        ):
             return True
         if choice.get("text"):
             return True

@@ -132,7 +132,10 @@ class StreamTokens:
 
 def _carries_output(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta")
-    if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+    # a legacy `functions` answer's call comes as `function_call` (engine/http/chat_tools.py)
+    if isinstance(delta, dict) and (
+        delta.get("content") or delta.get("tool_calls") or delta.get("function_call")
+    ):
         return True
     return bool(choice.get("text") or choice.get("finish_reason"))
 

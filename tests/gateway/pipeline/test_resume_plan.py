@@ -54,6 +54,17 @@ def test_ids_count_once_the_chunk_they_precede_is_passed_on() -> None:
     assert tokens.resumable and tokens.token_ids == [5, 6, 7]
 
 
+def test_a_legacy_function_call_without_its_ids_is_output_the_client_has() -> None:
+    """The engine answers a `functions` request with `delta.function_call` pieces: one that reached
+    the client without its ids leaves the stream where no other replica can go on exactly."""
+    tokens = StreamTokens()
+    tokens.passes(_chunk(role=True))
+    call = _chunk()
+    call["choices"][0]["delta"] = {"function_call": {"name": "f", "arguments": "{}"}}
+    tokens.passes(call)
+    assert not tokens.resumable
+
+
 def test_after_the_finish_a_choice_gets_nothing_more_but_usage_still_passes() -> None:
     tokens = StreamTokens()
     tokens.announce(": token_ids 0 1")
