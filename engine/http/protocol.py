@@ -279,7 +279,9 @@ def _from_legacy(msg: dict[str, Any], i: int) -> dict[str, Any]:
                 400, f"Missing required parameter: '{where}.name'", param=f"{where}.name",
                 code="missing_required_parameter",
             )  # fmt: skip
-        return {**msg, "role": "tool", "tool_call_id": msg["name"]}
+        # its content may be null (OpenAI's `string | null`: a function that returned nothing)
+        content = "" if msg.get("content") is None else msg["content"]
+        return {**msg, "role": "tool", "tool_call_id": msg["name"], "content": content}
     call = msg.get("function_call")
     if msg.get("role") != "assistant" or call is None or msg.get("tool_calls"):
         return msg

@@ -99,6 +99,13 @@ def test_a_legacy_function_call_history_renders_as_its_tool_call_twin() -> None:
     assert chat_messages(legacy) == chat_messages(tools)
 
 
+def test_a_legacy_function_result_without_content_replays_as_an_empty_result() -> None:
+    """OpenAI's function message has `content: string | null` (a function that returned nothing):
+    the history replays, not a 400 for the whole conversation."""
+    messages = chat_messages([{"role": "function", "name": "ping", "content": None}])
+    assert messages == [{"role": "tool", "content": "", "tool_call_id": "ping"}]
+
+
 def test_a_long_run_of_tool_results_renders_in_linear_time() -> None:
     """with_tools runs on the server's event loop: appending each result to the turn so far copied
     that turn per result (quadratic: 20k results, which fit a 2 MB body, held the loop for seconds)."""
