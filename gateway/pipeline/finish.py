@@ -50,11 +50,12 @@ class Finish:
         served = call.backend is not None and (
             status in (200, 499) or (status in (400, 502) and bool(call.lines))
         )
+        ended = call.ended()  # a count after it is not the request's time
         if not served or (call.usage and not says_zero(call.usage)):
-            self._finish(call, status, error, False)
+            self._finish(call, status, error, False, ended)
             return
         self._narrow(call)
-        task = asyncio.get_running_loop().create_task(self._estimate_then_finish(call, status, error))
+        task = asyncio.get_running_loop().create_task(self._estimate_then_finish(call, status, error, ended))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -77,7 +78,7 @@ class Finish:
         cost, _ = call.prices.costs(call.backend, bound)
         self.admission.narrow(call.ticket, bound, cost)
 
-    async def _estimate_then_finish(self, call: Call, status: int, error: str | None) -> None:
+    async def _estimate_then_finish(self, call: Call, status: int, error: str | None, ended: Ended) -> None:
         """Count the request's tokens; a reported zero stands only where the count finds none."""
         reported = call.usage
         try:
@@ -86,12 +87,12 @@ class Finish:
             logger.exception("request %s: counting its tokens failed", call.id)
             counted = {}
         if reported and all(counted.get(n) == 0 for n in ZERO_COUNTS if reported[n] == 0):
-            self._finish(call, status, error, False)  # the zero was true: an empty prompt or answer
+            self._finish(call, status, error, False, ended)  # the zero was true: an empty prompt or answer
             return
         call.usage = counted
-        self._finish(call, status, error, True)
+        self._finish(call, status, error, True, ended)
 
-    def _finish(self, call: Call, status: int, error: str | None, estimated: bool) -> None:
+    def _finish(self, call: Call, status: int, error: str | None, estimated: bool, ended: Ended) -> None:
         """The release now, before the client can have the answer's end and ask again; the row and
         the sinks once the answer's bytes are out (they stamp when the request ended, not when
         they run): at concurrency 1 they cost a cold CPU ~0.1 ms that the client would wait for."""
@@ -102,7 +103,7 @@ class Finish:
         if call.ticket is not None:
             self.admission.release(call.ticket, usage, cost)
             call.ticket = None
-        later(self._record, call, status, error, cost, reference, estimated, call.ended())
+        later(self._record, call, status, error, cost, reference, estimated, ended)
 
     def _record(self, call: Call, status: int, error: str | None, cost: Decimal | None,
                 reference: Decimal | None, estimated: bool,

@@ -130,3 +130,30 @@ async def _row_overhead_as_at_the_end() -> None:
     call.upstream_seconds += 0.02  # relay.py: the time after the end, counted once the event is out
     await asyncio.sleep(0)
     assert log.records[0][1].row["overhead_ms"] >= 19
+
+
+def test_a_row_waiting_for_its_token_count_is_stamped_when_the_request_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The count runs in a worker thread after the request ended (seconds for megabytes): neither
+    its latency nor its overhead is the request's."""
+
+    def slow_count(call: Call, policy: Any) -> dict[str, Any]:
+        time.sleep(0.1)
+        return {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+
+    monkeypatch.setattr("gateway.pipeline.finish.estimated_usage", slow_count)
+
+    async def main() -> None:
+        log = Sink()
+        finish, _ = _finish(log, [])
+        call = _served_call(finish)
+        call.usage = {}  # none came back: counted
+        finish(call, 200, None)
+        await finish.drain()
+        await asyncio.sleep(0)
+        row = log.records[0][1].row
+        assert row["cost_estimated"] and row["prompt_tokens"] == 10
+        assert row["latency_ms"] < 50 and row["overhead_ms"] < 50
+
+    asyncio.run(main())
