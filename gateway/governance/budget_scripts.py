@@ -7,18 +7,25 @@ from __future__ import annotations
 # A marker outlives any request (a day); a settle removes it, so only requests in flight, and
 # tombstones of blind settles (Redis failed), hold one.
 MARKER_SECONDS = 86400
-# KEYS: counter, marker. ARGV: target (picodollars the request now owes), mode: `part` (a bound,
-# settled again later), `final`, or `blind` (final, the reservation's fate unknown: no marker means
-# it never happened; a tombstone is left so that a resend does not count twice).
+# A counter's seed (KEYS[3] of SETTLE, the last KEYS of ADMIT): a token set with the counter when it
+# is seeded from the request log. A marker holds "amount seed": the seed of the counter that took
+# the reservation. A counter flushed or evicted while requests were in flight is seeded again from a
+# log that has none of them and without their reservations: their settles then add all they owe
+# (their seed differs), not the difference to a reservation the counter no longer holds.
+# KEYS: counter, marker, seed. ARGV: target (picodollars the request now owes), mode: `part` (a
+# bound, settled again later), `final`, or `blind` (final, the reservation's fate unknown: no marker
+# means it never happened; a tombstone is left so that a resend does not count twice).
 # A marker missing for `part` or `final` means this settle ran already (a resend): nothing to do.
 # The change goes only on a counter that still exists (an expired one is seeded again from the log);
-# never below zero: a counter flushed or evicted while requests were in flight is seeded again
-# without their reservations, and their settles would take those back a second time.
+# never below zero.
 SETTLE = """
 local held = redis.call('GET', KEYS[2])
 if held == 'settled' or (not held and ARGV[2] ~= 'blind') then return false end
-local delta = tonumber(ARGV[1]) - tonumber(held or '0')
-if ARGV[2] == 'part' then redis.call('SET', KEYS[2], ARGV[1], 'KEEPTTL')
+local seed = redis.call('GET', KEYS[3]) or ''
+local amount, taken = string.match(held or '0', '^(%-?%d+) ?(.*)$')
+if taken ~= seed then amount = '0' end
+local delta = tonumber(ARGV[1]) - tonumber(amount)
+if ARGV[2] == 'part' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. seed, 'KEEPTTL')
 elseif ARGV[2] == 'final' then redis.call('DEL', KEYS[2])
 else redis.call('SET', KEYS[2], 'settled', 'EX', ARGV[3]) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
@@ -28,7 +35,7 @@ return value
 """
 
 # One round trip for a whole admission: rate limits (GCRA, as in gateway/governance/ratelimit.py) and budgets,
-# all or nothing. KEYS: limit counters, then budget counters, then their markers. ARGV: n_limits,
+# all or nothing. KEYS: limit counters, then budget counters, their markers, their seeds. ARGV: n_limits,
 # n_budgets, then interval_i, cost_i per limit, then limit_j, amount_j per budget, then the markers'
 # lifetime. Returns "ok", "missing <j>", "over <j>" or "limit <wait> <i>". An admission sent again
 # (its connection lost after Redis ran it) finds its marker and spends nothing twice.
@@ -61,7 +68,22 @@ for i = 1, nl do
 end
 for j = 1, nb do
   redis.call('INCRBY', KEYS[nl + j], ARGV[base + 2 * j])
-  redis.call('SET', KEYS[nl + nb + j], ARGV[base + 2 * j], 'EX', ARGV[base + 2 * nb + 1])
+  local seed = redis.call('GET', KEYS[nl + 2 * nb + j]) or ''
+  redis.call('SET', KEYS[nl + nb + j], ARGV[base + 2 * j] .. ' ' .. seed, 'EX', ARGV[base + 2 * nb + 1])
 end
 return 'ok'
+"""
+
+# KEYS: counter, its seed. ARGV: the spend so far, a new seed token, the lifetime in seconds ('' for
+# none: a total budget's counter). The first seeder wins; the seed goes with the counter.
+SEED = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if ARGV[3] == '' then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+  redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+end
+return 1
 """

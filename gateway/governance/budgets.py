@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -40,7 +41,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import NO_RETRY, GatewayError, retry_after_header
-from gateway.governance.budget_scripts import ADMIT, MARKER_SECONDS, SETTLE
+from gateway.governance.budget_scripts import ADMIT, MARKER_SECONDS, SEED, SETTLE
 from gateway.governance.ratelimit import Limit, refusal
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 from gateway.governance.singleflight import SingleFlight
@@ -230,6 +231,7 @@ class LocalBudgetStore:
 
 
 _SETTLE_RETRY_SECONDS = 1.0
+_SEED = ":seed"  # a counter's seed token: its key's suffix
 
 
 class RedisBudgetStore:
@@ -253,6 +255,7 @@ class RedisBudgetStore:
         self._seeding: SingleFlight[str, None] = SingleFlight()
         self._admit = self._redis.register_script(ADMIT)
         self._settle_script = self._redis.register_script(SETTLE)
+        self._seed_script = self._redis.register_script(SEED)
         # (counter, marker) -> (target, mode): settles Redis did not confirm (it was away, or its
         # answer was lost), written again until it does; the markers make that safe
         self._unsettled: dict[tuple[str, str], tuple[int, str]] = {}
@@ -306,6 +309,7 @@ class RedisBudgetStore:
             await self._write_unsettled()
         keys = [limit_prefix + limit.name for limit in limits] + [self._prefix + c.counter for c in charges]
         keys += [self._marker(c) for c in charges]
+        keys += [self._prefix + c.counter + _SEED for c in charges]
         args: list[float | int] = [len(limits), len(charges)]
         for limit in limits:
             args += [limit.interval, limit.cost]
@@ -331,10 +335,11 @@ class RedisBudgetStore:
     async def _seed_counter(self, charge: Charge, seed: Seed) -> None:
         """What was spent so far, from the database, set on the counter unless another request was first."""
         value = await seed(charge.budget, charge.period_start)
-        ttl = (
-            None if charge.reset is None else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
-        )
-        await self._redis.set(self._prefix + charge.counter, value, nx=True, ex=ttl)  # first seeder wins
+        ttl = "" if charge.reset is None else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
+        counter = self._prefix + charge.counter
+        # first seeder wins; a new seed token tells the settles of requests in flight that this
+        # counter does not hold their reservations (budget_scripts.py)
+        await self._seed_script(keys=[counter, counter + _SEED], args=[value, uuid.uuid4().hex, ttl])
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:
@@ -364,7 +369,8 @@ class RedisBudgetStore:
             while self._unsettled:
                 owed, (target, mode) = next(iter(self._unsettled.items()))
                 try:
-                    await self._settle_script(keys=list(owed), args=[target, mode, MARKER_SECONDS])
+                    keys = [*owed, owed[0] + _SEED]
+                    await self._settle_script(keys=keys, args=[target, mode, MARKER_SECONDS])
                 except self._errors as exc:
                     # tried again in a second: an admission meanwhile does not wait on Redis twice
                     self._retry_at = time.monotonic() + _SETTLE_RETRY_SECONDS

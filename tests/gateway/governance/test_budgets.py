@@ -375,9 +375,11 @@ def test_settles_owed_when_the_gateway_stops_are_written_on_close() -> None:
     assert asyncio.run(run()) == to_picousd(Decimal("0.05"))
 
 
-def test_a_counter_seeded_again_mid_flight_never_goes_below_zero() -> None:
-    """Flushed (or evicted) while a request held 80 cents, the counter is seeded again without that
-    reservation; the request's settle (-75 cents) used to leave it negative: room beyond the budget."""
+def test_a_counter_seeded_again_mid_flight_takes_what_the_requests_in_flight_owe() -> None:
+    """Flushed (or evicted) while a request held 80 cents, the counter is seeded again from a log
+    without that request and without its reservation. Its settle (5 cents owed) used to take the
+    80 back from the new counter (below zero, room beyond the budget; then clamped to zero, 5 cents
+    and the other request's 10 lost); the new seed tells it to add all it owes."""
     budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
     now = datetime.now(UTC)
 
@@ -392,13 +394,42 @@ def test_a_counter_seeded_again_mid_flight_never_goes_below_zero() -> None:
             await store.settle(first, to_picousd(Decimal("0.05")))
             value = int(await store._redis.get(counter))
             ttl = await store._redis.ttl(counter)
-            await store._redis.delete(counter)
+            await store._redis.delete(counter, counter + ":seed")
             return value, ttl
         finally:
             await store.close()
 
     value, ttl = asyncio.run(run())
-    assert value == 0 and ttl == -1  # clamped, and a total budget's counter still never expires
+    assert value == to_picousd(Decimal("0.15"))  # the 10 cents reserved since, and the 5 owed
+    assert ttl == -1  # a total budget's counter still never expires
+
+
+def test_a_bound_settled_before_the_counter_was_seeded_again_is_not_taken_back_from_it() -> None:
+    """A request narrowed its reservation (a part settle, 80 -> 50 cents), then the counter was
+    flushed and seeded again, then it settled at 5 cents: the new counter owes it 5, not 5 - 50.
+    A request that reserved after the new seed settles against it as usual (20 -> 2 cents)."""
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
+    now = datetime.now(UTC)
+
+    async def run() -> int:
+        store = RedisBudgetStore(REDIS)
+        try:
+            first = _charge(budget, now, "0.80")
+            await store.reserve([first], _nothing_spent)
+            await store.settle(first, to_picousd(Decimal("0.50")), final=False)
+            counter = "switchboard:" + first.counter
+            await store._redis.delete(counter)  # evicted mid-flight
+            second = _charge(budget, now, "0.20")
+            await store.reserve([second], _nothing_spent)  # seeded at 0, +20 cents
+            await store.settle(first, to_picousd(Decimal("0.05")))
+            await store.settle(second, to_picousd(Decimal("0.02")))
+            value = int(await store._redis.get(counter))
+            await store._redis.delete(counter, counter + ":seed")
+            return value
+        finally:
+            await store.close()
+
+    assert asyncio.run(run()) == to_picousd(Decimal("0.07"))
 
 
 async def _counter(url: str, key: str) -> int:
