@@ -90,6 +90,13 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     tools, functions = body.get("tools"), body.get("functions")
     if tools is not None and functions is not None:
         raise ToolRequestError("send tools or the legacy functions, not both", param="functions")
+    # each spelling's choice goes with its own list: the other's would be ignored without a word
+    if functions is not None and body.get("tool_choice") is not None:
+        message = "tool_choice goes with tools; with functions, use function_call"
+        raise ToolRequestError(message, param="tool_choice")
+    if tools is not None and body.get("function_call") is not None:
+        message = "function_call goes with functions; with tools, use tool_choice"
+        raise ToolRequestError(message, param="function_call")
     if functions is not None:
         tools = _legacy_tools(functions)
         choice_value, choice_param = body.get("function_call"), "function_call"

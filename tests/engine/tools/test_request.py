@@ -57,6 +57,10 @@ def test_legacy_functions_map_onto_tools() -> None:
         ),
         ({"tools": [tool("a")], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
         ({"tools": [tool("a")], "functions": [{"name": "a"}]}, "functions", "not both"),
+        # a choice in the other spelling would be ignored: refused, naming it
+        ({"functions": [{"name": "a"}], "tool_choice": "required"}, "tool_choice", "function_call"),
+        ({"functions": [], "tool_choice": "required"}, "tool_choice", "function_call"),
+        ({"tools": [tool("a")], "function_call": {"name": "a"}}, "function_call", "tool_choice"),
         # the legacy spelling is named as the client spelled it
         ({"functions": [{"name": "bad name"}]}, "functions[0].name", "1-64 letters"),
         ({"functions": [{"name": "a"}, {"name": "a"}]}, "functions[1].name", "two functions"),
