@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -71,9 +72,17 @@ routes:
         self.model_name = model.name
 
     def gateway_spans(self, request_id: str) -> tuple[ReadableSpan, list[ReadableSpan]]:
-        """The request's span (found by its request id) and its attempt spans, in order."""
-        spans = self.exporter.get_finished_spans()
-        (request,) = [s for s in spans if (s.attributes or {}).get("switchboard.request_id") == request_id]
+        """The request's span (found by its request id) and its attempt spans, in order. The span
+        ends once the answer is out (pipeline/finish.py records after the answer's bytes), on the
+        gateway's loop: the client, in this thread, may have the answer a moment before."""
+        deadline = time.monotonic() + 5
+        while True:
+            spans = self.exporter.get_finished_spans()
+            found = [s for s in spans if (s.attributes or {}).get("switchboard.request_id") == request_id]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        (request,) = found
         assert request.context is not None
         attempts = [s for s in spans if s.parent is not None and s.parent.span_id == request.context.span_id]
         return request, sorted(attempts, key=lambda s: s.start_time or 0)
