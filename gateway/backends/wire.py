@@ -111,10 +111,6 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def wait(self) -> None:
-        """Until more body, the end or an error arrives."""
-        await self.more()
-
     def more(self) -> asyncio.Future[None]:
         """A future resolved when more body, the end or an error arrives (a paused socket reads
         again). A future, not a coroutine: a stream's reader awaits one per upstream write."""
@@ -163,7 +159,7 @@ class WireResponse:
                 return bytes(conn.buffer)
             if conn.error is not None:
                 raise conn.error
-            await conn.wait()
+            await conn.more()
         logger.warning("an upstream answer passed %d bytes: refused", limit)
         raise WireError(f"the answer is longer than {limit} bytes")
 
@@ -174,7 +170,7 @@ class WireResponse:
         (SSE event separators) are skipped: the relay frames each event itself.
         """
         while (line := self.buffered_line(limit)) is More.MORE:
-            await self._conn.more()
+            await self.more()
         return line
 
     def more(self) -> asyncio.Future[None]:

@@ -68,9 +68,12 @@ class Call:
     logged: bool = False  # the row is written (or being counted): exactly one per request
     committed: bool = False  # a stream's status and headers went to the client (its events may not)
 
-    def overhead_ms(self) -> float:
-        """Milliseconds spent in the gateway so far: total minus waiting on the upstream."""
-        return max(0.0, (time.perf_counter() - self.started - self.upstream_seconds) * 1e3)
+    def overhead_ms(self, at: float | None = None, upstream_seconds: float | None = None) -> float:
+        """Milliseconds spent in the gateway up to `at` (perf_counter; default now): the time so far
+        minus the upstream's share of it (default: as it stands)."""
+        end = time.perf_counter() if at is None else at
+        waited = self.upstream_seconds if upstream_seconds is None else upstream_seconds
+        return max(0.0, (end - self.started - waited) * 1e3)
 
     def ended(self) -> Ended:
         """The request's end, now (the deferred row is built from it: Finish)."""
@@ -105,7 +108,7 @@ class Call:
         row["completion_tokens"] = usage.get("completion_tokens")
         row["cached_tokens"] = details.get("cached_tokens") if isinstance(details, dict) else None
         row["ttft_ms"] = round(self.ttft * 1e3, 3) if self.ttft is not None else None
-        row["overhead_ms"] = round(max(0.0, (end.at - self.started - end.upstream_seconds) * 1e3), 3)
+        row["overhead_ms"] = round(self.overhead_ms(end.at, end.upstream_seconds), 3)
         called = len([a for a in self.attempts if a.called])
         current = 1 if (self.backend and self.deployment) or self.calling else 0
         row["attempts"] = called + current + len(self.resumptions)
