@@ -122,7 +122,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
         retention = LogRetention(db, settings.log_retention_days) if settings.log_retention_days else None
         if retention is not None:
             retention.start()
-        admission = _admission(settings, db)
+        admission = _admission(settings, db, log)
         tracer = tracing or _tracing(settings)
         metrics = GatewayMetrics(registry, lambda: holder.runtime.pools)
         access = AccessLog()
@@ -167,9 +167,10 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
     return GatewayApp(app, settings)
 
 
-def _admission(settings: GatewaySettings, db: AsyncEngine) -> Admission:
-    """Rate limits and budgets in Redis when one is configured (one script a request), else in memory."""
-    seed = spend_seed(db)
+def _admission(settings: GatewaySettings, db: AsyncEngine, log: RequestLogWriter) -> Admission:
+    """Rate limits and budgets in Redis when one is configured (one script a request), else in memory.
+    A counter is seeded from the database once the request log has written what it holds."""
+    seed = spend_seed(db, log.write_now)
     if not settings.redis_url:
         return Admission(LocalRateLimiter(), LocalBudgetStore(settings.budget_fail_open), seed)
     pool = pool_config(settings)

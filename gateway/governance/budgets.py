@@ -26,6 +26,7 @@ settled timed-out settles twice.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -398,13 +399,28 @@ class RedisBudgetStore:
         await self._redis.aclose()
 
 
-def spend_seed(db: AsyncEngine) -> Seed:
+_WRITTEN_SECONDS = 5.0  # how long a seed waits for the request log to write what it holds
+
+
+def spend_seed(db: AsyncEngine, write_now: Callable[[], Awaitable[bool]] | None = None) -> Seed:
     """What a budget's subject has spent since `start`, from the daily aggregates (picodollars).
 
+    `write_now`: the request log's RequestLogWriter.write_now. Rows still queued there (up to its
+    batch interval, longer through an outage) belong to requests that settled into the counter
+    being seeded again (Redis lost it): they are written first, and a log that cannot write them
+    makes the seed fail like the database, rather than leave their cost off the budget.
     A database failure becomes SpendUnavailableError, so that it is never mistaken for Redis's.
     """
 
     async def seed(budget: Budget, start: datetime) -> int:
+        if write_now is not None:
+            try:
+                async with asyncio.timeout(_WRITTEN_SECONDS):
+                    caught_up = await write_now()
+            except TimeoutError:
+                caught_up = False
+            if not caught_up:
+                raise SpendUnavailableError("the request log cannot write its rows yet", "RequestLogBehind")
         column = UsageDaily.key_id if budget.scope == "key" else UsageDaily.team
         first_day: date = start.date()
         query = select(func.sum(UsageDaily.cost_usd)).where(

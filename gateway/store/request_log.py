@@ -84,6 +84,7 @@ class RequestLogWriter:
         self._next_spool_check = 0.0
         self._spool_bytes = 0
         self._wake = asyncio.Event()
+        self._written_waiters: list[asyncio.Future[bool]] = []  # written(): answered by the next cycle
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self.written = Counter("gateway_request_log_written", "Request-log rows written.", registry=registry)
@@ -165,6 +166,21 @@ class RequestLogWriter:
             # not the writer's job: it may be waiting on a database that does not answer
             self._spill_task = asyncio.create_task(self._spill_full_queue(), name="request-log-spill")
 
+    async def write_now(self) -> bool:
+        """Write every row queued so far now: True once they are all in the database, False when it
+        is away (they stay queued, or spooled, as ever).
+
+        A budget counter lost in Redis is seeded again from the database: the rows of requests that
+        settled into the lost counter but still wait here for the batch interval would be missed.
+        The database is tried at once, whatever an outage's backoff says.
+        """
+        if self._task is None or self._task.done():
+            return not self._pending
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._written_waiters.append(waiter)
+        self._wake.set()
+        return await waiter
+
     async def stop(self) -> None:
         """Write everything queued, or spill it to the spool if the database is away; stop the task."""
         if self._task is None:
@@ -178,17 +194,20 @@ class RequestLogWriter:
     async def _run(self) -> None:
         while True:
             woken = await self._sleep()
+            waiters, self._written_waiters = self._written_waiters, []
             if self._stopping:
                 await self._flush_at_stop()
+                _answer(waiters + self._written_waiters, not self._pending)
                 return
             try:
-                if self._outage_since is not None and time.monotonic() < self._retry_at:
+                if not waiters and self._outage_since is not None and time.monotonic() < self._retry_at:
                     await self._spill_if_due()  # woken by a full queue: the retry keeps its backoff
-                else:
-                    await self._cycle(whole_batches_only=woken)
+                else:  # a cycle that empties the queue unless the database is away
+                    await self._cycle(whole_batches_only=woken and not waiters)
             except Exception:  # never let the task die: rows would pile up unwritten
                 logger.exception("request log writer: unexpected error (rows are kept)")
                 self._enter_outage()
+            _answer(waiters, self._outage_since is None and not self._replay_due)  # spilled meanwhile: no
 
     async def _sleep(self) -> bool:
         """Wait for a full batch, a stop, or the interval (the retry time during an outage)."""
@@ -387,3 +406,9 @@ class RequestLogWriter:
             )
         else:
             logger.error("request log: dropped %d row(s) (%s), first request %s", count, reason, request_id)
+
+
+def _answer(waiters: list[asyncio.Future[bool]], written: bool) -> None:
+    for waiter in waiters:
+        if not waiter.done():  # its caller may have given up (cancelled)
+            waiter.set_result(written)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -29,7 +30,7 @@ from gateway.store.db import create_db
 from gateway.store.migrate import upgrade
 from gateway.store.models import to_picousd
 from gateway.store.request_log import RequestLogWriter
-from tests.fakes.tcp_proxy import tcp_proxy
+from tests.fakes.tcp_proxy import TcpProxy, tcp_proxy
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -402,6 +403,72 @@ def test_a_counter_seeded_again_mid_flight_takes_what_the_requests_in_flight_owe
     value, ttl = asyncio.run(run())
     assert value == to_picousd(Decimal("0.15"))  # the 10 cents reserved since, and the 5 owed
     assert ttl == -1  # a total budget's counter still never expires
+
+
+def test_a_counter_seeded_again_counts_rows_the_request_log_had_not_written_yet(tmp_path: Path) -> None:
+    """A request settled at 20 cents into a counter Redis then lost; its row still waited in the
+    request log's queue (the batch interval). The new seed writes the queue first: the counter
+    holds those 20 cents beside the next request's 10, not the 10 alone."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
+    upgrade(url)
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "total")
+    now = datetime.now(UTC)
+
+    async def run() -> int:
+        db = create_db(url)
+        writer = RequestLogWriter(db, CollectorRegistry(), interval=3600.0)  # nothing written by itself
+        writer.start()
+        store = RedisBudgetStore(REDIS)
+        try:
+            first = _charge(budget, now, "0.30")
+            await store.reserve([first], _nothing_spent)
+            await store.settle(first, to_picousd(Decimal("0.20")))
+            writer.queue({"id": uuid.uuid4().hex, "created_at": now, "status": 200, "key_id": budget.subject,
+                          "cost_picousd": Decimal("0.20")})  # fmt: skip
+            counter = "switchboard:" + first.counter
+            await store._redis.delete(counter)  # Redis lost it
+            await store.reserve([_charge(budget, now, "0.10")], spend_seed(db, writer.write_now))
+            value = int(await store._redis.get(counter))
+            await store._redis.delete(counter, counter + ":seed")
+            return value
+        finally:
+            await store.close()
+            await writer.stop()
+            await db.dispose()
+
+    assert asyncio.run(run()) == to_picousd(Decimal("0.30"))
+
+
+def test_a_seed_fails_like_the_database_while_the_request_log_cannot_write(postgres_url: str) -> None:
+    """Rows the log cannot write (its database is away) are spend the seed cannot see: the seed
+    reports the database unavailable (budgets then fail closed or open, as configured) instead of
+    seeding a counter short of them, and answers at once rather than after the outage's backoff."""
+    upgrade(postgres_url)
+
+    async def run(proxy: TcpProxy) -> float:
+        db = create_db(postgres_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+        writer = RequestLogWriter(db, CollectorRegistry(), interval=3600.0, write_timeout=1.0)
+        writer.start()
+        try:
+            proxy.cut()
+            writer.queue({"id": "r1", "created_at": datetime.now(UTC), "status": 200, "key_id": "k",
+                          "cost_picousd": Decimal("0.20")})  # fmt: skip
+            started = time.monotonic()
+            with pytest.raises(SpendUnavailableError) as caught:
+                seed = spend_seed(db, writer.write_now)
+                await seed(Budget("key", "k", Decimal(1), "total"), _at(1970, 1, 1))
+            assert caught.value.kind == "RequestLogBehind"
+            took = time.monotonic() - started
+            proxy.restore()
+            assert await writer.write_now()  # back: the row is written on demand
+            return took
+        finally:
+            await writer.stop()
+            await db.dispose()
+
+    with tcp_proxy("127.0.0.1", 5432) as proxy:
+        took = asyncio.run(run(proxy))
+    assert took < 5.0
 
 
 def test_a_bound_settled_before_the_counter_was_seeded_again_is_not_taken_back_from_it() -> None:
