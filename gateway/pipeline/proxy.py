@@ -28,6 +28,7 @@ from gateway.pipeline.relay import opening_event, relay
 from gateway.pipeline.reply import SSE_HEADERS, HeadSender, Reply, error_reply, one_event
 from gateway.pipeline.runtime import Runtime, RuntimeHolder
 from gateway.pipeline.served import Served
+from gateway.pipeline.stream_start import request_error
 from gateway.routing.capabilities import CapabilityError
 from gateway.store.record import RecordSink, RequestRecord, blank_row
 from gateway.telemetry.trace import NO_TRACE, NO_TRACING, Trace, Tracing
@@ -187,6 +188,10 @@ class Proxy:
         if upstream.status != 200:
             await served.aclose()
             return self._answered(call, *passed_on(call, upstream.status, upstream.error_body))
+        refused = None if call.committed or not served.head else request_error(served.head[-1])
+        if refused is not None:  # the request's own fault before any token, the head not sent yet:
+            await served.aclose()  # the client gets the error's status, as a whole request would
+            return self._answered(call, *passed_on(call, 400, refused))
         events = relay(call, served, wants_usage, self.finish)
         if call.committed:  # the head went with the first upstream event
             return Reply(200, [], events=events)

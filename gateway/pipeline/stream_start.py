@@ -24,6 +24,20 @@ def _failed_upstream(line: str) -> bool:
     return isinstance(error, dict) and error.get("type") != "invalid_request_error"
 
 
+def request_error(line: str) -> bytes | None:
+    """The error of a data line that is an error event for the request's own fault (the body an
+    upstream would have answered 400 with), else None."""
+    if '"error"' not in line or not line.startswith("data:"):
+        return None
+    body = line[5:].strip().encode()
+    try:
+        chunk = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = chunk.get("error") if isinstance(chunk, dict) else None
+    return body if isinstance(error, dict) and error.get("type") == "invalid_request_error" else None
+
+
 def _has_token(line: str) -> bool:
     """Whether an SSE line carries output (content, text, tool calls, a finish, usage) or ends the stream."""
     if not line.startswith("data:"):

@@ -174,6 +174,14 @@ def test_a_request_error_before_the_first_token_is_the_clients_answer_not_a_fail
     assert answer.status == 200 and _error(answer.lines[-1])["code"] == "invalid_json_schema"
     row = stack.row("first_event", answer.headers["x-request-id"])
     assert (row["status"], row["backend"], row["failover"]) == (400, "first", None)  # B never asked
+    # held until the first token, the head has not gone: the client gets the error's own status
+    # and a JSON body, as for a whole request (it was a 200 stream of one error event)
+    held = stack.stream("first_token", "local")
+    assert held.status == 400 and held.headers["content-type"] == "application/json"
+    assert orjson.loads(held.lines[0])["error"]["code"] == "invalid_json_schema"
+    assert held.headers["x-gateway-backend"] == "first"
+    row = stack.row("first_token", held.headers["x-request-id"])
+    assert (row["status"], row["backend"], row["failover"]) == (400, "first", None)
 
 
 def test_every_candidate_breaking_after_its_first_event_ends_the_stream_with_an_error_event(
