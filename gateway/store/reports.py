@@ -111,8 +111,10 @@ async def spend(db: AsyncEngine, start: date, end: date, by: Dimension) -> list[
                 names = {i: n for i, n in found.all()}
     report = [
         SpendRow(
-            str(g) if g not in ("", None) else "(none)",
-            names.get(str(g), str(g) if g not in ("", None) else "(none)"),
+            # no team (key, backend): an empty group, never a name one could give (a team named
+            # "(none)" stays apart from the requests of keys without a team)
+            str(g) if g not in ("", None) else "",
+            names.get(str(g), str(g)) if g not in ("", None) else "(none)",
             int(n or 0),
             int(e or 0),
             int(p or 0),

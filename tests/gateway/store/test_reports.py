@@ -212,6 +212,29 @@ def test_names_no_model_has_are_one_group_in_the_aggregates(database_url: str) -
     assert logged["u3"] == "=bogus-3"  # the request log keeps what the client asked for
 
 
+def test_a_team_named_none_is_not_the_requests_without_a_team(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    day = datetime(2026, 11, 20, 12, tzinfo=UTC)
+    base = {"created_at": day, "status": 200, "cost_picousd": Decimal(5)}
+    _write(url, [
+        {**base, "id": "a", "key_id": "k1", "team": "(none)"},
+        {**base, "id": "b", "key_id": "k2"},
+        {**base, "id": "c", "key_id": "k2", "team": ""},
+    ])  # fmt: skip
+
+    async def run() -> list[SpendRow]:
+        db = create_db(url)
+        try:
+            return await spend(db, date(2026, 11, 20), date(2026, 11, 20), "team")
+        finally:
+            await db.dispose()
+
+    report = asyncio.run(run())
+    assert {(r.group, r.label, r.requests) for r in report} == {("(none)", "(none)", 1), ("", "(none)", 2)}
+    groups = {r["group"]: r["requests"] for r in json.loads(render(report, "json", "team"))["rows"]}
+    assert groups == {"(none)": 1, "": 2}
+
+
 def _row(label: str, cost: str) -> SpendRow:
     return SpendRow(label, label, 1, 0, 10, 5, 0, Decimal(cost), Decimal(0), Decimal(0))
 
