@@ -197,7 +197,7 @@ class RequestLogWriter:
             waiters, self._written_waiters = self._written_waiters, []
             if self._stopping:
                 await self._flush_at_stop()
-                _answer(waiters + self._written_waiters, not self._pending)
+                _answer(waiters + self._written_waiters, self._caught_up())
                 return
             try:
                 if not waiters and self._outage_since is not None and time.monotonic() < self._retry_at:
@@ -207,7 +207,11 @@ class RequestLogWriter:
             except Exception:  # never let the task die: rows would pile up unwritten
                 logger.exception("request log writer: unexpected error (rows are kept)")
                 self._enter_outage()
-            _answer(waiters, self._outage_since is None and not self._replay_due)  # spilled meanwhile: no
+            _answer(waiters, self._caught_up())
+
+    def _caught_up(self) -> bool:
+        """Whether every row queued so far is in the database (none waits here or in the spool)."""
+        return self._outage_since is None and not self._pending and not self._replay_due
 
     async def _sleep(self) -> bool:
         """Wait for a full batch, a stop, or the interval (the retry time during an outage)."""
