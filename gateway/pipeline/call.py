@@ -62,6 +62,7 @@ class Call:
     reply_body: bytes | None = None  # a whole answer (same reason)
     lines: list[str] = field(default_factory=list)  # a stream's data lines (same reason)
     stream_chars: int = 0  # their size so far: a stream is bounded as a whole answer is
+    chunk_id: object = None  # a stream's id, from its first event: a candidate taking over keeps it
     stream: bool = False
     response_model: str | None = None  # the `model` the upstream answered with (for the trace)
     trace: Trace = NO_TRACE

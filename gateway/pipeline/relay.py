@@ -208,6 +208,12 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     if not _well_shaped(chunk.get("choices")):  # `choices: 7` or a string delta: the SDKs' loops raise
         logger.warning("request %s: an event from %s with misshapen choices dropped", call.id, call.backend)
         return None
+    if chunk.get("id") != call.chunk_id:  # one id a stream, as OpenAI's: a candidate taking over
+        if call.chunk_id is None:  # after the first event (failover before its first token) has its own
+            call.chunk_id = chunk.get("id")
+        elif "id" in chunk:
+            chunk["id"] = call.chunk_id
+            line = "data: " + orjson.dumps(chunk).decode()
     error = chunk.get("error")
     if isinstance(error, dict) and error.get("type") == "invalid_request_error":
         raise _request_error(error)
@@ -242,6 +248,11 @@ def opening_event(call: Call, line: str, wants_usage: bool) -> bytes:
     token count, as every event the client was sent."""
     call.stream_chars += len(line)
     call.lines.append(line)
+    try:  # once a stream: the id its later events keep, whichever candidate sends them
+        opening = orjson.loads(line[5:])
+        call.chunk_id = opening.get("id") if isinstance(opening, dict) else None
+    except orjson.JSONDecodeError:
+        pass
     if not wants_usage and '"usage":null' in line:
         line = line.replace(',"usage":null', "")
     return line.encode() + b"\n\n"

@@ -154,6 +154,18 @@ def test_a_replica_that_breaks_after_its_first_event_is_left_invisibly_in_the_ev
     assert held.headers["x-gateway-failover"] == "local=stream_broke"
 
 
+def test_a_stream_taken_over_before_its_first_token_keeps_the_id_of_its_first_event(stack: Stack) -> None:
+    # the client had A's role chunk (with the head); B's events carried B's id: one stream, two ids
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}]}
+    for _ in range(3):  # A's request ids run ahead of B's
+        httpx.post(f"{stack.a.base_url}/v1/chat/completions", json=chat).raise_for_status()
+    stack.control(stack.a, break_after=0)
+    early = stack.stream("first_event", "local")
+    assert early.status == 200 and early.lines[-1] == "data: [DONE]"
+    ids = [orjson.loads(line[6:])["id"] for line in early.lines[:-1]]
+    assert len(ids) > 2 and len(set(ids)) == 1
+
+
 @pytest.mark.parametrize("head", ["first_event", "first_token"])
 def test_an_error_event_before_the_first_token_is_left_for_the_next(stack: Stack, head: str) -> None:
     # A sends its role chunk, then a server error event: a failure before the first token, not a
