@@ -73,3 +73,20 @@ def model_not_found(model: str) -> GatewayError:
     """The 404 for a model the gateway does not serve (or that the key may not list)."""
     shown = model if len(model) <= _ECHOED_NAME else model[:_ECHOED_NAME] + "…"
     return GatewayError(404, f"The model '{shown}' does not exist", param="model", code="model_not_found")
+
+
+# The message uvicorn cancels the requests still in flight with once a stopping server's grace
+# period (`timeout_graceful_shutdown`: GATEWAY_SHUTDOWN_TIMEOUT) is over, in every worker; they end
+# as 503 `gateway_shutdown`, not as clients that left (tests/gateway/test_shutdown.py runs it)
+SHUTDOWN = "Task cancelled, timeout graceful shutdown exceeded"
+
+
+def stopped_by_shutdown(exc: BaseException) -> bool:
+    """Whether a CancelledError is the server's at shutdown (SHUTDOWN), not a client leaving."""
+    return bool(exc.args) and exc.args[0] == SHUTDOWN
+
+
+def shutdown_error() -> GatewayError:
+    """What a request cut off by the gateway's shutdown is answered (if it still can be) and logged."""
+    message = "the gateway shut down before the answer was complete; retry the request"
+    return GatewayError(503, message, "api_error", code="gateway_shutdown")

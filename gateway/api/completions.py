@@ -9,6 +9,7 @@ on FastAPI. The endpoint only translates: bearer key -> KeyStore, body -> Proxy,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -16,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from gateway.api.asgi import BODY_PART, REFUSED, Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
-from gateway.errors import GatewayError
-from gateway.pipeline.reply import HeadSender, Reply
+from gateway.errors import GatewayError, error_answer, shutdown_error, stopped_by_shutdown
+from gateway.pipeline.reply import HeadSender, Reply, error_reply
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +142,35 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
             await _send_whole(reply, send)
         else:
             await _send_stream(reply, send, body_part, state)
-    except asyncio.CancelledError:
-        if not state["left"]:
+    except asyncio.CancelledError as exc:
+        if not state["left"] and not stopped_by_shutdown(exc):
             raise
         task.uncancel()  # the client left: nothing to answer, nothing to report to the server
+        if not state["left"]:  # the gateway stops: the client is told, if it still reads (logged already)
+            await _told_of_shutdown(send, body_part, state)
     finally:
         state["done"] = True
         if watcher is not None:
             watcher.cancel()
+
+
+_SHUTDOWN_WRITE_SECONDS = 1.0  # how long the last words to a client may wait for it to read
+
+
+async def _told_of_shutdown(send: Send, body_part: BodyPart, state: dict[str, bool]) -> None:
+    """A request the gateway's shutdown cut off gets 503 `gateway_shutdown` (retryable), or, when its
+    stream has begun, that error as its last event and the stream's end, so that its client sees an
+    error rather than a cut connection. A client that does not read gets nothing: the write is
+    bounded, and the server closes the connection."""
+    try:
+        async with asyncio.timeout(_SHUTDOWN_WRITE_SECONDS):
+            if state["head"]:
+                await body_part(b"data: " + error_answer(shutdown_error()).body + b"\n\n")
+                await send({"type": "http.response.body", "body": b""})
+            else:
+                await _send_whole(error_reply(shutdown_error()), send, close=True)
+    except Exception:  # a client gone or not reading: the connection is closed as the server stops
+        logger.debug("a request cut off by the shutdown could not be told", exc_info=True)
 
 
 async def _send_whole(reply: Reply, send: Send, close: bool = False) -> None:
@@ -168,6 +190,7 @@ async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dic
         except StopAsyncIteration:
             first = None
         if not state["head"]:  # else it went with the first upstream event (proxy.py)
+            state["head"] = True
             await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
         if first is not None:
             await body_part(first)
@@ -175,5 +198,10 @@ async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dic
                 await body_part(event)
         state["done"] = True
         await send({"type": "http.response.body", "body": b""})
+    except asyncio.CancelledError as exc:
+        if stopped_by_shutdown(exc):  # cut off while writing (a client not reading): the relay, which
+            with contextlib.suppress(BaseException):  # logs the request, learns why, not a GeneratorExit
+                await events.athrow(exc)
+        raise
     finally:
         await events.aclose()  # runs the proxy's cleanup and log row, however the stream ended

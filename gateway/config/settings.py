@@ -73,6 +73,10 @@ class GatewaySettings(BaseSettings):
     limit_concurrency: int = Field(default=1000, ge=1)  # connections or requests per process; then 503
     keep_alive_timeout: int = Field(default=5, ge=1)  # seconds an idle kept-alive connection stays open
     backlog: int = Field(default=2048, ge=1)  # connections the kernel queues before accept
+    # seconds a stopping gateway (SIGTERM) lets requests in flight finish; then they are cancelled
+    # (logged, their reservations released) so that it exits: a stream to a client that stopped
+    # reading, or a long one, held it up for good, past any orchestrator's grace period
+    shutdown_timeout: int = Field(default=30, ge=1, le=3600)
     # the proxies whose X-Forwarded-For / -Proto are believed (comma-separated addresses or CIDR
     # ranges, or *): the client address the failed-auth and login limits count is the one they name
     forwarded_allow_ips: str = "127.0.0.1"

@@ -46,9 +46,10 @@ class Finish:
             return
         call.logged = True
         # a stream that broke off (502) or was ended by the upstream's request error (400) after
-        # sending answer lines was served as far as it went: those tokens are counted and billed
+        # sending answer lines was served as far as it went: those tokens are counted and billed;
+        # one the gateway's shutdown cut off as one whose client left
         served = call.backend is not None and (
-            status in (200, 499) or (status in (400, 502) and bool(call.lines))
+            status in (200, 499) or error == "gateway_shutdown" or (status in (400, 502) and bool(call.lines))
         )
         ended = call.ended()  # a count after it is not the request's time
         if not served or (call.usage and not says_zero(call.usage)):

@@ -23,6 +23,7 @@ import orjson
 
 from gateway.backends.base import UpstreamErrorEvent, UpstreamRequestErrorEvent, UpstreamStreamError
 from gateway.backends.upstream_errors import error_event, reduced_fields
+from gateway.errors import stopped_by_shutdown
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
 from gateway.pipeline.resume import TOKEN_IDS, StreamTokens, break_reason, ended_early
@@ -91,11 +92,12 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     await _drained(upstream.lines)  # the upstream's time, as the lines before were
                     call.upstream_seconds += perf_counter() - mark
                 current = None
-            except (asyncio.CancelledError, GeneratorExit):
+            except (asyncio.CancelledError, GeneratorExit) as exc:
                 # a client that closes once it has the end (the official SDKs stop reading at [DONE],
                 # before the upstream's body has ended) got the whole answer
                 if not answered:
-                    status, error = 499, "client_disconnected"
+                    stopped = stopped_by_shutdown(exc)  # the gateway's grace period at shutdown ran out
+                    status, error = (503, "gateway_shutdown") if stopped else (499, "client_disconnected")
                 raise
             except UpstreamRequestErrorEvent as exc:  # the request's own fault: passed on, never resumed
                 status, error = 400, exc.code

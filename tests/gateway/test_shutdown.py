@@ -1,0 +1,98 @@
+"""A stopping gateway (SIGTERM) gives requests in flight GATEWAY_SHUTDOWN_TIMEOUT seconds, then
+cuts them off: each is logged once as 503 `gateway_shutdown` and told so if it still reads, and the
+process exits. A stream to a client that stopped reading used to keep it running for good."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.engine.server_proc import ManagedServer
+from tests.gateway.processes import create_key_cli, read_log_rows, start_gateway
+
+_BODY = b'{"model":"fast","messages":[{"role":"user","content":"hi"}],"stream":true}'
+
+
+@pytest.fixture
+def upstream() -> Iterator[ManagedServer]:
+    # a stream that would last half a minute: one word a millisecond, 20,000 of them
+    fake = ManagedServer(lambda port: [sys.executable, "tests/fakes/fast_upstream.py", "--port", str(port),
+                                       "--gap-ms", "1", "--tokens", "20000"])  # fmt: skip
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+def _stuck_reader(port: int, key: str) -> socket.socket:
+    """A client that sends a streamed request and never reads its answer."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(_BODY)}\r\n\r\n")  # fmt: skip
+    sock.sendall(head.encode() + _BODY)
+    return sock
+
+
+def test_requests_still_in_flight_at_the_grace_periods_end_are_cut_off_logged_and_told(
+    upstream: ManagedServer, tmp_path: Path
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f'backends:\n  fast: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
+                      "models:\n  fast: {backend: fast}\n")  # fmt: skip
+    env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", "GATEWAY_DATABASE_URL": url,
+           "GATEWAY_SHUTDOWN_TIMEOUT": "2"}  # fmt: skip
+    gateway = start_gateway(policy, env)
+    stuck: socket.socket | None = None
+    try:
+        key = create_key_cli(env, "shutdown")
+        stuck = _stuck_reader(gateway.port, key)
+        lines: list[str] = []
+        failures: list[BaseException] = []
+
+        def read() -> None:  # a client that reads to the end
+            try:
+                with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", content=_BODY,
+                                  headers={"authorization": f"Bearer {key}"}, timeout=30) as r:  # fmt: skip
+                    for line in r.iter_lines():
+                        if line:
+                            lines.append(line)
+            except BaseException as exc:
+                failures.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while len(lines) < 10 and not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lines) >= 10, failures  # both streams are under way
+        stopped = time.monotonic()
+        gateway.signal(signal.SIGTERM)
+        assert gateway.proc.wait(20) == 0
+        took = time.monotonic() - stopped
+        reader.join(10)
+        output = gateway.output()
+    finally:
+        if stuck is not None:
+            stuck.close()
+        gateway.stop()
+    assert 2 <= took < 10  # the grace period, then the cut-off and the log's flush
+    assert "Traceback" not in output and "Exception in ASGI application" not in output
+    # the reading client saw the stream end with the error, not a cut connection
+    assert failures == []
+    last = orjson.loads(lines[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "gateway_shutdown" and last["error"]["type"] == "api_error"
+    rows = read_log_rows(url)
+    assert len(rows) == 2
+    assert {(r["status"], r["error_type"]) for r in rows} == {(503, "gateway_shutdown")}
+    assert all(r["completion_tokens"] > 0 for r in rows)  # what they were sent is counted
