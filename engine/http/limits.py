@@ -76,7 +76,12 @@ def _error(status: int, message: str, code: str) -> bytes:
 
 
 async def _answer(
-    send: Send, status: int, message: str, code: str, linger: Callable[[], Awaitable[None]] | None = None
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    linger: Callable[[], Awaitable[None]] | None = None,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
     body = _error(status, message, code)
     await send(
@@ -87,6 +92,7 @@ async def _answer(
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),  # the rest of the body is never used
+                *extra,
             ],
         }
     )
@@ -124,7 +130,9 @@ class ConcurrencyLimit:
             return
         if self.in_flight >= self.limit:
             logger.warning("%d requests in progress: 503 for %s", self.in_flight, scope.get("path"))
-            await _answer(send, 503, "the engine is at its request limit; retry shortly", "server_overloaded")
+            message = "the engine is at its request limit; retry shortly"
+            # when to retry, as the gateway's own overload answer says (the SDKs wait that long)
+            await _answer(send, 503, message, "server_overloaded", extra=((b"retry-after", b"1"),))
             return
         self.in_flight += 1
         try:

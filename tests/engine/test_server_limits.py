@@ -392,6 +392,7 @@ def test_the_server_exits_non_zero_when_the_engine_cannot_go_on(tiny_chat_model:
             time.sleep(0.5)
             refused = httpx.get(f"{url}/v1/models", timeout=5)
             assert refused.status_code == 503 and _error(refused)["code"] == "server_overloaded"
+            assert refused.headers["retry-after"] == "1"  # the official SDKs wait that long, then retry
             assert refused.headers["x-request-id"].startswith("req-")
             assert httpx.get(f"{url}/health", timeout=5).status_code == 200
             assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200
