@@ -51,6 +51,7 @@ class UpstreamReply:
     status: int
     body: bytes
     url: str
+    retry_after: int | None = None  # a 429's wait, sanitized (upstream_errors.retry_after_seconds)
 
 
 def _no_verdict(ok: bool) -> None:
@@ -70,6 +71,7 @@ class UpstreamStream:
     error_body: bytes
     url: str
     verdict: Callable[[bool], None] = field(default=_no_verdict)
+    retry_after: int | None = None  # as UpstreamReply's
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,7 +24,12 @@ from gateway.backends.base import (
     UpstreamUnavailableError,
 )
 from gateway.backends.side_loop import SideLoop
-from gateway.backends.upstream_errors import GATEWAY_FAULT_STATUSES, reduced_fields
+from gateway.backends.upstream_errors import (
+    GATEWAY_FAULT_STATUSES,
+    OVERLOADED_STATUSES,
+    reduced_fields,
+    retry_after_seconds,
+)
 from gateway.config.policy import Capabilities, HostedBackend, Timeouts
 
 logger = logging.getLogger(__name__)
@@ -167,7 +172,8 @@ class HostedModel:
         if _whole_for_stream(body, chat):
             reply = await self.send(path, body, timeouts, avoid)
             if reply.status != 200:
-                yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
+                yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model,
+                                     retry_after=reply.retry_after)  # fmt: skip
                 return
             shaped = as_stream(orjson.loads(reply.body), chat)
             yield UpstreamStream(200, _given(shaped), b"", self.spec.model)
@@ -182,7 +188,8 @@ class HostedModel:
             raise UpstreamUnavailableError(message, timeout=True, deployment=self.spec.model) from exc
         except Exception as exc:
             reply = self._error(exc)
-            yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model)
+            yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model,
+                                 retry_after=reply.retry_after)  # fmt: skip
             return
 
         async def next_line() -> str | None:  # runs on the side loop, where `resp` belongs
@@ -218,7 +225,9 @@ class HostedModel:
         credentials refused (401/403/407) or a model the provider does not serve (404/405) is our
         fault, not the client's: kept as it is, it fails over and, last in the chain, reaches the
         client as an engine's does (`answer.passed_on`: 502 `upstream_refused_gateway`, which the
-        SDKs do not retry). Nothing else of litellm's text reaches the client: it is logged.
+        SDKs do not retry). An overload outside HTTP's statuses (Anthropic's 529, which litellm
+        reports as a 500) is the 503 it means; a 429 keeps the provider's Retry-After, sanitized.
+        Nothing else of litellm's text reaches the client: it is logged.
         """
         failed = _connection_failure(exc)
         if isinstance(exc, litellm.exceptions.Timeout) or failed == "timeout":
@@ -232,10 +241,15 @@ class HostedModel:
         logger.warning("hosted model %s failed: %s", self.spec.model, exc)
         status = getattr(exc, "status_code", None)
         status = status if isinstance(status, int) and 400 <= status <= 599 else 502
-        if status in GATEWAY_FAULT_STATUSES:  # its status kept: the pipeline answers it as an engine's
+        retry_after = None
+        if any(s in OVERLOADED_STATUSES for s in _statuses(exc)):
+            status = 503
+            message = f"the provider of {self.spec.model} is overloaded"
+        elif status in GATEWAY_FAULT_STATUSES:  # its status kept: the pipeline answers it as an engine's
             message = f"the provider of {self.spec.model} refused the gateway (HTTP {status})"
         elif status == 429:
             message = f"the provider of {self.spec.model} is rate limiting the gateway"
+            retry_after = retry_after_seconds(_header(exc, "retry-after"))
         elif 400 <= status < 500:
             given = _provider_error(exc)
             if given is not None:  # its message (clipped, URLs masked), param and code: what to change
@@ -248,7 +262,7 @@ class HostedModel:
         ours = status >= 500 or status in GATEWAY_FAULT_STATUSES
         kind = "api_error" if ours else "invalid_request_error"
         body = {"error": {"message": message, "type": kind, "param": None, "code": f"provider_{status}"}}
-        return UpstreamReply(status, orjson.dumps(body), self.spec.model)
+        return UpstreamReply(status, orjson.dumps(body), self.spec.model, retry_after)
 
     async def close(self) -> None:
         """Stop the side loop (litellm owns its clients)."""
@@ -290,6 +304,37 @@ def _connection_failure(exc: BaseException) -> str | None:
         if isinstance(cause, ConnectionError | httpx.TransportError | openai.APIConnectionError):
             return "unreachable"
         cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from (litellm wraps the provider client's error)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
+def _statuses(exc: BaseException) -> Iterator[int]:
+    """The HTTP statuses `exc` and its causes carry: the provider's own among them (litellm's
+    exception may carry another, e.g. 500 for Anthropic's 529)."""
+    for cause in _causes(exc):
+        response = getattr(cause, "response", None)
+        for status in (getattr(cause, "status_code", None), getattr(response, "status_code", None)):
+            if isinstance(status, int):
+                yield status
+
+
+def _header(exc: BaseException, name: str) -> str | None:
+    """A header of the provider's error response, from `exc` or a cause (litellm keeps the
+    provider's headers apart, its own exception's `response` is made up)."""
+    for cause in _causes(exc):
+        response = getattr(cause, "response", None)
+        for headers in (getattr(cause, "litellm_response_headers", None), getattr(response, "headers", None)):
+            if isinstance(headers, httpx.Headers | Mapping) and isinstance(headers.get(name), str):
+                return str(headers[name])
     return None
 
 

@@ -16,6 +16,19 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S*")  # a URL inside a message: 
 # model's upstream name or the path (404, 405) are the operator's to fix. Another replica or model
 # is tried; a client that meets one anyway gets a 502 that names no upstream model or detail.
 GATEWAY_FAULT_STATUSES = frozenset({401, 403, 404, 405, 407})
+# Statuses outside HTTP's own that mean the upstream is overloaded (Anthropic's 529): answered, and
+# failed over, as the 503 they mean.
+OVERLOADED_STATUSES = frozenset({529})
+MAX_RETRY_AFTER = 3600  # seconds of an upstream's Retry-After passed on at most
+_SECONDS = re.compile(r"[0-9]{1,10}")
+
+
+def retry_after_seconds(value: object) -> int | None:
+    """An upstream's `Retry-After` as whole seconds for the client, at most MAX_RETRY_AFTER; None
+    for anything but delay-seconds (an HTTP-date, a fraction, text): never relayed as it came."""
+    if not isinstance(value, str) or not _SECONDS.fullmatch(value.strip()):
+        return None
+    return min(int(value.strip()), MAX_RETRY_AFTER)
 
 
 def error_event(message: str, code: str | None, kind: str = "api_error", param: str | None = None) -> bytes:

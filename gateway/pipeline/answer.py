@@ -22,10 +22,11 @@ from gateway.pipeline.reply import JSON_HEADER, Reply, error_reply
 logger = logging.getLogger(__name__)
 
 
-def passed_on(call: Call, status: int, body: bytes) -> tuple[Reply, str]:
+def passed_on(call: Call, status: int, body: bytes, retry_after: int | None = None) -> tuple[Reply, str]:
     """An upstream's error answer as the client gets it, with the error code for the log: in
     OpenAI's format, a 4xx with its status, a 503/504 as it is, any other status (500, 501, a
-    1xx-3xx that answers nothing) as 502.
+    1xx-3xx that answers nothing) as 502. A 429 carries the upstream's `retry_after` (sanitized
+    seconds, see UpstreamReply), when it gave one.
 
     The gateway is the server the client talks to: an upstream's 500 is a bad gateway, and a body
     that is not an OpenAI error (an HTML page, plain text, a list) is replaced, never relayed.
@@ -45,14 +46,17 @@ def passed_on(call: Call, status: int, body: bytes) -> tuple[Reply, str]:
         replaced = GatewayError(client_status, message, kind, code="upstream_error")
         return error_reply(replaced), "upstream_error"
     reduced = reduced_error(body, status, call.model or "the model")
-    return Reply(client_status, [JSON_HEADER], reduced), error_code(body)
+    headers = [JSON_HEADER]
+    if client_status == 429 and retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return Reply(client_status, headers, reduced), error_code(body)
 
 
 def whole(call: Call, reply: UpstreamReply, log_bodies: bool) -> tuple[Reply, str | None]:
     """The served upstream's whole answer for the client, with the error code for the log (None: a
     success). Usage the gateway does not believe is neither logged nor relayed."""
     if reply.status != 200:
-        return passed_on(call, reply.status, reply.body)
+        return passed_on(call, reply.status, reply.body, reply.retry_after)
     try:
         answer = orjson.loads(reply.body)
     except orjson.JSONDecodeError:

@@ -115,7 +115,8 @@ class Proxy:
             if exc.last is None:
                 return self._failed(call, exc)
             call.deployment = exc.last.url  # the last upstream error answer, as it was
-            return self._answered(call, *passed_on(call, exc.last.status, exc.last.body))
+            last = exc.last
+            return self._answered(call, *passed_on(call, last.status, last.body, last.retry_after))
         except CapabilityError as exc:  # no model can serve what it needs: the skipped ones are logged
             call.attempts = exc.attempts
             return self._failed(call, exc)

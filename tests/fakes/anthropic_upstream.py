@@ -5,7 +5,9 @@ reads it (its `base_url` pointed here).
 Anthropic's events (message_start, content_block_*, message_delta with the stop reason,
 message_stop). The last message's content picks a misbehaviour: `mode=cut` closes a stream cleanly
 after its first text delta (no message_delta, no message_stop), as a provider connection cut
-mid-answer looks to the client. `GET /health` is 200.
+mid-answer looks to the client; `mode=overloaded` is Anthropic's 529 `overloaded_error`;
+`mode=rate_limited:WAIT` a 429 `rate_limit_error` with `Retry-After: WAIT` (`date`: an HTTP-date,
+`none`: no header). `GET /health` is 200.
 
 Run: python tests/fakes/anthropic_upstream.py --port 9003
 """
@@ -13,6 +15,7 @@ Run: python tests/fakes/anthropic_upstream.py --port 9003
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +25,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 USAGE = {"input_tokens": 5, "output_tokens": 2}
+RATE_LIMITED = re.compile(r"mode=rate_limited:([A-Za-z0-9]+)")
+HTTP_DATE = "Wed, 21 Oct 2015 07:28:00 GMT"
+
+
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    body = {"type": "error", "error": {"type": kind, "message": message}}
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
@@ -56,7 +66,14 @@ def create_app() -> FastAPI:
     async def messages(request: Request) -> Response:
         body = orjson.loads(await request.body())
         last = body["messages"][-1]["content"]
-        cut = "mode=cut" in (last if isinstance(last, str) else orjson.dumps(last).decode())
+        text = last if isinstance(last, str) else orjson.dumps(last).decode()
+        cut = "mode=cut" in text
+        if "mode=overloaded" in text:
+            return _error(529, "overloaded_error", "Overloaded")
+        if limited := RATE_LIMITED.search(text):
+            wait = {"date": HTTP_DATE, "none": None}.get(limited.group(1), limited.group(1))
+            headers = None if wait is None else {"retry-after": wait}
+            return _error(429, "rate_limit_error", "rate limited", headers)
         if body.get("stream"):
             return StreamingResponse(_stream(body["model"], cut), media_type="text/event-stream")
         answer = {"id": "msg_fake", "type": "message", "role": "assistant", "model": body["model"],

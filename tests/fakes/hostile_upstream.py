@@ -34,6 +34,8 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   early_usage        a stream whose (small, believable) usage comes before 400 more words, none after
   huge_head          a response head that never ends (256 KiB of one header, then the close)
   error_leak:CODE    that status with an OpenAI error naming an internal host, plus extra fields
+  rate_limited:WAIT  429 with an OpenAI rate_limit_error and `Retry-After: WAIT` (`date`: an
+                     HTTP-date, `none`: no header; anything else as it is)
 
 `GET /stats` lists every request received (method, path, headers, body as text) and how many
 connections the fake cut itself; `GET /seen/TOKEN` says whether a received body held TOKEN;
@@ -173,7 +175,7 @@ class HostileUpstream:
 
     async def _whole(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
-        if mode in ("huge_head", "error_leak"):
+        if mode in ("huge_head", "error_leak", "rate_limited"):
             return await _hostile_head(writer, mode, arg)
         if mode == "status":
             return await _send(writer, int(arg or 500), b"<html>upstream exploded</html>", "text/html")
@@ -214,7 +216,7 @@ class HostileUpstream:
 
     async def _stream(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
-        if mode in ("huge_head", "error_leak"):
+        if mode in ("huge_head", "error_leak", "rate_limited"):
             return await _hostile_head(writer, mode, arg)
         if mode == "html":
             page = b"<html><body>Internal upstream http://10.9.8.7:9999 db=secret</body></html>\n"
@@ -407,7 +409,17 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
 
 
 async def _hostile_head(writer: asyncio.StreamWriter, mode: str, arg: str | None) -> bool:
-    """huge_head: a header that never ends; error_leak: an error that tells too much."""
+    """huge_head: a header that never ends; error_leak: an error that tells too much;
+    rate_limited: a 429 with the Retry-After asked for."""
+    if mode == "rate_limited":
+        wait = {"date": "Wed, 21 Oct 2015 07:28:00 GMT", "none": None}.get(arg or "none", arg)
+        error = {"message": "Rate limit reached", "type": "rate_limit_error", "param": None, "code": None}
+        body = orjson.dumps({"error": error})
+        extra = "" if wait is None else f"retry-after: {wait}\r\n"
+        head = _head(429, "application/json", len(body)).removesuffix(b"\r\n")
+        writer.write(head + extra.encode() + b"\r\n" + body)
+        await writer.drain()
+        return True
     if mode == "huge_head":
         writer.write(b"HTTP/1.1 200 OK\r\nx-big: ")
         for _ in range(64):

@@ -12,6 +12,7 @@ import pytest
 from gateway.backends.base import UpstreamStreamError
 from gateway.backends.hosted import HostedModel
 from gateway.config.policy import HostedBackend
+from gateway.pipeline.failover import RETRY_STATUSES
 from tests.engine.server_proc import ManagedServer
 
 MODEL = "anthropic/claude-3-5-haiku-20241022"
@@ -66,3 +67,48 @@ def test_an_anthropic_stream_that_breaks_off_is_never_relayed_as_a_whole_answer(
     monkeypatch.setenv("SB_TEST_ANTHROPIC_KEY", "sk-ant-test")
     with pytest.raises(UpstreamStreamError, match="broke off"):
         _stream_lines(provider, "mode=cut")
+
+
+def _refusal(provider: ManagedServer, content: str, stream: bool) -> tuple[int, bytes, int | None]:
+    """The status, error body and Retry-After the hosted backend makes of a provider's refusal."""
+
+    async def call() -> tuple[int, bytes, int | None]:
+        spec = HostedBackend(
+            type="hosted", model=MODEL, api_key_env="SB_TEST_ANTHROPIC_KEY", base_url=provider.base_url
+        )
+        model = HostedModel("claude", spec)
+        body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}],
+                             "max_tokens": 20})  # fmt: skip
+        try:
+            if not stream:
+                reply = await model.send("/v1/chat/completions", body)
+                return reply.status, reply.body, reply.retry_after
+            async with model.stream("/v1/chat/completions", body) as upstream:
+                return upstream.status, upstream.error_body, upstream.retry_after
+        finally:
+            await model.close()
+
+    return asyncio.run(call())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_anthropic_529_overload_is_a_503_that_fails_over(
+    provider: ManagedServer, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    # litellm reports Anthropic's 529 as a 500: the client saw `provider_500`, a server fault
+    monkeypatch.setenv("SB_TEST_ANTHROPIC_KEY", "sk-ant-test")
+    status, body, _ = _refusal(provider, "mode=overloaded", stream)
+    assert status == 503 and status in RETRY_STATUSES
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "provider_503" and error["type"] == "api_error"
+    assert "Overloaded" not in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("wait", "kept"), [("12", 12), ("86400", 3600), ("date", None), ("none", None)])
+def test_an_anthropic_429_keeps_its_retry_after_as_bounded_seconds(
+    provider: ManagedServer, monkeypatch: pytest.MonkeyPatch, stream: bool, wait: str, kept: int | None
+) -> None:
+    monkeypatch.setenv("SB_TEST_ANTHROPIC_KEY", "sk-ant-test")
+    status, _, retry_after = _refusal(provider, f"mode=rate_limited:{wait}", stream)
+    assert status == 429 and retry_after == kept

@@ -428,3 +428,26 @@ def test_a_hosted_chat_stream_that_breaks_off_is_never_relayed_as_a_whole_answer
         assert stream_error(answer.body) is not None
     else:  # it broke before anything reached the client (litellm held its first chunk back)
         assert answer.status == 502 and b"upstream_unavailable" in answer.body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(
+    ("wait", "told"),
+    [("7", "7"), ("0", "0"), ("99999", "3600"), ("date", None), ("soon", None), ("none", None)],
+)
+def test_a_providers_429_reaches_the_client_with_its_retry_after_in_bounded_seconds_only(
+    stack: HostileStack, stream: bool, wait: str, told: str | None
+) -> None:
+    # `host` is the only model of its chain: its 429 is the client's; an HTTP-date or text is dropped
+    answer = asyncio.run(_one(stack, stack.key, chat("host", f"mode=rate_limited:{wait}", stream)))
+    assert answer.status == 429 and problems(answer) == []
+    assert answer.headers.get("retry-after") == told
+    assert _row(stack, answer)["status"] == 429
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_providers_529_overload_reaches_the_client_as_a_503(stack: HostileStack, stream: bool) -> None:
+    answer = asyncio.run(_one(stack, stack.key, chat("host", "mode=status:529", stream)))
+    assert answer.status == 503 and problems(answer) == []
+    assert b"provider_500" not in answer.body and b"exploded" not in answer.body
+    assert _row(stack, answer)["status"] == 503
