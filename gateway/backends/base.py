@@ -10,6 +10,7 @@ from typing import Protocol
 from gateway.config.policy import Capabilities, Timeouts
 
 UNREPORTED = Capabilities()  # a backend that says nothing about a capability
+MAX_REPLY_BYTES = 64 << 20  # a whole upstream answer (an engine's or a provider's): past it, a fault
 
 
 class UpstreamUnavailableError(Exception):

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 
 from gateway.backends.base import (
+    MAX_REPLY_BYTES,
     Learned,
     UpstreamReply,
     UpstreamStream,
@@ -32,9 +33,9 @@ from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 logger = logging.getLogger(__name__)
 
 # Bounds on what a replica may send back. An honest engine's SSE event stays far below the line
-# bound (it splits big deltas); past it, or past the reply bound, the answer is a fault, not data.
+# bound (it splits big deltas); past it, or past the reply bound (base.MAX_REPLY_BYTES), the answer
+# is a fault, not data.
 MAX_LINE_BYTES = 8 << 20
-MAX_REPLY_BYTES = 64 << 20
 
 
 class EnginePool:

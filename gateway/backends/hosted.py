@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
@@ -14,8 +14,10 @@ import httpx
 import litellm  # LITELLM_LOCAL_MODEL_COST_MAP keeps its import off the network: gateway/cli/environment.py
 import openai
 import orjson
+from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
 
 from gateway.backends.base import (
+    MAX_REPLY_BYTES,
     Learned,
     ModelUnavailableError,
     UpstreamReply,
@@ -23,6 +25,7 @@ from gateway.backends.base import (
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
+from gateway.backends.bounded_body import AnswerTooLargeError, bound_body, uncompressed
 from gateway.backends.side_loop import SideLoop
 from gateway.backends.upstream_errors import (
     GATEWAY_FAULT_STATUSES,
@@ -51,6 +54,10 @@ CHAT_FIELDS = _COMMON_FIELDS | frozenset({
     "tool_choice", "tools", "top_logprobs", "web_search_options",
 })  # fmt: skip
 TEXT_FIELDS = _COMMON_FIELDS | frozenset({"prompt", "best_of", "echo", "suffix"})
+# litellm providers whose whole answers are read through a client of ours that bounds them
+# (bounded_body): those that take an OpenAI SDK client, and those that take litellm's own handler
+_OPENAI_CLIENT = frozenset({"openai", "text-completion-openai"})
+_HANDLER_CLIENT = frozenset({"anthropic"})
 
 
 class HostedModel:
@@ -64,6 +71,10 @@ class HostedModel:
         self._hidden = (self._api_key or "", urlsplit(spec.base_url or "").hostname or "")
         self._side = SideLoop(f"litellm-{name}")  # litellm's per-call Python work runs there
         self._learned: dict[str, Learned] = {}
+        # whole answers' bounded client (made on the side loop), and the handler that owns its
+        # connections: a handler closes its client when it is collected
+        self._whole_client: openai.AsyncOpenAI | AsyncHTTPHandler | None = None
+        self._whole_handler: AsyncHTTPHandler | None = None
 
     @property
     def learned_version(self) -> int:
@@ -138,7 +149,7 @@ class HostedModel:
             # the provider client's timeout bounds each read, not the answer: a provider trickling
             # a byte every few seconds held a request 5x past `total` before this deadline
             async with asyncio.timeout(total):
-                resp = await call(model=model, **params)
+                resp = await call(model=model, **params, **self._bounded_client())
             return orjson.dumps(without_litellm_fields(resp.model_dump(mode="json", exclude_none=True)))
 
         try:
@@ -217,6 +228,29 @@ class HostedModel:
 
         yield UpstreamStream(200, lines(), b"", self.spec.model)
 
+    def _bounded_client(self) -> dict[str, Any]:
+        """`client=` for a whole answer: one that reads at most MAX_REPLY_BYTES of it (made on the
+        side loop, its clients' home, at the first call). A provider outside _OPENAI_CLIENT and
+        _HANDLER_CLIENT gets litellm's own client: its answers are not bounded (docs/security.md)."""
+        if self._whole_client is None:
+            try:
+                provider = litellm.get_llm_provider(self.spec.model)[1]
+            except Exception:  # litellm raises a bare Exception for a name it cannot place
+                return {}
+            if provider not in _HANDLER_CLIENT | _OPENAI_CLIENT:
+                return {}
+            hooks: dict[str, list[Callable[..., Any]]] = {"request": [uncompressed], "response": [bound_body]}
+            self._whole_handler = handler = AsyncHTTPHandler(event_hooks=hooks)
+            if provider in _HANDLER_CLIENT:
+                self._whole_client = handler
+            else:  # litellm's transport, our hook; an httpx (not httpx2) client, as litellm gives the SDK
+                http: Any = handler.client
+                key = self._api_key or os.environ.get("OPENAI_API_KEY") or ""
+                self._whole_client = openai.AsyncOpenAI(
+                    api_key=key, base_url=self.spec.base_url, max_retries=0, http_client=http
+                )
+        return {"client": self._whole_client}
+
     def _error(self, exc: Exception) -> UpstreamReply:
         """Provider errors, classified here and nowhere else: status and body in OpenAI's format.
 
@@ -229,6 +263,12 @@ class HostedModel:
         reports as a 500) is the 503 it means; a 429 keeps the provider's Retry-After, sanitized.
         Nothing else of litellm's text reaches the client: it is logged.
         """
+        if any(isinstance(cause, AnswerTooLargeError) for cause in _causes(exc)):  # as an engine's
+            raise UpstreamUnavailableError(
+                f"{self.spec.model} answered more than {MAX_REPLY_BYTES} bytes",
+                timeout=False,
+                deployment=self.spec.model,
+            ) from exc
         failed = _connection_failure(exc)
         if isinstance(exc, litellm.exceptions.Timeout) or failed == "timeout":
             raise UpstreamUnavailableError(
@@ -265,7 +305,10 @@ class HostedModel:
         return UpstreamReply(status, orjson.dumps(body), self.spec.model, retry_after)
 
     async def close(self) -> None:
-        """Stop the side loop (litellm owns its clients)."""
+        """Close our whole-answer client, stop the side loop (litellm owns its other clients)."""
+        handler, self._whole_handler, self._whole_client = self._whole_handler, None, None
+        if handler is not None:
+            await self._side.run(handler.client.aclose())
         await self._side.close()
 
 

@@ -7,7 +7,7 @@ message_stop). The last message's content picks a misbehaviour: `mode=cut` close
 after its first text delta (no message_delta, no message_stop), as a provider connection cut
 mid-answer looks to the client; `mode=overloaded` is Anthropic's 529 `overloaded_error`;
 `mode=rate_limited:WAIT` a 429 `rate_limit_error` with `Retry-After: WAIT` (`date`: an HTTP-date,
-`none`: no header). `GET /health` is 200.
+`none`: no header); `mode=huge` a whole answer of 70 MiB. `GET /health` is 200.
 
 Run: python tests/fakes/anthropic_upstream.py --port 9003
 """
@@ -70,6 +70,11 @@ def create_app() -> FastAPI:
         cut = "mode=cut" in text
         if "mode=overloaded" in text:
             return _error(529, "overloaded_error", "Overloaded")
+        if "mode=huge" in text and not body.get("stream"):
+            huge = {"id": "msg_fake", "type": "message", "role": "assistant", "model": body["model"],
+                    "content": [{"type": "text", "text": "x" * (70 << 20)}], "stop_reason": "end_turn",
+                    "stop_sequence": None, "usage": USAGE}  # fmt: skip
+            return Response(orjson.dumps(huge), media_type="application/json")
         if limited := RATE_LIMITED.search(text):
             wait = {"date": HTTP_DATE, "none": None}.get(limited.group(1), limited.group(1))
             headers = None if wait is None else {"retry-after": wait}

@@ -21,6 +21,7 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   stall              the headers (and, for a stream, one event), then nothing until the caller leaves
   stall_first        nothing at all until the caller leaves (not even headers)
   huge:MIB           a whole body of MIB MiB (valid JSON)
+  huge_chunked:MIB   a whole body of MIB MiB, chunked (no Content-Length)
   content_type       right bytes, wrong content-type (text/html)
   status:CODE        that HTTP status with a non-JSON body
   error_event        a stream whose second event is an error object, then [DONE]
@@ -188,6 +189,14 @@ class HostileUpstream:
         if mode == "huge":
             text = "x" * (int(arg or 80) << 20)
             return await _send(writer, 200, orjson.dumps(a.whole(text)))
+        if mode == "huge_chunked":  # no Content-Length to refuse it by: 1 MiB chunks, unbounded
+            writer.write(_head(200, "application/json", None) + _chunk(b'{"choices":[{"text":"'))
+            for _ in range(int(arg or 80)):
+                writer.write(_chunk(b"x" * (1 << 20)))
+                await writer.drain()
+            writer.write(_chunk(b'"}]}') + b"0\r\n\r\n")
+            await writer.drain()
+            return True
         if mode == "long_line":
             return await _send(writer, 200, orjson.dumps(a.whole("y" * (int(arg or 1) << 20))))
         if mode == "bad_utf8":

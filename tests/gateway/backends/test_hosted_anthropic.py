@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from gateway.backends.base import UpstreamStreamError
+from gateway.backends.base import UpstreamStreamError, UpstreamUnavailableError
 from gateway.backends.hosted import HostedModel
 from gateway.config.policy import HostedBackend
 from gateway.pipeline.failover import RETRY_STATUSES
@@ -112,3 +112,11 @@ def test_an_anthropic_429_keeps_its_retry_after_as_bounded_seconds(
     monkeypatch.setenv("SB_TEST_ANTHROPIC_KEY", "sk-ant-test")
     status, _, retry_after = _refusal(provider, f"mode=rate_limited:{wait}", stream)
     assert status == 429 and retry_after == kept
+
+
+def test_an_anthropic_whole_answer_past_64_mib_is_refused_as_unavailable(
+    provider: ManagedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SB_TEST_ANTHROPIC_KEY", "sk-ant-test")
+    with pytest.raises(UpstreamUnavailableError, match="more than 67108864 bytes"):
+        _refusal(provider, "mode=huge", False)

@@ -451,3 +451,21 @@ def test_a_providers_529_overload_reaches_the_client_as_a_503(stack: HostileStac
     assert answer.status == 503 and problems(answer) == []
     assert b"provider_500" not in answer.body and b"exploded" not in answer.body
     assert _row(stack, answer)["status"] == 503
+
+
+@pytest.mark.parametrize("mode", ["huge:70", "huge_chunked:70"])
+def test_a_hosted_whole_answer_past_64_mib_is_cut_at_its_bound_and_answered_502(
+    stack: HostileStack, mode: str
+) -> None:
+    # litellm read a provider's whole answer into memory whatever its size, and relayed it. Three
+    # leaked reservations ($0.008 each) would exhaust the key's $0.02 budget: the last call shows none.
+    key = stack.create_key(name=f"huge-{mode}", budget_usd=0.02, tpm_limit=20_000)
+    for _ in range(3):
+        answer = asyncio.run(_one(stack, key, chat("host", f"mode={mode}", False, max_tokens=4000)))
+        assert answer.status == 502 and problems(answer) == []
+        assert len(answer.body) < 1000 and b"xxxx" not in answer.body
+        assert orjson.loads(answer.body)["error"]["code"] == "upstream_unavailable"
+        assert _row(stack, answer)["status"] == 502
+        assert [row["id"] for row in stack.log_rows()].count(answer.request_id) == 1
+    last = asyncio.run(_one(stack, key, chat("host", "mode=ok", False, max_tokens=4000)))
+    assert last.status == 200, last.body
