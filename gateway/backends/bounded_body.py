@@ -6,11 +6,21 @@ gzip can decode to gigabytes)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
+import litellm
+import openai
+from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
 
 from gateway.backends.base import MAX_REPLY_BYTES
+
+# litellm providers whose whole answers are read through a client of ours that bounds them: those
+# that take an OpenAI SDK client, and those that take litellm's own handler
+_OPENAI_CLIENT = frozenset({"openai", "text-completion-openai"})
+_HANDLER_CLIENT = frozenset({"anthropic"})
 
 
 class AnswerTooLargeError(Exception):
@@ -54,3 +64,26 @@ async def bound_body(response: httpx.Response) -> None:
     stream = response.stream
     assert isinstance(stream, httpx.AsyncByteStream)  # an async client's
     response.stream = _BoundedBody(stream, MAX_REPLY_BYTES)
+
+
+def bounded_client(
+    model: str, api_key: str | None, base_url: str | None
+) -> tuple[openai.AsyncOpenAI | AsyncHTTPHandler, AsyncHTTPHandler] | None:
+    """The `client=` litellm takes for `model`'s whole answers, one that reads at most
+    MAX_REPLY_BYTES of them, and the handler that owns its connections (closed with the model: a
+    handler closes its client when it is collected). None for a provider outside _OPENAI_CLIENT
+    and _HANDLER_CLIENT: litellm's own client, whose answers are not bounded (docs/security.md)."""
+    try:
+        provider = litellm.get_llm_provider(model)[1]
+    except Exception:  # litellm raises a bare Exception for a name it cannot place
+        return None
+    if provider not in _HANDLER_CLIENT | _OPENAI_CLIENT:
+        return None
+    hooks: dict[str, list[Callable[..., Any]]] = {"request": [uncompressed], "response": [bound_body]}
+    handler = AsyncHTTPHandler(event_hooks=hooks)
+    if provider in _HANDLER_CLIENT:
+        return handler, handler
+    # litellm's transport, our hooks; an httpx (not httpx2) client, as litellm gives the SDK
+    http: Any = handler.client
+    key = api_key or os.environ.get("OPENAI_API_KEY") or ""
+    return openai.AsyncOpenAI(api_key=key, base_url=base_url, max_retries=0, http_client=http), handler

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 import litellm  # LITELLM_LOCAL_MODEL_COST_MAP keeps its import off the network: gateway/cli/environment.py
 import openai
 import orjson
@@ -25,7 +24,9 @@ from gateway.backends.base import (
     UpstreamStreamError,
     UpstreamUnavailableError,
 )
-from gateway.backends.bounded_body import AnswerTooLargeError, bound_body, uncompressed
+from gateway.backends.bounded_body import AnswerTooLargeError, bounded_client
+from gateway.backends.litellm_map import learned_from_litellm
+from gateway.backends.provider_errors import causes, connection_failure, header, provider_error, statuses
 from gateway.backends.side_loop import SideLoop
 from gateway.backends.upstream_errors import (
     GATEWAY_FAULT_STATUSES,
@@ -33,7 +34,7 @@ from gateway.backends.upstream_errors import (
     reduced_fields,
     retry_after_seconds,
 )
-from gateway.config.policy import Capabilities, HostedBackend, Timeouts
+from gateway.config.policy import HostedBackend, Timeouts
 
 logger = logging.getLogger(__name__)
 litellm.suppress_debug_info = True
@@ -54,10 +55,6 @@ CHAT_FIELDS = _COMMON_FIELDS | frozenset({
     "tool_choice", "tools", "top_logprobs", "web_search_options",
 })  # fmt: skip
 TEXT_FIELDS = _COMMON_FIELDS | frozenset({"prompt", "best_of", "echo", "suffix"})
-# litellm providers whose whole answers are read through a client of ours that bounds them
-# (bounded_body): those that take an OpenAI SDK client, and those that take litellm's own handler
-_OPENAI_CLIENT = frozenset({"openai", "text-completion-openai"})
-_HANDLER_CLIENT = frozenset({"anthropic"})
 
 
 class HostedModel:
@@ -75,6 +72,7 @@ class HostedModel:
         # connections: a handler closes its client when it is collected
         self._whole_client: openai.AsyncOpenAI | AsyncHTTPHandler | None = None
         self._whole_handler: AsyncHTTPHandler | None = None
+        self._whole_tried = False
 
     @property
     def learned_version(self) -> int:
@@ -229,27 +227,14 @@ class HostedModel:
         yield UpstreamStream(200, lines(), b"", self.spec.model)
 
     def _bounded_client(self) -> dict[str, Any]:
-        """`client=` for a whole answer: one that reads at most MAX_REPLY_BYTES of it (made on the
-        side loop, its clients' home, at the first call). A provider outside _OPENAI_CLIENT and
-        _HANDLER_CLIENT gets litellm's own client: its answers are not bounded (docs/security.md)."""
-        if self._whole_client is None:
-            try:
-                provider = litellm.get_llm_provider(self.spec.model)[1]
-            except Exception:  # litellm raises a bare Exception for a name it cannot place
-                return {}
-            if provider not in _HANDLER_CLIENT | _OPENAI_CLIENT:
-                return {}
-            hooks: dict[str, list[Callable[..., Any]]] = {"request": [uncompressed], "response": [bound_body]}
-            self._whole_handler = handler = AsyncHTTPHandler(event_hooks=hooks)
-            if provider in _HANDLER_CLIENT:
-                self._whole_client = handler
-            else:  # litellm's transport, our hook; an httpx (not httpx2) client, as litellm gives the SDK
-                http: Any = handler.client
-                key = self._api_key or os.environ.get("OPENAI_API_KEY") or ""
-                self._whole_client = openai.AsyncOpenAI(
-                    api_key=key, base_url=self.spec.base_url, max_retries=0, http_client=http
-                )
-        return {"client": self._whole_client}
+        """`client=` for a whole answer: one that reads at most MAX_REPLY_BYTES of it, made at the
+        first call on the side loop (its clients' home); none for a provider bounded_client lacks."""
+        if not self._whole_tried:
+            self._whole_tried = True
+            made = bounded_client(self.spec.model, self._api_key, self.spec.base_url)
+            if made is not None:
+                self._whole_client, self._whole_handler = made
+        return {} if self._whole_client is None else {"client": self._whole_client}
 
     def _error(self, exc: Exception) -> UpstreamReply:
         """Provider errors, classified here and nowhere else: status and body in OpenAI's format.
@@ -263,13 +248,13 @@ class HostedModel:
         reports as a 500) is the 503 it means; a 429 keeps the provider's Retry-After, sanitized.
         Nothing else of litellm's text reaches the client: it is logged.
         """
-        if any(isinstance(cause, AnswerTooLargeError) for cause in _causes(exc)):  # as an engine's
+        if any(isinstance(cause, AnswerTooLargeError) for cause in causes(exc)):  # as an engine's
             raise UpstreamUnavailableError(
                 f"{self.spec.model} answered more than {MAX_REPLY_BYTES} bytes",
                 timeout=False,
                 deployment=self.spec.model,
             ) from exc
-        failed = _connection_failure(exc)
+        failed = connection_failure(exc)
         if isinstance(exc, litellm.exceptions.Timeout) or failed == "timeout":
             raise UpstreamUnavailableError(
                 f"{self.spec.model} timed out", timeout=True, deployment=self.spec.model
@@ -282,16 +267,16 @@ class HostedModel:
         status = getattr(exc, "status_code", None)
         status = status if isinstance(status, int) and 400 <= status <= 599 else 502
         retry_after = None
-        if any(s in OVERLOADED_STATUSES for s in _statuses(exc)):
+        if any(s in OVERLOADED_STATUSES for s in statuses(exc)):
             status = 503
             message = f"the provider of {self.spec.model} is overloaded"
         elif status in GATEWAY_FAULT_STATUSES:  # its status kept: the pipeline answers it as an engine's
             message = f"the provider of {self.spec.model} refused the gateway (HTTP {status})"
         elif status == 429:
             message = f"the provider of {self.spec.model} is rate limiting the gateway"
-            retry_after = retry_after_seconds(_header(exc, "retry-after"))
+            retry_after = retry_after_seconds(header(exc, "retry-after"))
         elif 400 <= status < 500:
-            given = _provider_error(exc)
+            given = provider_error(exc)
             if given is not None:  # its message (clipped, URLs masked), param and code: what to change
                 error = reduced_fields(given, status, self.spec.model, self._hidden)
                 error["code"] = error["code"] or f"provider_{status}"
@@ -332,103 +317,6 @@ def openai_chunk(chunk: dict[str, Any], chat: bool) -> dict[str, Any] | None:
             return None  # nothing in it
         chunk["choices"] = []
     return chunk
-
-
-def _connection_failure(exc: BaseException) -> str | None:
-    """ "unreachable" or "timeout" where the provider's answer never came: litellm reports a refused
-    connection (and some timeouts) as an InternalServerError, a "500", whose causes hold the
-    connection error itself; None for an answer the provider gave."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, openai.APITimeoutError | httpx.TimeoutException):
-            return "timeout"
-        if isinstance(cause, ConnectionError | httpx.TransportError | openai.APIConnectionError):
-            return "unreachable"
-        cause = cause.__cause__ or cause.__context__
-    return None
-
-
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """`exc` and the exceptions it was raised from (litellm wraps the provider client's error)."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        yield cause
-        cause = cause.__cause__ or cause.__context__
-
-
-def _statuses(exc: BaseException) -> Iterator[int]:
-    """The HTTP statuses `exc` and its causes carry: the provider's own among them (litellm's
-    exception may carry another, e.g. 500 for Anthropic's 529)."""
-    for cause in _causes(exc):
-        response = getattr(cause, "response", None)
-        for status in (getattr(cause, "status_code", None), getattr(response, "status_code", None)):
-            if isinstance(status, int):
-                yield status
-
-
-def _header(exc: BaseException, name: str) -> str | None:
-    """A header of the provider's error response, from `exc` or a cause (litellm keeps the
-    provider's headers apart, its own exception's `response` is made up)."""
-    for cause in _causes(exc):
-        response = getattr(cause, "response", None)
-        for headers in (getattr(cause, "litellm_response_headers", None), getattr(response, "headers", None)):
-            if isinstance(headers, httpx.Headers | Mapping) and isinstance(headers.get(name), str):
-                return str(headers[name])
-    return None
-
-
-def learned_from_litellm(model: str) -> Learned:
-    """What litellm's bundled model map (LITELLM_LOCAL_MODEL_COST_MAP: no network) says `model` can do.
-
-    The model's own entry gives tools, json_schema, vision and its input context; the provider's
-    OpenAI parameters decide the rest and deny what the provider cannot take at all (no
-    `response_format`: neither JSON mode; no `logprobs`). A model the map lacks says nothing.
-    """
-    try:
-        info: Mapping[str, Any] = litellm.get_model_info(model)
-    except Exception:  # litellm raises a bare Exception for a name its map lacks
-        info = {}
-    if info.get("mode") not in (None, "chat", "completion", "responses"):
-        info = {}  # the map's entry for that name is an embedding (or image, audio) model's
-    try:
-        params = litellm.get_supported_openai_params(model=model)
-    except Exception:  # an unknown provider
-        params = None
-    said = {
-        "tools": info.get("supports_function_calling"),
-        "json_schema": info.get("supports_response_schema"),
-        "vision": info.get("supports_vision"),
-    }
-    if info.get("supports_response_schema") is True:
-        said["json_object"] = True  # a model that keeps to a schema keeps to JSON
-    if params is not None:
-        for capability, param in (("tools", "tools"), ("json_schema", "response_format"),
-                                  ("json_object", "response_format")):  # fmt: skip
-            if param not in params:
-                said[capability] = False
-        said["logprobs"] = "logprobs" in params
-    flags = {name: value for name, value in said.items() if isinstance(value, bool)}
-    context = info.get("max_input_tokens")
-    return Learned(Capabilities(**flags), context if type(context) is int and context > 0 else None)
-
-
-def _provider_error(exc: BaseException) -> dict[str, object] | None:
-    """The provider's own error object about a request it refused, if it gave one: on the exception
-    or, as litellm raises them (its `body` None), on the provider client's error it was raised from."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        body = getattr(cause, "body", None)
-        error = body.get("error", body) if isinstance(body, dict) else None
-        if isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"]:
-            return error
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 def allowed_fields(body: dict[str, Any], path: str) -> dict[str, Any]:

@@ -13,7 +13,8 @@ import pytest
 
 from gateway.backends.base import Learned
 from gateway.backends.engine import EnginePool
-from gateway.backends.hosted import HostedModel, learned_from_litellm
+from gateway.backends.hosted import HostedModel
+from gateway.backends.litellm_map import learned_from_litellm
 from gateway.backends.model_cards import merge_replicas, parse_model_cards
 from gateway.config.policy import Capabilities, EngineBackend, HealthSettings, HostedBackend, parse_policy
 from gateway.routing.capabilities import CapabilityTable

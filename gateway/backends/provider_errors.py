@@ -1,0 +1,62 @@
+"""What a hosted provider's failure says, read through litellm's wrapping: litellm raises its own
+exception classes (a refused connection may be an InternalServerError, a "500"; Anthropic's 529 a
+500) from the provider client's error, which holds the real status, headers and error object."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import httpx
+import openai
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from, each once."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
+def connection_failure(exc: BaseException) -> str | None:
+    """ "unreachable" or "timeout" where the provider's answer never came; None for an answer the
+    provider gave."""
+    for cause in causes(exc):
+        if isinstance(cause, openai.APITimeoutError | httpx.TimeoutException):
+            return "timeout"
+        if isinstance(cause, ConnectionError | httpx.TransportError | openai.APIConnectionError):
+            return "unreachable"
+    return None
+
+
+def statuses(exc: BaseException) -> Iterator[int]:
+    """The HTTP statuses `exc` and its causes carry: the provider's own among them."""
+    for cause in causes(exc):
+        response = getattr(cause, "response", None)
+        for status in (getattr(cause, "status_code", None), getattr(response, "status_code", None)):
+            if isinstance(status, int):
+                yield status
+
+
+def header(exc: BaseException, name: str) -> str | None:
+    """A header of the provider's error response, from `exc` or a cause (litellm keeps the
+    provider's headers apart, its own exception's `response` is made up)."""
+    for cause in causes(exc):
+        response = getattr(cause, "response", None)
+        for headers in (getattr(cause, "litellm_response_headers", None), getattr(response, "headers", None)):
+            if isinstance(headers, httpx.Headers | Mapping) and isinstance(headers.get(name), str):
+                return str(headers[name])
+    return None
+
+
+def provider_error(exc: BaseException) -> dict[str, object] | None:
+    """The provider's own error object about a request it refused, if it gave one: on the exception
+    or, as litellm raises them (its `body` None), on the provider client's error it was raised from."""
+    for cause in causes(exc):
+        body = getattr(cause, "body", None)
+        error = body.get("error", body) if isinstance(body, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"]:
+            return error
+    return None
