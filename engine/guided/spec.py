@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.guided.errors import GuidedDecodingError
+from engine.guided.finite import has_finite_instance
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
@@ -71,6 +72,12 @@ class GuidedSpec:
                 raise GuidedDecodingError(
                     "the JSON schema is nested too deeply", param=param, code=code
                 ) from None
+        if not has_finite_instance(value):
+            message = (
+                "the JSON schema has no finite instance: a $ref cycle runs through required "
+                "properties (or non-empty arrays), so every answer would nest forever"
+            )
+            raise GuidedDecodingError(message, param=param, code=code)
         text = _compact(value, param, code)
         return cls("json_schema", text, any_whitespace, _pattern(whitespace_pattern), param)
 

@@ -35,6 +35,15 @@ RESPONSE_FORMAT: Any = {
     "type": "json_schema",
     "json_schema": {"name": "town", "schema": SCHEMA, "strict": True},
 }
+# a $ref cycle under required properties: no finite instance
+REQUIRED_CYCLE: dict[str, Any] = {
+    "type": "object",
+    "properties": {"a": {"$ref": "#/$defs/node"}},
+    "required": ["a"],
+    "$defs": {
+        "node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
+    },
+}
 POOL_BLOCKS = 24  # one request (~40 prompt + 120 output tokens: 10 blocks) fits; eight at once do not
 
 
@@ -151,6 +160,11 @@ def test_a_seeded_guided_answer_is_the_same_alone_in_a_crowd_and_after_preemptio
             "invalid_json_schema",
         ),
         ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value"),
+        (  # every answer would nest forever: refused up front, not after the stream has started
+            {"structured_outputs": {"json": REQUIRED_CYCLE, "disable_any_whitespace": True}},
+            "structured_outputs.json",
+            "invalid_json_schema",
+        ),
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "invalid_grammar"),
         (
             {"structured_outputs": {"grammar": "start: nothing"}},
@@ -188,6 +202,21 @@ def test_a_constraint_that_cannot_be_used_is_a_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as text_info:
         client.completions.create(model="", prompt="hi", max_tokens=5, extra_body=body)
     assert (text_info.value.param, text_info.value.code) == (param, code)
+
+
+def test_a_schema_with_no_finite_instance_is_refused_before_a_stream_starts(server: ServerProcess) -> None:
+    """Before the check, the stream began (200, a role chunk) and then carried an error event once
+    the grammar's forced tokens passed the parser's limits."""
+    body = {
+        "model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+        "structured_outputs": {"json": REQUIRED_CYCLE, "disable_any_whitespace": True},
+    }  # fmt: skip
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+        r.read()
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("structured_outputs.json", "invalid_json_schema")
+    assert "no finite instance" in error["message"]
 
 
 def test_a_grammar_that_breaks_mid_answer_fails_its_request_alone(server: ServerProcess) -> None:
