@@ -21,7 +21,9 @@ def has_finite_instance(schema: Any) -> bool:
     """False when `schema` (a parsed JSON schema) admits no finite JSON value at all."""
     targets: dict[str, Any] = {}
     _collect_refs(schema, schema, targets, depth=0)
-    finite = dict.fromkeys(targets, False)  # least fixpoint: a target is finite once proven so
+    # least fixpoint: a target is finite once proven so. A bare alias loop (`{"$ref": "#"}`) is the
+    # grammar library's to refuse ("no output can satisfy it"), so it counts as finite here.
+    finite = {ref: _alias_loop(ref, targets) for ref in targets}
     for _ in range(_MAX_ROUNDS):
         changed = False
         for ref, node in targets.items():
@@ -30,6 +32,18 @@ def has_finite_instance(schema: Any) -> bool:
         if not changed:
             return _finite(schema, finite, depth=0)
     return True
+
+
+def _alias_loop(ref: str, targets: dict[str, Any]) -> bool:
+    """Whether following `ref` through nodes that are only `$ref`s comes back to a ref seen before."""
+    seen = set()
+    while ref in targets and ref not in seen:
+        seen.add(ref)
+        node = targets[ref]
+        if not isinstance(node, dict) or not isinstance(node.get("$ref"), str) or "type" in node:
+            return False
+        ref = node["$ref"]
+    return ref in seen
 
 
 def _collect_refs(node: Any, root: Any, targets: dict[str, Any], depth: int) -> None:
