@@ -27,6 +27,7 @@ from gateway.backends.base import (
 from gateway.backends.health import HealthChecker, Replica, pick
 from gateway.backends.model_cards import merge_replicas
 from gateway.backends.prefix_homes import PrefixHomes
+from gateway.backends.upstream_errors import retry_after_seconds
 from gateway.backends.wire import More, WireError, WirePool, WireResponse
 from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 
@@ -138,7 +139,8 @@ class EnginePool:
             async with self._translated(replica):
                 resp = await self._wires[replica.url].post(path, body, t.connect, t.total, headers)
                 try:
-                    reply = UpstreamReply(resp.status, await resp.read(MAX_REPLY_BYTES), replica.url)
+                    body = await resp.read(MAX_REPLY_BYTES)
+                    reply = UpstreamReply(resp.status, body, replica.url, _retry_after(resp))
                 finally:
                     resp.release()
             verdict = reply.status < 500
@@ -184,7 +186,7 @@ class EnginePool:
                 verdict(resp.status < 500)
             slo = self.health.first_token_slo
             lines = self._lines(resp, replica, started, slo, verdict, t.between_tokens)
-            yield UpstreamStream(resp.status, lines, error, replica.url, verdict)
+            yield UpstreamStream(resp.status, lines, error, replica.url, verdict, _retry_after(resp))
         finally:
             replica.in_flight -= 1
             verdict.settle()
@@ -276,3 +278,10 @@ class _Verdict:
         if not self._given:
             self._given = True
             self._replica.breaker.release()
+
+
+def _retry_after(resp: WireResponse) -> int | None:
+    """An error answer's Retry-After in seconds (an overloaded replica's 503), sanitized."""
+    if resp.retry_after is None or resp.status == 200:
+        return None
+    return retry_after_seconds(resp.retry_after.decode("latin-1"))

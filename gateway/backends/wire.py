@@ -49,6 +49,7 @@ class _Connection(asyncio.Protocol):
         self.received = 0  # bytes of the current response so far
         self.status = 0
         self.framed = False  # the answer declares its length (content-length or chunked)
+        self.retry_after: bytes | None = None  # the answer's Retry-After (an overloaded replica's)
         self.complete = False  # the whole response is in
         self.error: BaseException | None = None
         self.reusable = False  # complete, keep-alive, nothing wrong
@@ -80,8 +81,11 @@ class _Connection(asyncio.Protocol):
         self.reusable = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+        lower = name.lower()
+        if lower in (b"content-length", b"transfer-encoding"):
             self.framed = True
+        elif lower == b"retry-after":
+            self.retry_after = value[:32]
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -137,6 +141,7 @@ class WireResponse:
 
     def __init__(self, pool: WirePool, conn: _Connection, timer: asyncio.TimerHandle | None) -> None:
         self.status = conn.status
+        self.retry_after = conn.retry_after  # raw: upstream_errors.retry_after_seconds reads it
         self._pool = pool
         self._conn = conn
         self._timer = timer
@@ -384,7 +389,7 @@ def _reset(conn: _Connection) -> None:
     conn.buffer = bytearray()
     conn.received = conn.status = 0
     conn.complete = conn.reusable = conn.framed = False
-    conn.error = None
+    conn.retry_after = conn.error = None
 
 
 def _header_block(headers: Mapping[str, str]) -> bytes:

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 def passed_on(call: Call, status: int, body: bytes, retry_after: int | None = None) -> tuple[Reply, str]:
     """An upstream's error answer as the client gets it, with the error code for the log: in
     OpenAI's format, a 4xx with its status, a 503/504 as it is, any other status (500, 501, a
-    1xx-3xx that answers nothing) as 502. A 429 carries the upstream's `retry_after` (sanitized
-    seconds, see UpstreamReply), when it gave one.
+    1xx-3xx that answers nothing) as 502. A 429 or 503 carries the upstream's `retry_after`
+    (sanitized seconds, see UpstreamReply), when it gave one.
 
     The gateway is the server the client talks to: an upstream's 500 is a bad gateway, and a body
     that is not an OpenAI error (an HTML page, plain text, a list) is replaced, never relayed.
@@ -47,7 +47,7 @@ def passed_on(call: Call, status: int, body: bytes, retry_after: int | None = No
         return error_reply(replaced), "upstream_error"
     reduced = reduced_error(body, status, call.model or "the model")
     headers = [JSON_HEADER]
-    if client_status == 429 and retry_after is not None:
+    if client_status in (429, 503) and retry_after is not None:  # a rate limit's, an overload's wait
         headers.append((b"retry-after", str(retry_after).encode()))
     return Reply(client_status, headers, reduced), error_code(body)
 

@@ -191,7 +191,8 @@ class Proxy:
         assert upstream is not None
         if upstream.status != 200:
             await served.aclose()
-            return self._answered(call, *passed_on(call, upstream.status, upstream.error_body))
+            answer = passed_on(call, upstream.status, upstream.error_body, upstream.retry_after)
+            return self._answered(call, *answer)
         refused = None if call.committed or not served.head else request_error(served.head[-1])
         if refused is not None:  # the request's own fault before any token, the head not sent yet:
             await served.aclose()  # the client gets the error's status, as a whole request would

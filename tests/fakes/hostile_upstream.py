@@ -37,6 +37,7 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   error_leak:CODE    that status with an OpenAI error naming an internal host, plus extra fields
   rate_limited:WAIT  429 with an OpenAI rate_limit_error and `Retry-After: WAIT` (`date`: an
                      HTTP-date, `none`: no header; anything else as it is)
+  overloaded:WAIT    likewise, a 503 `server_overloaded` (an engine at its request limit)
 
 `GET /stats` lists every request received (method, path, headers, body as text) and how many
 connections the fake cut itself; `GET /seen/TOKEN` says whether a received body held TOKEN;
@@ -176,7 +177,7 @@ class HostileUpstream:
 
     async def _whole(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
-        if mode in ("huge_head", "error_leak", "rate_limited"):
+        if mode in ("huge_head", "error_leak", "rate_limited", "overloaded"):
             return await _hostile_head(writer, mode, arg)
         if mode == "status":
             return await _send(writer, int(arg or 500), b"<html>upstream exploded</html>", "text/html")
@@ -225,7 +226,7 @@ class HostileUpstream:
 
     async def _stream(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
-        if mode in ("huge_head", "error_leak", "rate_limited"):
+        if mode in ("huge_head", "error_leak", "rate_limited", "overloaded"):
             return await _hostile_head(writer, mode, arg)
         if mode == "html":
             page = b"<html><body>Internal upstream http://10.9.8.7:9999 db=secret</body></html>\n"
@@ -420,12 +421,17 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
 async def _hostile_head(writer: asyncio.StreamWriter, mode: str, arg: str | None) -> bool:
     """huge_head: a header that never ends; error_leak: an error that tells too much;
     rate_limited: a 429 with the Retry-After asked for."""
-    if mode == "rate_limited":
+    if mode in ("rate_limited", "overloaded"):
         wait = {"date": "Wed, 21 Oct 2015 07:28:00 GMT", "none": None}.get(arg or "none", arg)
-        error = {"message": "Rate limit reached", "type": "rate_limit_error", "param": None, "code": None}
+        if mode == "rate_limited":
+            status, error = 429, {"message": "Rate limit reached", "type": "rate_limit_error", "param": None,
+                                  "code": None}  # fmt: skip
+        else:
+            status, error = 503, {"message": "at the request limit", "type": "server_error", "param": None,
+                                  "code": "server_overloaded"}  # fmt: skip
         body = orjson.dumps({"error": error})
         extra = "" if wait is None else f"retry-after: {wait}\r\n"
-        head = _head(429, "application/json", len(body)).removesuffix(b"\r\n")
+        head = _head(status, "application/json", len(body)).removesuffix(b"\r\n")
         writer.write(head + extra.encode() + b"\r\n" + body)
         await writer.drain()
         return True

@@ -446,6 +446,19 @@ def test_a_providers_429_reaches_the_client_with_its_retry_after_in_bounded_seco
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("wait", "told"), [("2", "2"), ("99999", "3600"), ("date", None), ("none", None)])
+def test_an_overloaded_engines_retry_after_reaches_the_client_with_its_503(
+    stack: HostileStack, stream: bool, wait: str, told: str | None
+) -> None:
+    # the engine's replica (the only one) at its request limit says when to come back: the client's
+    # 503, once no other candidate served, says so too (it said nothing)
+    answer = asyncio.run(_one(stack, stack.key, chat("eng", f"mode=overloaded:{wait}", stream)))
+    assert answer.status == 503 and problems(answer) == []
+    assert answer.headers.get("retry-after") == told
+    assert _row(stack, answer)["status"] == 503
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_providers_529_overload_reaches_the_client_as_a_503(stack: HostileStack, stream: bool) -> None:
     answer = asyncio.run(_one(stack, stack.key, chat("host", "mode=status:529", stream)))
     assert answer.status == 503 and problems(answer) == []
