@@ -192,7 +192,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             body = error_answer(GatewayError(status, message, code=code)).body
             head = (
                 f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+                f"content-length: {len(body)}\r\n{_EXTRA_HEADERS.get(status, '')}connection: close\r\n\r\n"
             )
             self.transport.write(head.encode("ascii") + body)
         self._linger()
@@ -301,7 +301,9 @@ def framing_problem(version: str, headers: Sequence[tuple[bytes, bytes]]) -> tup
     An HTTP version other than 1.0 and 1.1 (505), a missing Host in HTTP/1.1, more than one Host or
     one that is not a host (400), and a transfer coding other than a lone `chunked` (501: llhttp
     reads `gzip, chunked` as chunked and hands the app the still-compressed bytes; a proxy in front
-    that reads the codings otherwise would disagree with us on where the request ends).
+    that reads the codings otherwise would disagree with us on where the request ends). And, though
+    not framing, a content coding (415, RFC 9110 15.5.16): the body would be parsed still compressed,
+    and inflating it would let a small body (a gzip bomb) pass the body limit.
     """
     if version not in ("1.0", "1.1"):
         return 505, f"HTTP/{version} is not supported: use HTTP/1.1", "http_version_not_supported"
@@ -317,6 +319,11 @@ def framing_problem(version: str, headers: Sequence[tuple[bytes, bytes]]) -> tup
     ]
     if codings and codings != [b"chunked"]:
         return 501, "the only transfer coding supported is a lone chunked", "unsupported_transfer_encoding"
+    content_codings = {
+        c.strip(b" \t").lower() for n, v in headers if n == b"content-encoding" for c in v.split(b",")
+    }
+    if content_codings - {b"identity", b""}:
+        return 415, "the request body must not be content-coded (e.g. gzip)", "unsupported_content_encoding"
     return None
 
 
@@ -324,8 +331,10 @@ class _RefusedError(Exception):
     """Raised from a parser callback to stop parsing a request already answered."""
 
 
-_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
-            501: "Not Implemented", 505: "HTTP Version Not Supported"}  # fmt: skip
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 415: "Unsupported Media Type",
+            431: "Request Header Fields Too Large", 501: "Not Implemented",
+            505: "HTTP Version Not Supported"}  # fmt: skip
+_EXTRA_HEADERS = {415: "accept-encoding: identity\r\n"}  # what a 415 for a content coding names
 
 
 def _address(client: tuple[str, int] | None) -> str:

@@ -3,6 +3,7 @@ connections, /metrics, and the error format of every refusal (raw sockets: the c
 
 from __future__ import annotations
 
+import gzip
 import json
 import select
 import socket
@@ -516,6 +517,30 @@ def test_sound_request_heads_are_served(gateway: ManagedServer) -> None:
     ):
         answered, _, body = exchange(gateway, head)
         assert answered == 200, (head, body)
+
+
+@pytest.mark.parametrize(
+    ("path", "coding"),
+    [("/v1/chat/completions", b"gzip"), ("/v1/completions", b"deflate"), ("/admin/keys", b"br"),
+     ("/v1/chat/completions", b"identity, gzip")],
+)  # fmt: skip
+def test_a_content_coded_body_is_refused_with_415_unread_not_parsed_as_json(
+    gateway: ManagedServer, key: str, path: str, coding: bytes
+) -> None:
+    """A gzip bomb (64 KiB that inflate to 64 MiB) is neither inflated nor taken for a body of
+    invalid UTF-8 (a misleading 400); a plain body that says it is gzip is not served as if not."""
+    bomb = gzip.compress(b'{"model": "x", "prompt": "' + b"a" * (64 * MIB) + b'"}')
+    authorization = MASTER if path.startswith("/admin") else key
+    for body in (bomb, b'{"name": "plain"}'):
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {authorization}\r\n"
+                f"Content-Length: {len(body)}\r\nContent-Encoding: ").encode()  # fmt: skip
+        answered, headers, answer = exchange(gateway, head + coding + b"\r\n\r\n" + body)
+        assert answered == 415, answer
+        assert openai_error(answer)["code"] == "unsupported_content_encoding"
+        assert headers["accept-encoding"] == "identity" and headers["connection"] == "close"
+    r = httpx.post(f"{gateway.base_url}/admin/keys", json={"name": "identity"},
+                   headers={**ADMIN, "content-encoding": "identity"})  # fmt: skip
+    assert r.status_code == 201, r.text
 
 
 @pytest.mark.parametrize(
