@@ -93,6 +93,11 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
                     param=f"messages[{i}]",
                     code="invalid_type",
                 )
+            if not _content_shape(message.get("content")):
+                raise GatewayError(400, f"messages[{i}].content must be a string, null or an array of "
+                                   "parts (objects with a string 'type')", param=f"messages[{i}].content",
+                                   code="invalid_type")  # fmt: skip
+        _check_chat_options(body)
     elif "prompt" not in body or body["prompt"] is None:
         raise GatewayError(
             400, "you must provide a prompt parameter", param="prompt", code="missing_required_parameter"
@@ -101,6 +106,33 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
         message = ("'prompt' must be a string, or a non-empty array of strings, of token ids or of "
                    "non-empty token-id arrays")  # fmt: skip
         raise GatewayError(400, message, param="prompt", code="invalid_value")
+
+
+# Chat options a hosted provider's library checks before sending (an outage to us, else), by the
+# shape OpenAI gives each: what the value must be, and its name in the error.
+_CHAT_OPTIONS: dict[str, tuple[tuple[type, ...], str]] = {
+    "tools": ((list,), "an array of objects"),
+    "tool_choice": ((str, dict), "a string or an object"),
+    "response_format": ((dict,), "an object"),
+}
+
+
+def _check_chat_options(body: dict[str, Any]) -> None:
+    """400 `invalid_type` for a chat option of another shape than _CHAT_OPTIONS says (absent: fine)."""
+    for field, (types, shape) in _CHAT_OPTIONS.items():
+        value = body.get(field)
+        parts = value if isinstance(value, list) else []  # (tools: objects only)
+        if value is not None and not (isinstance(value, types) and all(isinstance(p, dict) for p in parts)):
+            raise GatewayError(400, f"'{field}' must be {shape}", param=field, code="invalid_type")
+
+
+def _content_shape(content: Any) -> bool:
+    """A message's content as OpenAI takes it: absent, text, or parts that each name their type."""
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and isinstance(part.get("type"), str) for part in content
+    )
 
 
 def _token_ids(value: Any) -> bool:

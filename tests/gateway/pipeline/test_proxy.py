@@ -231,6 +231,31 @@ def test_prompts_in_no_openai_shape_are_400s_for_every_backend(stack: Stack, pro
     assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("prompt", "invalid_value")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("messages", [{"role": "user", "content": [1, 2]}], "messages[0].content"),
+        ("messages", [{"role": "user", "content": 5}], "messages[0].content"),
+        ("messages", [{"role": "user", "content": [{"text": "x"}]}], "messages[0].content"),
+        ("tool_choice", 5, "tool_choice"),
+        ("response_format", "json", "response_format"),
+        ("tools", {"type": "function"}, "tools"),
+        ("tools", ["x"], "tools"),
+    ],
+)
+@pytest.mark.parametrize("model", ["fast", "hosted"])
+def test_chat_fields_in_no_openai_shape_are_400s_for_every_backend(
+    stack: Stack, field: str, value: Any, param: str, model: str
+) -> None:
+    """A hosted provider's library refused these before sending: its error read as an outage (a 502
+    that failed over, `upstream_unavailable`), not the client's mistake."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], field: value}
+    r = httpx.post(f"{stack.gateway.base_url}/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {stack.key}"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "invalid_type")
+
+
 @pytest.mark.parametrize("path", ["chat", "text"])
 def test_a_hosted_stream_of_several_choices_ends_each_as_the_whole_answer_does_and_bills_its_usage(
     stack: Stack, path: str
