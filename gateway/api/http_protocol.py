@@ -299,11 +299,12 @@ def framing_problem(version: str, headers: Sequence[tuple[bytes, bytes]]) -> tup
     (status, message, code); None when the head is sound.
 
     An HTTP version other than 1.0 and 1.1 (505), a missing Host in HTTP/1.1, more than one Host or
-    one that is not a host (400), and a transfer coding other than a lone `chunked` (501: llhttp
-    reads `gzip, chunked` as chunked and hands the app the still-compressed bytes; a proxy in front
-    that reads the codings otherwise would disagree with us on where the request ends). And, though
-    not framing, a content coding (415, RFC 9110 15.5.16): the body would be parsed still compressed,
-    and inflating it would let a small body (a gzip bomb) pass the body limit.
+    one that is not a host, more than one Authorization (RFC 9110 5.3: not a list; 400), and a
+    transfer coding other than a lone `chunked` (501: llhttp reads `gzip, chunked` as chunked and
+    hands the app the still-compressed bytes; a proxy in front that reads the codings otherwise
+    would disagree with us on where the request ends). And, though not framing, a content coding
+    (415, RFC 9110 15.5.16): the body would be parsed still compressed, and inflating it would let
+    a small body (a gzip bomb) pass the body limit.
     """
     if version not in ("1.0", "1.1"):
         return 505, f"HTTP/{version} is not supported: use HTTP/1.1", "http_version_not_supported"
@@ -314,6 +315,8 @@ def framing_problem(version: str, headers: Sequence[tuple[bytes, bytes]]) -> tup
         return 400, "an HTTP/1.1 request needs a Host header", "invalid_http_request"
     if hosts and not _HOST.fullmatch(hosts[0].strip(b" \t")):
         return 400, "the Host header is not a host[:port]", "invalid_http_request"
+    if sum(name == b"authorization" for name, _ in headers) > 1:  # which one? routes disagreed
+        return 400, "the request has more than one Authorization header", "invalid_http_request"
     codings = [
         c.strip(b" \t").lower() for n, v in headers if n == b"transfer-encoding" for c in v.split(b",")
     ]

@@ -488,6 +488,18 @@ def test_pipelined_requests_get_whole_answers_in_order(gateway: ManagedServer) -
             400,  # chunked not last: no framing at all (llhttp's own refusal)
             "invalid_http_request",
         ),
+        (  # the completion route read the last, the others the first: one key for a proxy, another here
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n"
+            b"Authorization: Bearer b\r\n\r\n",
+            400,
+            "invalid_http_request",
+        ),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n"
+            b"authorization: Bearer b\r\nContent-Length: 2\r\n\r\n{}",
+            400,
+            "invalid_http_request",
+        ),
     ],
     ids=[
         "no host",
@@ -497,6 +509,8 @@ def test_pipelined_requests_get_whole_answers_in_order(gateway: ManagedServer) -
         "http/2.0 line",
         "gzip, chunked",
         "chunked then gzip",
+        "two authorizations",
+        "two authorizations on a completion",
     ],
 )
 def test_request_heads_rfc_9112_refuses_are_refused_before_the_app(
