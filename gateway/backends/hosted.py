@@ -25,6 +25,7 @@ from gateway.backends.base import (
     UpstreamUnavailableError,
 )
 from gateway.backends.bounded_body import AnswerTooLargeError, bounded_client
+from gateway.backends.fetched_urls import fetches_urls, refuse_fetched_urls
 from gateway.backends.litellm_map import learned_from_litellm
 from gateway.backends.provider_errors import causes, connection_failure, header, provider_error, statuses
 from gateway.backends.side_loop import SideLoop
@@ -73,6 +74,7 @@ class HostedModel:
         self._whole_client: openai.AsyncOpenAI | AsyncHTTPHandler | None = None
         self._whole_handler: AsyncHTTPHandler | None = None
         self._whole_tried = False
+        self._fetches_urls = fetches_urls(spec.model)
 
     @property
     def learned_version(self) -> int:
@@ -112,6 +114,8 @@ class HostedModel:
         if reason is not None:
             raise ModelUnavailableError(reason)
         params = allowed_fields(orjson.loads(body), path)
+        if self._fetches_urls:  # litellm would download a part's URL from inside the gateway (SSRF)
+            refuse_fetched_urls(params)
         if stream:
             params["stream"] = True
             params["stream_options"] = {"include_usage": True}

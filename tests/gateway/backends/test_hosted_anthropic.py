@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import sys
+import threading
 from collections.abc import Iterator
+from typing import ClassVar
 
 import orjson
 import pytest
 
 from gateway.backends.base import UpstreamStreamError, UpstreamUnavailableError
+from gateway.backends.fetched_urls import fetches_urls
 from gateway.backends.hosted import HostedModel
 from gateway.config.policy import HostedBackend
+from gateway.errors import GatewayError
 from gateway.pipeline.failover import RETRY_STATUSES
 from tests.engine.server_proc import ManagedServer
 
@@ -120,3 +125,72 @@ def test_an_anthropic_whole_answer_past_64_mib_is_refused_as_unavailable(
     monkeypatch.setenv("SB_TEST_ANTHROPIC_KEY", "sk-ant-test")
     with pytest.raises(UpstreamUnavailableError, match="more than 67108864 bytes"):
         _refusal(provider, "mode=huge", False)
+
+
+class _Fetched(http.server.BaseHTTPRequestHandler):
+    """A URL on the gateway's own network: it records every fetch (a PNG's first bytes as answer)."""
+
+    paths: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        _Fetched.paths.append(self.path)
+        body = b"\x89PNG\r\n\x1a\n"
+        self.send_response(200)
+        self.send_header("content-type", "image/png")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_image_url_is_never_fetched_from_inside_the_gateway_for_a_provider_that_takes_bytes(
+    provider: ManagedServer, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    # litellm downloads an image_url for Anthropic itself, following redirects: any key could make
+    # the gateway read a URL on its own network (SSRF). A URL is refused up front; data: is sent.
+    monkeypatch.setenv("SB_TEST_ANTHROPIC_KEY", "sk-ant-test")
+    internal = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fetched)
+    threading.Thread(target=internal.serve_forever, daemon=True).start()
+    secret = f"http://127.0.0.1:{internal.server_address[1]}/internal-secret.png"
+    _Fetched.paths.clear()
+
+    async def call(url: str) -> int:
+        spec = HostedBackend(
+            type="hosted", model=MODEL, api_key_env="SB_TEST_ANTHROPIC_KEY", base_url=provider.base_url
+        )
+        model = HostedModel("claude", spec)
+        parts = [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+        body = orjson.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 5}
+        )
+        try:
+            if not stream:
+                return (await model.send("/v1/chat/completions", body)).status
+            async with model.stream("/v1/chat/completions", body) as upstream:
+                return upstream.status
+        finally:
+            await model.close()
+
+    try:
+        for url in (secret, " HTTPS://169.254.169.254/latest/meta-data/"):
+            with pytest.raises(GatewayError) as refused:
+                asyncio.run(call(url))
+            assert refused.value.status == 400 and refused.value.param == "messages[0].content[1]"
+            assert refused.value.code == "url_not_supported"
+        assert _Fetched.paths == []
+        png = (
+            "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwAB"
+            "BAEAwS2OUAAAAABJRU5ErkJggg=="
+        )
+        assert asyncio.run(call(png)) == 200  # the bytes themselves go to the provider
+    finally:
+        internal.shutdown()
+        internal.server_close()
+
+
+def test_a_provider_that_fetches_urls_on_its_side_gets_them() -> None:
+    assert not fetches_urls("openai/gpt-4o-mini") and not fetches_urls("azure/my-deployment")
+    assert fetches_urls("anthropic/claude-3-5-haiku-20241022") and fetches_urls("no-such-provider/x")
