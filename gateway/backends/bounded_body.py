@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-import litellm
 import openai
 from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
 
@@ -67,16 +66,13 @@ async def bound_body(response: httpx.Response) -> None:
 
 
 def bounded_client(
-    model: str, api_key: str | None, base_url: str | None
+    provider: str | None, api_key: str | None, base_url: str | None
 ) -> tuple[openai.AsyncOpenAI | AsyncHTTPHandler, AsyncHTTPHandler] | None:
-    """The `client=` litellm takes for `model`'s whole answers, one that reads at most
-    MAX_REPLY_BYTES of them, and the handler that owns its connections (closed with the model: a
-    handler closes its client when it is collected). None for a provider outside _OPENAI_CLIENT
-    and _HANDLER_CLIENT: litellm's own client, whose answers are not bounded (docs/security.md)."""
-    try:
-        provider = litellm.get_llm_provider(model)[1]
-    except Exception:  # litellm raises a bare Exception for a name it cannot place
-        return None
+    """The `client=` litellm takes for whole answers of a model of `provider`
+    (litellm_map.provider_of), one that reads at most MAX_REPLY_BYTES of them, and the handler that
+    owns its connections (closed with the model: a handler closes its client when it is
+    collected). None for a provider outside _OPENAI_CLIENT and _HANDLER_CLIENT: litellm's own
+    client, whose answers are not bounded (docs/security.md)."""
     if provider not in _HANDLER_CLIENT | _OPENAI_CLIENT:
         return None
     hooks: dict[str, list[Callable[..., Any]]] = {"request": [uncompressed], "response": [bound_body]}

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import litellm
-
 from gateway.errors import GatewayError
 
 # litellm providers that hand a part's URL to the provider as it is (nothing fetched here)
@@ -22,12 +20,9 @@ _SCHEMES = ("http://", "https://", "ftp://", "file://")
 _MAX_DEPTH = 8  # a part's nesting looked through (image_url.url, file.file_data: two levels)
 
 
-def fetches_urls(model: str) -> bool:
-    """Whether litellm would fetch a content part's URL itself for `model` (an unknown provider: yes)."""
-    try:
-        provider = litellm.get_llm_provider(model)[1]
-    except Exception:  # litellm raises a bare Exception for a name it cannot place
-        return True
+def fetches_urls(provider: str | None) -> bool:
+    """Whether litellm would fetch a content part's URL itself for a model of `provider`
+    (litellm_map.provider_of; an unknown provider: yes)."""
     return provider not in _PASS_URLS
 
 

@@ -26,7 +26,7 @@ from gateway.backends.base import (
 )
 from gateway.backends.bounded_body import AnswerTooLargeError, bounded_client
 from gateway.backends.fetched_urls import fetches_urls, refuse_fetched_urls
-from gateway.backends.litellm_map import learned_from_litellm
+from gateway.backends.litellm_map import learned_from_litellm, provider_of
 from gateway.backends.provider_errors import causes, connection_failure, header, provider_error, statuses
 from gateway.backends.side_loop import SideLoop
 from gateway.backends.upstream_errors import (
@@ -74,7 +74,8 @@ class HostedModel:
         self._whole_client: openai.AsyncOpenAI | AsyncHTTPHandler | None = None
         self._whole_handler: AsyncHTTPHandler | None = None
         self._whole_tried = False
-        self._fetches_urls = fetches_urls(spec.model)
+        self._provider = provider_of(spec.model)  # litellm's name for it, asked once
+        self._fetches_urls = fetches_urls(self._provider)
 
     @property
     def learned_version(self) -> int:
@@ -235,7 +236,7 @@ class HostedModel:
         first call on the side loop (its clients' home); none for a provider bounded_client lacks."""
         if not self._whole_tried:
             self._whole_tried = True
-            made = bounded_client(self.spec.model, self._api_key, self.spec.base_url)
+            made = bounded_client(self._provider, self._api_key, self.spec.base_url)
             if made is not None:
                 self._whole_client, self._whole_handler = made
         return {} if self._whole_client is None else {"client": self._whole_client}

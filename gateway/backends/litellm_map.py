@@ -45,3 +45,11 @@ def learned_from_litellm(model: str) -> Learned:
     flags = {name: value for name, value in said.items() if isinstance(value, bool)}
     context = info.get("max_input_tokens")
     return Learned(Capabilities(**flags), context if type(context) is int and context > 0 else None)
+
+
+def provider_of(model: str) -> str | None:
+    """litellm's provider for `model` (`openai`, `anthropic`, ...); None for a name it cannot place."""
+    try:
+        return str(litellm.get_llm_provider(model)[1])
+    except Exception:  # litellm raises a bare Exception for a name it cannot place
+        return None

@@ -84,7 +84,7 @@ class RequestLogWriter:
         self._next_spool_check = 0.0
         self._spool_bytes = 0
         self._wake = asyncio.Event()
-        self._written_waiters: list[asyncio.Future[bool]] = []  # written(): answered by the next cycle
+        self._written_waiters: list[asyncio.Future[bool]] = []  # write_now(): answered by the next cycle
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self.written = Counter("gateway_request_log_written", "Request-log rows written.", registry=registry)

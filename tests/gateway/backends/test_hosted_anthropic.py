@@ -15,6 +15,7 @@ import pytest
 from gateway.backends.base import UpstreamStreamError, UpstreamUnavailableError
 from gateway.backends.fetched_urls import fetches_urls
 from gateway.backends.hosted import HostedModel
+from gateway.backends.litellm_map import provider_of
 from gateway.config.policy import HostedBackend
 from gateway.errors import GatewayError
 from gateway.pipeline.failover import RETRY_STATUSES
@@ -192,5 +193,8 @@ def test_an_image_url_is_never_fetched_from_inside_the_gateway_for_a_provider_th
 
 
 def test_a_provider_that_fetches_urls_on_its_side_gets_them() -> None:
-    assert not fetches_urls("openai/gpt-4o-mini") and not fetches_urls("azure/my-deployment")
-    assert fetches_urls("anthropic/claude-3-5-haiku-20241022") and fetches_urls("no-such-provider/x")
+    assert not fetches_urls(provider_of("openai/gpt-4o-mini")) and not fetches_urls(
+        provider_of("azure/my-deployment")
+    )
+    assert fetches_urls(provider_of("anthropic/claude-3-5-haiku-20241022"))
+    assert fetches_urls(provider_of("no-such-provider/x"))
