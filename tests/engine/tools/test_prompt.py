@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -115,14 +116,19 @@ def test_a_long_run_of_tool_results_renders_in_linear_time() -> None:
             {"role": "tool", "tool_call_id": "c", "content": "y" * 40} for _ in range(n)
         ]
         best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            with_tools(turns, None, native=False)
-            best = min(best, time.perf_counter() - start)
+        gc.disable()  # a collection inside one timing would pass for a slope (CI once saw 9.5x)
+        try:
+            for _ in range(5):
+                start = time.perf_counter()
+                with_tools(turns, None, native=False)
+                best = min(best, time.perf_counter() - start)
+        finally:
+            gc.enable()
         return best
 
-    # 4x the results: 4x the time when linear, 16x when quadratic
-    assert seconds(24_000) < 8 * seconds(6_000)
+    # 4x the results: 4x the time when linear, 16x when quadratic (far more: the copies outgrow
+    # the caches); the margin is for a busy 2-core machine's noise on millisecond timings
+    assert seconds(24_000) < 12 * seconds(6_000)
     assert with_tools([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], None, False)[
         0
     ] == [
