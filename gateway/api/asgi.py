@@ -23,6 +23,10 @@ REFUSED = "gateway.refused"
 # (every event of every stream goes through it); absent under another server: `send` then
 BODY_PART = "gateway.body_part"
 
+# scope key set by the HTTP layer: the request's ClientWriter (pipeline/reply.py), through which a
+# stream's relay writes events itself as the upstream's bytes arrive; absent under another server
+CLIENT_WRITER = "gateway.client_writer"
+
 
 async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None:
     """`exc`'s OpenAI-format answer; `close`: end the connection after it (a request body left unread)."""

@@ -14,11 +14,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from gateway.api.asgi import BODY_PART, REFUSED, Receive, Scope, Send
+from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
 from gateway.errors import GatewayError, error_answer, shutdown_error, stopped_by_shutdown
-from gateway.pipeline.reply import HeadSender, Reply, error_reply
+from gateway.pipeline.reply import ClientWriter, HeadSender, Reply, error_reply
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class CompletionsEndpoint:
             return
         body_part = scope.get(BODY_PART) or _through(send)
         await _answer_until_disconnect(lambda head: proxy.handle(scope["path"], raw, key, trace, head),
-                                       receive, send, body_part)  # fmt: skip
+                                       receive, send, body_part, scope.get(CLIENT_WRITER))  # fmt: skip
 
 
 def _headers(scope: Scope) -> tuple[bytes, bytes | None]:
@@ -100,7 +100,8 @@ def _through(send: Send) -> BodyPart:
 
 
 async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Reply]], receive: Receive,
-                                   send: Send, body_part: BodyPart) -> None:  # fmt: skip
+                                   send: Send, body_part: BodyPart,
+                                   writer: ClientWriter | None = None) -> None:  # fmt: skip
     """Await `answer` and send it; if the client disconnects first, cancel it (and the upstream call).
 
     `answer` may send a stream's status and headers before its Reply is ready (the head sender it is
@@ -141,7 +142,7 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
             state["done"] = True
             await _send_whole(reply, send)
         else:
-            await _send_stream(reply, send, body_part, state)
+            await _send_stream(reply, send, body_part, state, writer)
     except asyncio.CancelledError as exc:
         if not state["left"] and not stopped_by_shutdown(exc):
             raise
@@ -181,9 +182,12 @@ async def _send_whole(reply: Reply, send: Send, close: bool = False) -> None:
     await send({"type": "http.response.body", "body": reply.body})
 
 
-async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dict[str, bool]) -> None:
+async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dict[str, bool],
+                       writer: ClientWriter | None) -> None:  # fmt: skip
     assert reply.events is not None
-    events = reply.events
+    events, outlet = reply.events, reply.outlet
+    if outlet is not None:  # the relay writes the stream's middle itself (asgi.CLIENT_WRITER)
+        outlet.writer = writer
     try:
         try:  # start the generator before any other await: from here its cleanup always runs
             first: bytes | None = await events.__anext__()
@@ -204,4 +208,6 @@ async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dic
                 await events.athrow(exc)
         raise
     finally:
+        if outlet is not None:
+            outlet.writer = None
         await events.aclose()  # runs the proxy's cleanup and log row, however the stream ended

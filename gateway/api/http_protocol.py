@@ -21,7 +21,7 @@ from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.api.asgi import BODY_PART, REFUSED, send_error
+from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, send_error
 from gateway.errors import GatewayError, error_answer
 
 
@@ -112,7 +112,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.cycle is not None:
             transport = _CycleTransport(self, self.cycle)
             self.cycle.transport = transport  # type: ignore[assignment]
-            cast(dict[str, Any], self.cycle.scope)[BODY_PART] = transport.body_part
+            scope = cast(dict[str, Any], self.cycle.scope)
+            scope[BODY_PART], scope[CLIENT_WRITER] = transport.body_part, transport
 
     def on_response_complete(self) -> None:
         """An answer is out: a refusal that waited for it (and those before it) goes now."""
@@ -267,6 +268,25 @@ class _CycleTransport:
             await cycle.flow.drain()
         if not cycle.disconnected and body:
             self.write(b"%x\r\n%s\r\n" % (len(body), body))
+
+    def writable(self) -> bool:
+        """Whether a body part written now leaves at once (pipeline/reply.py's ClientWriter): the
+        head has gone, the answer is an open chunked one, the client is there and its socket
+        buffer is not full (uvicorn's flow control: otherwise `body_part` waits for it)."""
+        cycle = self._cycle
+        return (
+            self._direct
+            and cycle.chunked_encoding
+            and not cycle.response_complete
+            and not cycle.disconnected
+            and not cycle.flow.write_paused
+            and not self._transport.is_closing()
+        )
+
+    def write_part(self, body: bytes) -> None:
+        """A chunk of a streamed answer, sent now (the caller asked `writable` first)."""
+        if body:
+            self._transport.write(b"%x\r\n%s\r\n" % (len(body), body))
 
     def flush(self) -> None:
         """Send what was written (nothing once the connection is closing)."""

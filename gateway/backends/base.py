@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -55,6 +55,12 @@ class UpstreamReply:
     retry_after: int | None = None  # a 429's wait, sanitized (upstream_errors.retry_after_seconds)
 
 
+# An open stream's lines fed to `take` as they arrive, from the connection's own callbacks (no task
+# woken per upstream write), until `take` declines one (returned: the caller handles it) or the
+# stream ends (None). An error of the stream, or one `take` raises, is raised as `lines` raises it.
+Pump = Callable[[Callable[[str], bool]], Awaitable[str | None]]
+
+
 def _no_verdict(ok: bool) -> None:
     """Default stream verdict hook: nothing tracks this upstream's health."""
 
@@ -73,6 +79,7 @@ class UpstreamStream:
     url: str
     verdict: Callable[[bool], None] = field(default=_no_verdict)
     retry_after: int | None = None  # as UpstreamReply's
+    pump: Pump | None = None  # `lines` fed to a callback as they arrive (an engine replica's)
 
 
 @dataclass(frozen=True)

@@ -21,22 +21,17 @@ from gateway.backends.base import (
     Learned,
     UpstreamReply,
     UpstreamStream,
-    UpstreamStreamError,
     UpstreamUnavailableError,
 )
 from gateway.backends.health import HealthChecker, Replica, pick
 from gateway.backends.model_cards import merge_replicas
 from gateway.backends.prefix_homes import PrefixHomes
+from gateway.backends.replica_lines import ReplicaLines
 from gateway.backends.upstream_errors import retry_after_seconds
-from gateway.backends.wire import More, WireError, WirePool, WireResponse
+from gateway.backends.wire import WireError, WirePool, WireResponse
 from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 
 logger = logging.getLogger(__name__)
-
-# Bounds on what a replica may send back. An honest engine's SSE event stays far below the line
-# bound (it splits big deltas); past it, or past the reply bound (base.MAX_REPLY_BYTES), the answer
-# is a fault, not data.
-MAX_LINE_BYTES = 8 << 20
 
 
 class EnginePool:
@@ -184,41 +179,14 @@ class EnginePool:
                 async with self._translated(replica), asyncio.timeout(t.first_token):
                     error = await resp.read(MAX_REPLY_BYTES)
                 verdict(resp.status < 500)
-            slo = self.health.first_token_slo
-            lines = self._lines(resp, replica, started, slo, verdict, t.between_tokens)
-            yield UpstreamStream(resp.status, lines, error, replica.url, verdict, _retry_after(resp))
+            slo, name = self.health.first_token_slo, f"{self.name} ({replica.url})"
+            lines = ReplicaLines(resp, name, started, slo, verdict, t.between_tokens)
+            yield UpstreamStream(resp.status, lines, error, replica.url, verdict, _retry_after(resp),
+                                 pump=lines.pump)  # fmt: skip
         finally:
             replica.in_flight -= 1
             verdict.settle()
             resp.release()  # read to the end: back to the pool; abandoned: closed, so the engine aborts
-
-    async def _lines(self, resp: WireResponse, replica: Replica, started: float, slo: float | None,
-                     verdict: _Verdict, silence: float) -> AsyncIterator[str]:  # fmt: skip
-        """The stream's non-blank lines; the first one's delay is the replica's first-token verdict;
-        after it, `silence` seconds without a byte break the stream (timeouts.between_tokens)."""
-        take, more, yielded = resp.buffered_line, More.MORE, 0
-        try:
-            while True:
-                line = take(MAX_LINE_BYTES)
-                if line is more:
-                    await resp.more()
-                    continue
-                if line is None:
-                    return
-                if not yielded:
-                    verdict(slo is None or time.perf_counter() - started <= slo)
-                yield line
-                yielded += 1
-                # the silence watch starts once the reader asks for the third line: a chat stream's
-                # first is its role chunk, sent at once, and the wait for the first token is
-                # first_token's to bound (a prefill behind a grammar compile on a busy CPU may take
-                # longer than between_tokens); not set on the first token's way out
-                if yielded == 2:
-                    resp.watch_silence(silence)
-        except (WireError, TimeoutError) as exc:
-            verdict(False)
-            name = "timeout" if isinstance(exc, TimeoutError) else str(exc)
-            raise UpstreamStreamError(f"{self.name} ({replica.url}): {name}") from exc
 
     def _translated(self, replica: Replica) -> _Translated:
         """Connection failures and timeouts become UpstreamUnavailableError (502/504)."""

@@ -15,7 +15,7 @@ import asyncio
 import enum
 import logging
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -45,6 +45,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.head: asyncio.Future[None] | None = None  # resolved when the response's headers are in
         self.waiter: asyncio.Future[None] | None = None  # a reader waiting for more body
+        self.listener: Callable[[], None] | None = None  # a reader fed from these callbacks (listen)
         self.buffer = bytearray()
         self.received = 0  # bytes of the current response so far
         self.status = 0
@@ -125,6 +126,8 @@ class _Connection(asyncio.Protocol):
         return waiter
 
     def _wake(self) -> None:
+        if self.listener is not None:
+            self.listener()
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
@@ -181,6 +184,16 @@ class WireResponse:
     def more(self) -> asyncio.Future[None]:
         """What a reader awaits when `buffered_line` says MORE."""
         return self._conn.more()
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """Call `listener` (None: stop) from the connection's own callbacks each time more body,
+        the end or an error arrives, instead of waking a task: a reader that can take lines there
+        (`buffered_line`) saves a task's wake-up per upstream write. It must not raise. A socket
+        paused for a reader that fell behind reads again."""
+        conn = self._conn
+        conn.listener = listener
+        if listener is not None and conn.transport is not None and conn.transport.is_reading() is False:
+            conn.transport.resume_reading()
 
     def buffered_line(self, limit: int) -> str | More | None:
         """`next_line` without waiting: the next line if the buffer holds it, None at the end, MORE
@@ -355,7 +368,7 @@ class WirePool:
 
     def put_back(self, conn: _Connection) -> None:
         """Keep a connection whose exchange ended cleanly; close any other."""
-        conn.head = None
+        conn.head = conn.listener = None
         if conn.reusable and conn.transport is not None and not conn.transport.is_closing():
             conn.exchanges += 1
             conn.idle_since = asyncio.get_running_loop().time()

@@ -25,7 +25,7 @@ from gateway.pipeline.failover import ChainExhaustedError, Commit, Progress
 from gateway.pipeline.finish import Finish
 from gateway.pipeline.prepare import prepare
 from gateway.pipeline.relay import opening_event, relay
-from gateway.pipeline.reply import SSE_HEADERS, HeadSender, Reply, error_reply, one_event
+from gateway.pipeline.reply import SSE_HEADERS, HeadSender, Outlet, Reply, error_reply, one_event
 from gateway.pipeline.runtime import Runtime, RuntimeHolder
 from gateway.pipeline.served import Served
 from gateway.pipeline.stream_start import request_error
@@ -197,10 +197,11 @@ class Proxy:
         if refused is not None:  # the request's own fault before any token, the head not sent yet:
             await served.aclose()  # the client gets the error's status, as a whole request would
             return self._answered(call, *passed_on(call, 400, refused))
-        events = relay(call, served, wants_usage, self.finish)
+        outlet = Outlet()
+        events = relay(call, served, wants_usage, self.finish, outlet)
         if call.committed:  # the head went with the first upstream event
-            return Reply(200, [], events=events)
-        return call.stamp(Reply(200, list(SSE_HEADERS), events=events))
+            return Reply(200, [], events=events, outlet=outlet)
+        return call.stamp(Reply(200, list(SSE_HEADERS), events=events, outlet=outlet))
 
     def _answered(self, call: Call, reply: Reply, error: str | None) -> Reply:
         self.finish(call, reply.status, error)

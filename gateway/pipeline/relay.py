@@ -9,6 +9,13 @@ it has the end finds its budget settled (what the upstream sends after its `[DON
 to a second, is nobody's time); otherwise when the stream ends. Gateway time is what the relay
 spends between reading a line and handing its event on; everything else (waiting on the upstream,
 the client reading) is upstream time. Two clock reads a line.
+
+Under our own server, the events of a stream's middle leave without this generator: the endpoint
+gives the relay an outlet to the client's connection, and an engine replica's lines are pumped into
+`take` from the upstream connection's callbacks, which writes each event at once. A relayed chunk
+then costs no task wake-up and no trip through the generators and the endpoint's send (measured in
+docs/BENCHMARKS.md). What `take` declines comes through here as before: the end, an event for a
+client whose socket is full (the send waits for it), a break.
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ from contextlib import aclosing
 
 import orjson
 
-from gateway.backends.base import UpstreamErrorEvent, UpstreamRequestErrorEvent, UpstreamStreamError
+from gateway.backends.base import Pump, UpstreamErrorEvent, UpstreamRequestErrorEvent, UpstreamStreamError
 from gateway.backends.upstream_errors import error_event, reduced_fields
 from gateway.errors import stopped_by_shutdown
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
+from gateway.pipeline.reply import Outlet
 from gateway.pipeline.resume import TOKEN_IDS, StreamTokens, break_reason, ended_early
 from gateway.pipeline.served import Served
 from gateway.store.record import Resumption
@@ -42,16 +50,34 @@ class StreamTooLongError(UpstreamStreamError):
     """The stream passed MAX_STREAM_CHARS: ended with an error event, never resumed elsewhere."""
 
 
-async def relay(call: Call, served: Served, wants_usage: bool,
-                done: Callable[[Call, int, str | None], None]) -> AsyncGenerator[bytes, None]:  # fmt: skip
+async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[Call, int, str | None], None],
+                outlet: Outlet | None = None) -> AsyncGenerator[bytes, None]:  # fmt: skip
     """The client's events of an open stream whose first lines (`served.head`) are read already;
-    a resumable one goes on on another replica when its own fails mid-answer (resume.py)."""
+    a resumable one goes on on another replica when its own fails mid-answer (resume.py).
+
+    Given an `outlet` that the endpoint connects to the client, and an upstream that can pump its
+    lines, the events of the stream's middle are written from the upstream connection's callbacks
+    (`take`), and only the others (the end, an event for a client whose socket is full, a break)
+    come through here."""
     status, error = 200, None
     answered = False  # the client has been handed the stream's end ([DONE]): a close is not a leave
     tokens = StreamTokens() if served.resume is not None else None
     current: Served | None = served
     perf_counter = time.perf_counter
     mark = perf_counter()  # gateway time up to here is counted; what follows is the upstream's
+
+    def take(line: str) -> bool:  # a pumped line: relayed now, or declined (False) for the loop below
+        nonlocal mark
+        writer = outlet.writer if outlet is not None else None
+        if writer is None or line == _DONE or not writer.writable():
+            return False
+        call.upstream_seconds += perf_counter() - mark
+        event = relay_line(call, line, wants_usage, tokens)  # what it raises, the loop raises
+        mark = perf_counter()
+        if event is not None:
+            writer.write_part(event)
+        return True
+
     try:
         while current is not None:
             upstream, reading = current.stream, current
@@ -73,7 +99,8 @@ async def relay(call: Call, served: Served, wants_usage: bool,
                     if broke is not None:  # after the events before it (the role chunk is the client's)
                         raise broke
                     if not ended:
-                        async for line in upstream.lines:
+                        pump = upstream.pump if outlet is not None else None
+                        async for line in upstream.lines if pump is None else _declined(pump, take):
                             call.upstream_seconds += perf_counter() - mark
                             ended = line == _DONE
                             event = relay_line(call, line, wants_usage, tokens)
@@ -144,6 +171,12 @@ def _relayed_head(call: Call, lines: list[str], wants_usage: bool,
         if event is not None:
             head.append(event)
     return head, None
+
+
+async def _declined(pump: Pump, take: Callable[[str], bool]) -> AsyncGenerator[str, None]:
+    """The lines of a pumped stream that `take` declined, in order."""
+    while (line := await pump(take)) is not None:
+        yield line
 
 
 async def _drained(lines: AsyncIterator[str]) -> None:

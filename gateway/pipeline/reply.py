@@ -4,18 +4,40 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.errors import GatewayError, error_answer
 
 
+class ClientWriter(Protocol):
+    """The client's connection, written to at once (api/http_protocol.py's, under our own server)."""
+
+    def writable(self) -> bool:
+        """Whether a body part written now leaves at once: the stream's head has gone, the client
+        is there and its socket can take more."""
+
+    def write_part(self, body: bytes) -> None:
+        """A streamed answer's next body part, sent now."""
+
+
+@dataclass
+class Outlet:
+    """Where a stream's relay may write its events itself, as the upstream's bytes arrive (no task
+    switch per event): set by the endpoint once it sends the stream; None under another server."""
+
+    writer: ClientWriter | None = None
+
+
 @dataclass
 class Reply:
-    """The gateway's answer, framework-free: a whole body, or SSE events when `events` is set."""
+    """The gateway's answer, framework-free: a whole body, or SSE events when `events` is set
+    (which `outlet`, when given, lets write some events themselves)."""
 
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
     events: AsyncGenerator[bytes, None] | None = None
+    outlet: Outlet | None = None
 
 
 def error_reply(exc: GatewayError) -> Reply:
