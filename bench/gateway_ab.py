@@ -7,7 +7,8 @@ that a noisy machine's drift hits both alike:
 - at concurrency 4, for rounds of S seconds each: each process's CPU (user + system) per relayed
   chunk (streams) and per whole request.
 
-Usage: python bench/gateway_ab.py OLD_COMMIT [--requests 150] [--seconds 3] [--rounds 3]
+Usage: python bench/gateway_ab.py OLD_COMMIT [--requests 150] [--seconds 3] [--rounds 3] [--gap-ms 5]
+       [--tokens 20]
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each CPU round")
     parser.add_argument("--rounds", type=int, default=3, help="CPU rounds per gateway")
     parser.add_argument("--gap-ms", type=float, default=5.0, help="upstream gap between events")
+    parser.add_argument("--tokens", type=int, default=20,
+                        help="text chunks per stream (long streams: the per-chunk cost alone)")  # fmt: skip
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gateway-ab-"))
     servers: list[ManagedServer] = []
@@ -76,7 +79,7 @@ def main() -> None:
             "--gap-ms",
             str(args.gap_ms),
             "--tokens",
-            "20",
+            str(args.tokens),
         ]
         upstream = ManagedServer(lambda port: [*fake, "--port", str(port)])
         servers.append(upstream)
