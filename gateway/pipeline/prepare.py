@@ -8,6 +8,7 @@ import orjson
 
 from gateway.errors import GatewayError, model_not_found
 from gateway.governance.keys import AuthError
+from gateway.governance.usage import MAX_CHOICES
 from gateway.pipeline.call import Call
 from gateway.pipeline.runtime import Runtime
 
@@ -72,6 +73,7 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
     if isinstance(options, dict) and not isinstance(options.get("include_usage", False), bool):
         raise GatewayError(400, "'stream_options.include_usage' must be a boolean",
                            param="stream_options.include_usage", code="invalid_type")  # fmt: skip
+    _check_choices(body)
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if messages is None:
@@ -106,6 +108,17 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
         message = ("'prompt' must be a string, or a non-empty array of strings, of token ids or of "
                    "non-empty token-id arrays")  # fmt: skip
         raise GatewayError(400, message, param="prompt", code="invalid_value")
+
+
+def _check_choices(body: dict[str, Any]) -> None:
+    """`n` and `best_of`, when given, are integers from 1 to MAX_CHOICES (OpenAI's bound on `n`).
+    The budget reserves for at most that many answers (usage.choices): a provider that took more
+    would answer, and bill, past the reservation; an engine refuses them anyway."""
+    for field in ("n", "best_of"):
+        value = body.get(field)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_CHOICES):
+            raise GatewayError(400, f"'{field}' must be an integer from 1 to {MAX_CHOICES}", param=field,
+                               code="invalid_value")  # fmt: skip
 
 
 # Chat options a hosted provider's library checks before sending (an outage to us, else), by the

@@ -232,6 +232,21 @@ def test_prompts_in_no_openai_shape_are_400s_for_every_backend(stack: Stack, pro
 
 
 @pytest.mark.parametrize(
+    ("field", "value"), [("n", 129), ("n", 0), ("n", 2.0), ("n", True), ("best_of", 10_000)]
+)
+@pytest.mark.parametrize("model", ["fast", "hosted"])
+def test_choices_past_openais_bound_are_400s_before_any_reservation(
+    stack: Stack, field: str, value: Any, model: str
+) -> None:
+    """The budget reserves for at most 128 answers: a provider that took n=10,000 would bill past it."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], field: value}
+    r = httpx.post(f"{stack.gateway.base_url}/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {stack.key}"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (field, "invalid_value")
+
+
+@pytest.mark.parametrize(
     ("field", "value", "param"),
     [
         ("messages", [{"role": "user", "content": [1, 2]}], "messages[0].content"),
