@@ -11,7 +11,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import litellm  # LITELLM_LOCAL_MODEL_COST_MAP keeps its import off the network: gateway/cli/environment.py
-import openai
 import orjson
 from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
 
@@ -69,11 +68,11 @@ class HostedModel:
         self._hidden = (self._api_key or "", urlsplit(spec.base_url or "").hostname or "")
         self._side = SideLoop(f"litellm-{name}")  # litellm's per-call Python work runs there
         self._learned: dict[str, Learned] = {}
-        # whole answers' bounded client (made on the side loop), and the handler that owns its
-        # connections: a handler closes its client when it is collected
-        self._whole_client: openai.AsyncOpenAI | AsyncHTTPHandler | None = None
-        self._whole_handler: AsyncHTTPHandler | None = None
-        self._whole_tried = False
+        # the bounded clients of whole answers and of streams (made on the side loop: False, True),
+        # each with the handler that owns its connections (a handler closes its client when it is
+        # collected); {} for a provider without one
+        self._clients: dict[bool, dict[str, Any]] = {}
+        self._handlers: list[AsyncHTTPHandler] = []
         self._provider = provider_of(spec.model)  # litellm's name for it, asked once
         self._fetches_urls = fetches_urls(self._provider)
 
@@ -152,7 +151,7 @@ class HostedModel:
             # the provider client's timeout bounds each read, not the answer: a provider trickling
             # a byte every few seconds held a request 5x past `total` before this deadline
             async with asyncio.timeout(total):
-                resp = await call(model=model, **params, **self._bounded_client())
+                resp = await call(model=model, **params, **self._bounded_client(False))
             return orjson.dumps(without_litellm_fields(resp.model_dump(mode="json", exclude_none=True)))
 
         try:
@@ -194,9 +193,13 @@ class HostedModel:
             return
         model, params = self._kwargs(path, body, True, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
+
+        async def opened() -> Any:  # on the side loop, where the bounded client is made and used
+            return await call(model=model, **params, **self._bounded_client(True))
+
         try:
             async with asyncio.timeout((timeouts or self.spec.timeouts).first_token):  # it must start by then
-                resp = await self._side.run(call(model=model, **params))
+                resp = await self._side.run(opened())
         except TimeoutError as exc:
             message = f"{self.spec.model} did not start answering in time"
             raise UpstreamUnavailableError(message, timeout=True, deployment=self.spec.model) from exc
@@ -231,15 +234,17 @@ class HostedModel:
 
         yield UpstreamStream(200, lines(), b"", self.spec.model)
 
-    def _bounded_client(self) -> dict[str, Any]:
-        """`client=` for a whole answer: one that reads at most MAX_REPLY_BYTES of it, made at the
-        first call on the side loop (its clients' home); none for a provider bounded_client lacks."""
-        if not self._whole_tried:
-            self._whole_tried = True
-            made = bounded_client(self._provider, self._api_key, self.spec.base_url)
+    def _bounded_client(self, stream: bool) -> dict[str, Any]:
+        """`client=` for a whole answer or a stream: one that reads it bounded (bounded_body.py),
+        made at the first call on the side loop (its clients' home); none for a provider
+        bounded_client lacks."""
+        given = self._clients.get(stream)
+        if given is None:
+            made = bounded_client(self._provider, self._api_key, self.spec.base_url, stream)
+            given = self._clients[stream] = {} if made is None else {"client": made[0]}
             if made is not None:
-                self._whole_client, self._whole_handler = made
-        return {} if self._whole_client is None else {"client": self._whole_client}
+                self._handlers.append(made[1])
+        return given
 
     def _error(self, exc: Exception) -> UpstreamReply:
         """Provider errors, classified here and nowhere else: status and body in OpenAI's format.
@@ -295,9 +300,9 @@ class HostedModel:
         return UpstreamReply(status, orjson.dumps(body), self.spec.model, retry_after)
 
     async def close(self) -> None:
-        """Close our whole-answer client, stop the side loop (litellm owns its other clients)."""
-        handler, self._whole_handler, self._whole_client = self._whole_handler, None, None
-        if handler is not None:
+        """Close our bounded clients, stop the side loop (litellm owns its other clients)."""
+        handlers, self._handlers, self._clients = self._handlers, [], {}
+        for handler in handlers:
             await self._side.run(handler.client.aclose())
         await self._side.close()
 

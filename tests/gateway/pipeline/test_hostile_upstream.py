@@ -408,6 +408,16 @@ def test_a_stream_past_64_mib_ends_with_an_error_and_a_bounded_estimate(stack: H
     assert isinstance(row["completion_tokens"], int) and row["completion_tokens"] <= 1 << 24
 
 
+def test_a_hosted_stream_line_past_8_mib_is_cut_off_as_an_engines_is(stack: HostileStack) -> None:
+    """litellm's SSE reader held a line until it ended: a provider's line of gigabytes was held
+    whole (bounded_body.bound_stream)."""
+    answer = asyncio.run(_one(stack, stack.key, chat("host", "mode=long_line:9", True)))
+    assert problems(answer) == []
+    assert answer.status == 502 or stream_error(answer.body) is not None
+    assert b"zzzz" not in answer.body
+    assert _row(stack, answer)["status"] == 502
+
+
 def test_a_usage_that_comes_before_most_of_the_answer_does_not_bill_it(stack: HostileStack) -> None:
     """A small believable usage early, then 400 more words and no usage: billed 3 tokens before."""
     answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=early_usage", True)))
