@@ -193,6 +193,10 @@ class HostedModel:
             return
         model, params = self._kwargs(path, body, True, timeouts)
         call = litellm.acompletion if path.endswith("chat/completions") else litellm.atext_completion
+        # `total` bounds the whole stream here, as the engine pool's does: the provider client's
+        # timeout bounds each read only (a provider trickling a byte at a time never reached it), and
+        # litellm's text-completion stream given our client applies none at all
+        deadline = asyncio.get_running_loop().time() + (timeouts or self.spec.timeouts).total
 
         async def opened() -> Any:  # on the side loop, where the bounded client is made and used
             return await call(model=model, **params, **self._bounded_client(True))
@@ -224,7 +228,12 @@ class HostedModel:
         async def lines() -> AsyncIterator[str]:
             while True:
                 try:
-                    line = await self._side.run(next_line())
+                    async with asyncio.timeout_at(deadline):
+                        line = await self._side.run(next_line())
+                except TimeoutError as exc:
+                    raise UpstreamStreamError(
+                        f"{self.spec.model}: the stream passed its total timeout"
+                    ) from exc
                 except Exception as exc:
                     raise UpstreamStreamError(f"{self.spec.model}: {exc}") from exc
                 if line is None:

@@ -418,6 +418,26 @@ def test_a_hosted_stream_line_past_8_mib_is_cut_off_as_an_engines_is(stack: Host
     assert _row(stack, answer)["status"] == 502
 
 
+@pytest.mark.parametrize("model", ["eng", "host"])
+def test_a_legacy_completion_stream_that_stalls_ends_within_its_total_timeout(
+    stack: HostileStack, model: str
+) -> None:
+    """litellm's text-completion stream, given the gateway's bounded client, applied no timeout at
+    all: a stalled provider held the request (and its client) for ever."""
+
+    async def ask() -> tuple[Answer, float]:
+        started = time.monotonic()
+        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+            body = {"model": model, "prompt": "mode=stall", "stream": True, "max_tokens": 20}
+            answer = await post(client, "/v1/completions", stack.key, body)
+        return answer, time.monotonic() - started
+
+    answer, seconds = asyncio.run(ask())
+    assert answer.status == 200 and problems(answer) == [] and stream_error(answer.body) is not None
+    assert seconds < 15  # the stack's total timeout is 6 s
+    assert _row(stack, answer)["status"] == 502
+
+
 def test_a_usage_that_comes_before_most_of_the_answer_does_not_bill_it(stack: HostileStack) -> None:
     """A small believable usage early, then 400 more words and no usage: billed 3 tokens before."""
     answer = asyncio.run(_one(stack, stack.key, chat("eng", "mode=early_usage", True)))
