@@ -14,7 +14,7 @@ from decimal import Decimal
 from functools import partial
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.config.settings import GatewaySettings
@@ -400,6 +400,9 @@ class KeyStore:
 
     async def _modify(self, key_id: str, change: Callable[[ApiKey], None]) -> KeyInfo:
         async with translated_errors("the key cannot be changed"), self._sessions() as session:
+            if session.get_bind().dialect.name == "sqlite":  # no FOR UPDATE: take the write lock first
+                # (else two changes read one state and each writes only what differs from it: a mix)
+                await session.execute(_no_op.where(ApiKey.id == key_id))
             row = await session.get(ApiKey, key_id, with_for_update=True)
             if row is None:
                 raise KeyNotFoundError(key_id)
@@ -411,6 +414,9 @@ class KeyStore:
         self._cache.forget(old_digest)
         self._remember(row.key_hash, info)
         return info
+
+
+_no_op = update(ApiKey).values(id=ApiKey.id).execution_options(synchronize_session=False)
 
 
 def _apply(row: ApiKey, fields: dict[str, Any]) -> None:
