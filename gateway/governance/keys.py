@@ -57,7 +57,9 @@ class KeyNotFoundError(GatewayError, LookupError):
     """No key with that id: 404 `key_not_found`."""
 
     def __init__(self, key_id: str) -> None:
-        super().__init__(404, f"no key with id {key_id}", code="key_not_found")
+        # an id is 32 characters: a longer one is named by its start, not echoed whole
+        shown = key_id if len(key_id) <= 32 else f"{key_id[:32]}... ({len(key_id)} characters)"
+        super().__init__(404, f"no key with id {shown}", code="key_not_found")
         self.key_id = key_id
 
 
