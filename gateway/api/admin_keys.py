@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Any
@@ -60,6 +61,18 @@ def _text_only(value: Any) -> Any:
     return value
 
 
+# Direction overrides and isolates: a name holding one reads otherwise than it is ("Trojan Source").
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _one_line(value: str | None) -> str | None:
+    """`value` (a name or team) when it holds no control character and no direction override: names
+    reach terminals (`gateway keys list`), log lines and reports, where an escape or line break acts."""
+    if value is not None and any(unicodedata.category(c) == "Cc" or c in _BIDI_CONTROLS for c in value):
+        raise ValueError("holds a control character (a line break, an escape or a direction override)")
+    return value
+
+
 def _first_non_finite(value: Any, where: str) -> str | None:
     """Where in JSON `value` the first NaN or infinite number is (None: nowhere). Python's parser
     reads NaN, Infinity and 1e400 as floats: SQLite stored them as invalid JSON, PostgreSQL refused."""
@@ -105,6 +118,11 @@ class _KeyFields(BaseModel):
     @classmethod
     def _storable(cls, value: object) -> object:
         return _text_only(value)
+
+    @field_validator("name", "team", check_fields=False)
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        return _one_line(value)
 
     @field_validator("metadata", check_fields=False)
     @classmethod

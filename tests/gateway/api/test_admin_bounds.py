@@ -33,3 +33,31 @@ def test_a_404_for_a_long_key_id_does_not_echo_it_whole(admin: TestClient, metho
     assert r.status_code == 404 and error["code"] == "key_not_found", r.text
     assert len(error["message"]) < 100 and "z" * 32 in error["message"], error["message"]
 
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("name", "a\x1b[31mred"),  # a terminal escape: `gateway keys list` prints names
+        ("name", "two\nlines"),
+        ("name", "del\x7f"),
+        ("name", "c1\x9b31m"),
+        ("name", "\u202egnp.exe"),  # a right-to-left override reverses what an operator reads
+        ("team", "t\r\x00"[:2]),
+        ("team", "\u2066iso"),
+    ],
+)
+def test_control_characters_in_a_name_or_team_are_400_naming_the_field(
+    admin: TestClient, field: str, value: str
+) -> None:
+    body = {"name": "ok", field: value}
+    r = admin.post("/admin/keys", json=body, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    made = admin.post("/admin/keys", json={"name": "ok"}, headers=ADMIN).json()
+    r = admin.patch(f"/admin/keys/{made['id']}", json={field: value}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_names_in_any_script_are_kept(admin: TestClient) -> None:
+    for name in ("équipe données", "チーム", "فريق", "a b-c_d.e"):
+        r = admin.post("/admin/keys", json={"name": name, "team": name}, headers=ADMIN)
+        assert r.status_code == 201 and r.json()["name"] == name == r.json()["team"], r.text
