@@ -26,6 +26,12 @@ def _wants_page(request: Request) -> bool:
 Handler = Callable[[Request, Exception], Any]
 
 
+async def _no_such_page() -> None:
+    """Any other /ui path, last: 404. Without it Starlette answered 307 to the path with a slash, as
+    an absolute URL built from the Host header, and the trailing-slash route sent that back: a loop."""
+    raise GatewayError(404, "No such console page", code="not_found")
+
+
 async def _delegate(handler: Handler, request: Request, exc: Exception) -> Response:
     """What the gateway's own handler answers (it may be sync or async)."""
     answer = handler(request, exc)
@@ -33,17 +39,11 @@ async def _delegate(handler: Handler, request: Request, exc: Exception) -> Respo
     return response
 
 
-async def _not_found(rest: str) -> Response:
-    """Any other /ui path (registered last): a 404. Without it Starlette answered /ui/x with a
-    redirect to http://<Host>/ui/x/, which the console's slash route sent back to /ui/x: a loop."""
-    raise GatewayError(404, "No such console page", code="not_found")
-
-
 def install_console(app: FastAPI) -> None:
     """Add the console's routes to `app`; its errors become pages for browsers, JSON for the rest."""
     for module in (login, overview, keys, spend, routing, request_log):
         app.include_router(module.router)
-    app.add_api_route("/ui/{rest:path}", _not_found, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/ui/{rest:path}", _no_such_page, methods=["GET", "POST"], include_in_schema=False)
     previous = app.exception_handlers.get(GatewayError)
     invalid = app.exception_handlers.get(RequestValidationError)
 

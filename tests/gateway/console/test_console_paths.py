@@ -1,0 +1,48 @@
+"""Console paths that name no page: a 404 with the console's headers, never a redirect."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.config.settings import GatewaySettings
+from gateway.main import create_app
+from gateway.store.migrate import upgrade
+
+HTML = {"accept": "text/html"}
+
+
+@pytest.fixture
+def anon(tmp_path: Path) -> Iterator[TestClient]:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    upgrade(url)
+    settings = GatewaySettings(master_key="sk-master-console", key_secret="hmac", database_url=url)
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path", ["/ui/nope", "/ui/keys/a/b", "/ui/static/x/y", "/ui/requests/a%2Fb/c"])
+@pytest.mark.parametrize("accept", [HTML, {"accept": "application/json"}])
+def test_an_unknown_console_path_is_404_not_a_redirect_loop_to_the_hosts_url(
+    anon: TestClient, path: str, accept: dict[str, str]
+) -> None:
+    # was: 307 to http://<Host header>/ui/nope/, whose trailing-slash route sent it back: a loop
+    answer = anon.get(path, headers={**accept, "host": "evil.example"}, follow_redirects=False)
+    assert answer.status_code == 404 and "location" not in answer.headers, answer.headers
+    assert "html" not in accept["accept"] or answer.headers["x-frame-options"] == "DENY"
+    if "json" in accept["accept"]:
+        assert answer.json()["error"]["code"] == "not_found"
+
+
+def test_an_unknown_console_path_with_a_trailing_slash_ends_at_the_404(anon: TestClient) -> None:
+    answer = anon.get("/ui/nope/", headers=HTML, follow_redirects=False)
+    assert answer.status_code == 307 and answer.headers["location"] == "/ui/nope"
+    assert anon.get("/ui/nope/", headers=HTML).status_code == 404
+
+
+def test_a_post_to_an_unknown_console_path_is_404(anon: TestClient) -> None:
+    answer = anon.post("/ui/keys/a/b/c", data={"csrf": "x"}, headers=HTML, follow_redirects=False)
+    assert answer.status_code == 404
