@@ -213,7 +213,7 @@ async def create_key(body: KeyCreate, keys: Keys) -> dict[str, Any]:
 @router.get("", dependencies=admin)
 async def list_keys(
     keys: Keys,
-    team: str | None = None,
+    team: Annotated[str | None, Query(min_length=1, max_length=200)] = None,  # as a key's team
     include_revoked: bool = True,
     limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
     after: Annotated[str | None, Query(min_length=1, max_length=64)] = None,

@@ -61,3 +61,9 @@ def test_names_in_any_script_are_kept(admin: TestClient) -> None:
     for name in ("équipe données", "チーム", "فريق", "a b-c_d.e"):
         r = admin.post("/admin/keys", json={"name": name, "team": name}, headers=ADMIN)
         assert r.status_code == 201 and r.json()["name"] == name == r.json()["team"], r.text
+
+
+@pytest.mark.parametrize("team", ["", "t" * 201])
+def test_a_team_filter_no_team_could_have_is_400(admin: TestClient, team: str) -> None:
+    r = admin.get("/admin/keys", params={"team": team}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "team", r.text
