@@ -87,8 +87,27 @@ def _first_non_finite(value: Any, where: str) -> str | None:
     return next((w for path, v in children if (w := _first_non_finite(v, path)) is not None), None)
 
 
+# Deeper metadata broke more than it carried: from ~254 levels the response could not be serialized
+# (the key was stored, and every later listing was a 500), from ~490 these walks overflowed the stack.
+MAX_METADATA_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """How many levels of objects and arrays JSON `value` nests (walked without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _json_only(value: Any, name: str) -> Any:
-    """`value` (field `name`) when it is storable text (see `_text_only`) with only finite numbers."""
+    """`value` (field `name`) when it nests at most MAX_METADATA_DEPTH levels and is storable text
+    (see `_text_only`) with only finite numbers."""
+    if _depth(value) > MAX_METADATA_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_METADATA_DEPTH} levels of objects and arrays")
     where = _first_non_finite(_text_only(value), name)
     if where is not None:
         raise ValueError(f"{where} is NaN or infinite: JSON numbers are finite")

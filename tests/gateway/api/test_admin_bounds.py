@@ -67,3 +67,36 @@ def test_names_in_any_script_are_kept(admin: TestClient) -> None:
 def test_a_team_filter_no_team_could_have_is_400(admin: TestClient, team: str) -> None:
     r = admin.get("/admin/keys", params={"team": team}, headers=ADMIN)
     assert r.status_code == 400 and r.json()["error"]["param"] == "team", r.text
+
+
+@pytest.mark.parametrize("depth", [40, 254, 300, 900])
+@pytest.mark.parametrize("open_close", [('{"a":', "}"), ("[", "]")])
+def test_metadata_nested_past_the_limit_is_400_and_leaves_the_list_readable(
+    admin: TestClient, depth: int, open_close: tuple[str, str]
+) -> None:
+    # was: 500 at any depth from ~254 (the response could not be serialized, the key was stored and
+    # every later GET /admin/keys was a 500 too), and from ~490 a RecursionError before storing
+    start, end = open_close
+    raw = '{"name": "deep", "metadata": {"x": ' + start * depth + "1" + end * depth + "}}"
+    made = admin.post("/admin/keys", json={"name": "ok"}, headers=ADMIN).json()
+    for answer in (
+        admin.post("/admin/keys", content=raw, headers={**ADMIN, "content-type": "application/json"}),
+        admin.patch(
+            f"/admin/keys/{made['id']}",
+            content=raw.replace('"name": "deep", ', ""),
+            headers={**ADMIN, "content-type": "application/json"},
+        ),
+    ):
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == "metadata", answer.text
+        assert "32" in error["message"]
+    assert admin.get("/admin/keys", headers=ADMIN).status_code == 200
+
+
+def test_metadata_nested_to_the_limit_is_kept(admin: TestClient) -> None:
+    metadata: dict[str, object] = {"leaf": 1}
+    for _ in range(31):  # metadata itself is the first level
+        metadata = {"a": metadata}
+    r = admin.post("/admin/keys", json={"name": "deep", "metadata": metadata}, headers=ADMIN)
+    assert r.status_code == 201 and r.json()["metadata"] == metadata, r.text
+    assert admin.get("/admin/keys", headers=ADMIN).status_code == 200
