@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import date
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from uvicorn.importer import import_from_string
 from uvicorn.supervisors import Multiprocess
 
+from gateway.api.admin_keys import KeyCreate
 from gateway.api.asgi import ASGIApp
 from gateway.api.http_protocol import LimitedConfig
 from gateway.config.policy import EngineBackend, PolicyError, load_policy
@@ -55,16 +56,20 @@ def _database_command(args: argparse.Namespace, settings: GatewaySettings) -> in
 
 async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> dict[str, object]:
     hasher = KeyHasher(resolve_key_secret(settings))  # before the database: a missing secret is named first
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    body = KeyCreate.model_validate(  # what the admin API refuses, this refuses alike
+        {"name": args.name, "team": args.team, "allowed_models": models, "rpm_limit": args.rpm,
+         "tpm_limit": args.tpm, "expires_in_days": args.expires_in_days,
+         "metadata": json.loads(args.metadata)}
+    )  # fmt: skip
     url = settings.resolved_database_url
     await ensure_schema(url, auto_upgrade=settings.dev_mode)
     db = create_db(url)
     try:
         store = KeyStore(session_factory(db), hasher, 0.0)
-        expires = datetime.now(UTC) + timedelta(days=args.expires_in_days) if args.expires_in_days else None
-        models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
-        metadata = json.loads(args.metadata)
+        expiry, limits = body.expiry(), (body.rpm_limit, body.tpm_limit)
         info, plaintext = await store.create(
-            args.name, args.team, models, expires, metadata, args.rpm, args.tpm
+            body.name, body.team, body.allowed_models, expiry, body.metadata, *limits
         )
         return {**info.public(), "key": plaintext}
     finally:

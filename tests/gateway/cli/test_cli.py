@@ -209,3 +209,27 @@ def test_an_html_report_outside_the_repository_asks_for_the_policy(
     assert "give --policy FILE or set GATEWAY_POLICY_PATH" in capsys.readouterr().err
     assert cli.main([*html, "--policy", str(policy)]) == 0
     assert capsys.readouterr().out.lstrip().lower().startswith("<!doctype html>")
+
+
+@pytest.mark.usefixtures("database")
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--name", "a\x1b[31mred"],  # a terminal escape, refused by the admin API too
+        ["--name", "x" * 201],
+        ["--name", "ok", "--team", ""],
+        ["--name", "ok", "--metadata", "[1]"],  # metadata is an object
+        ["--name", "ok", "--metadata", '{"a": NaN}'],
+        ["--name", "ok", "--metadata", '{"a": ' * 40 + "1" + "}" * 40],  # past 32 levels
+        ["--name", "ok", "--expires-in-days", "1e308"],
+    ],
+)
+def test_keys_create_refuses_what_the_admin_api_refuses_and_stores_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], options: list[str]
+) -> None:
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    assert cli.main(["keys", "create", *options]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert cli.main(["keys", "create", "--name", "ok", "--metadata", '{"a": [1, {"b": "c"}]}']) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["metadata"] == {"a": [1, {"b": "c"}]} and made["name"] == "ok"
