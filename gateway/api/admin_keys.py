@@ -15,7 +15,7 @@ from gateway.api.services import Keys, app_services
 from gateway.errors import GatewayError
 from gateway.governance.budgets import Period
 from gateway.governance.keys import AuthError, KeyNotFoundError
-from gateway.store.row_sanitizer import clean_json
+from gateway.store.row_sanitizer import MAX_JSON_LEVELS, clean_json
 
 router = APIRouter(prefix="/admin/keys")
 
@@ -89,7 +89,7 @@ def _first_non_finite(value: Any, where: str) -> str | None:
 
 # Deeper metadata broke more than it carried: from ~254 levels the response could not be serialized
 # (the key was stored, and every later listing was a 500), from ~490 these walks overflowed the stack.
-MAX_METADATA_DEPTH = 32
+MAX_METADATA_DEPTH = MAX_JSON_LEVELS  # what a stored row is read back with
 
 
 def _depth(value: Any) -> int:

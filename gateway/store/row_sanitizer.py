@@ -63,15 +63,21 @@ def clean_text(value: str) -> str:
     return value
 
 
-def clean_json(value: Any) -> Any:
+MAX_JSON_LEVELS = 32  # of objects and arrays: a deeper stored value (~254) could not be answered
+
+
+def clean_json(value: Any, levels: int = MAX_JSON_LEVELS) -> Any:
     """A JSON value (dicts, lists, scalars) with `clean_text` applied to every string in it, keys
-    included: equal to `value` exactly when all of its text is storable."""
+    included, and any object or array below `levels` levels replaced by U+FFFD: equal to `value`
+    exactly when all of its text is storable and it nests no deeper."""
     if isinstance(value, str):
         return clean_text(value)
+    if isinstance(value, dict | list) and levels < 1:
+        return "\ufffd"
     if isinstance(value, dict):
-        return {clean_text(str(k)): clean_json(v) for k, v in value.items()}
+        return {clean_text(str(k)): clean_json(v, levels - 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [clean_json(v) for v in value]
+        return [clean_json(v, levels - 1) for v in value]
     return value
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
 from gateway.config.settings import GatewaySettings
 from gateway.main import create_app
@@ -16,7 +21,7 @@ ADMIN = {"Authorization": f"Bearer {MASTER}"}
 
 
 @pytest.fixture
-def admin(tmp_path: object) -> Iterator[TestClient]:
+def admin(tmp_path: Path) -> Iterator[TestClient]:
     url = f"sqlite+aiosqlite:///{tmp_path}/gateway.db"
     upgrade(url)
     settings = GatewaySettings(master_key=MASTER, key_secret="hmac-secret", database_url=url)
@@ -100,3 +105,28 @@ def test_metadata_nested_to_the_limit_is_kept(admin: TestClient) -> None:
     r = admin.post("/admin/keys", json={"name": "deep", "metadata": metadata}, headers=ADMIN)
     assert r.status_code == 201 and r.json()["metadata"] == metadata, r.text
     assert admin.get("/admin/keys", headers=ADMIN).status_code == 200
+
+
+def test_a_stored_row_with_metadata_nested_too_deep_does_not_break_listing(
+    admin: TestClient, tmp_path: Path
+) -> None:
+    made = admin.post("/admin/keys", json={"name": "old"}, headers=ADMIN).json()
+    deep = '{"a":' * 300 + "1" + "}" * 300  # as the CLI or an older gateway stored it
+
+    async def spoil() -> None:
+        db = create_async_engine(f"sqlite+aiosqlite:///{tmp_path}/gateway.db", poolclass=NullPool)
+        async with db.begin() as conn:
+            await conn.execute(
+                text("UPDATE api_keys SET metadata = :m WHERE id = :id"), {"m": deep, "id": made["id"]}
+            )
+        await db.dispose()
+
+    asyncio.run(spoil())
+    listed = admin.get("/admin/keys", headers=ADMIN)
+    assert listed.status_code == 200, listed.text
+    shown = admin.get(f"/admin/keys/{made['id']}", headers=ADMIN)
+    assert shown.status_code == 200, shown.text
+    level, depth = shown.json()["metadata"], 1
+    while isinstance(level, dict):
+        level, depth = level["a"], depth + 1
+    assert level == "\ufffd" and depth == 33  # cut below 32 levels, marked as unreadable text is
