@@ -54,7 +54,10 @@ def _body(text: str, model: str) -> tuple[dict[str, Any], int]:
         body = {"messages": [{"role": "user", "content": text}]}
     if model:
         body["model"] = model
-    return body, len(orjson.dumps(body))
+    try:
+        return body, len(orjson.dumps(body))
+    except orjson.JSONEncodeError as exc:  # a TypeError: what orjson reads from 255 to 1,024 levels deep
+        raise ValueError(f"the body nests too deeply to explain ({exc})") from exc
 
 
 @router.get("")

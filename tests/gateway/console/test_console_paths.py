@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,3 +48,23 @@ def test_an_unknown_console_path_with_a_trailing_slash_ends_at_the_404(anon: Tes
 def test_a_post_to_an_unknown_console_path_is_404(anon: TestClient) -> None:
     answer = anon.post("/ui/keys/a/b/c", data={"csrf": "x"}, headers=HTML, follow_redirects=False)
     assert answer.status_code == 404
+
+
+@pytest.mark.parametrize("depth", [254, 300, 1000])
+@pytest.mark.parametrize("where", ["x", "content"])
+def test_a_request_body_nested_too_deep_to_explain_is_a_400_page(
+    anon: TestClient, depth: int, where: str
+) -> None:
+    # was: 500 in JSON (orjson cannot write back what nests past 254 levels)
+    answer = anon.post(
+        "/ui/login", data={"master_key": "sk-master-console"}, headers=HTML, follow_redirects=False
+    )
+    assert answer.status_code == 303
+    found = re.search(r'name="csrf" value="([^"]+)"', anon.get("/ui/routing", headers=HTML).text)
+    assert found is not None
+    deep = "[" * depth + "]" * depth
+    message = f'{{"role": "user", "content": {deep if where == "content" else json.dumps("hi")}}}'
+    text = f'{{"messages": [{message}], "x": {deep if where == "x" else 1}}}'
+    answer = anon.post("/ui/routing/explain", data={"csrf": found.group(1), "request": text}, headers=HTML)
+    assert answer.status_code == 400 and "text/html" in answer.headers["content-type"], answer.text[:300]
+    assert "nest" in answer.text or "depth" in answer.text
