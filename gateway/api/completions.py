@@ -116,11 +116,13 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
     assert task is not None
     state = {"done": False, "left": False, "head": False}
 
-    async def head(status: int, headers: list[tuple[bytes, bytes]], opening: bytes | None) -> None:
+    async def head(status: int, headers: list[tuple[bytes, bytes]],
+                   opening: bytes | None) -> ClientWriter | None:  # fmt: skip
         state["head"] = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if opening is not None:  # in the same send as the head (api/http_protocol.py)
             await send({"type": "http.response.body", "body": opening, "more_body": True})
+        return writer
 
     async def watch() -> None:
         message = await receive()

@@ -79,6 +79,9 @@ _RETRY, _NEXT = "retry", "next"  # a round's outcome when it did not serve: retr
 # called once, when an upstream's stream sends its first event: (backend, deployment, attempts before
 # it, that event's line when it only opens the answer, else None); True: the line went out with the head
 Commit = Callable[[str, str, list[Attempt], str | None], Awaitable[bool]]
+# called once, when the stream served has its first token: (its head, whether it is resumable); it
+# may write the head to the client at once (relay.py's EarlyHead)
+FirstToken = Callable[[list[str], bool], None]
 
 
 class Failover:
@@ -97,18 +100,23 @@ class Failover:
         return await self._walk(decision, path, body, False, trace, progress or Progress())
 
     async def stream(self, decision: RouteDecision, path: str, body: dict[str, Any], trace: Trace = NO_TRACE,
-                     progress: Progress | None = None, commit: Commit | None = None) -> Served:  # fmt: skip
+                     progress: Progress | None = None, commit: Commit | None = None,
+                     first_token: FirstToken | None = None) -> Served:  # fmt: skip
         """An open stream whose first token has arrived (or an error answer to pass through).
-        `commit` is awaited once, when an upstream's stream first sends an event (before its first token).
+        `commit` is awaited once, when an upstream's stream first sends an event (before its first token);
+        `first_token` is called once, with the served stream's head, just before it is returned.
 
         With tracing, the served attempt's span stays open until the caller finishes the trace.
         """
-        return await self._walk(decision, path, body, True, trace, progress or Progress(), commit)
+        progress = progress or Progress()
+        return await self._walk(decision, path, body, True, trace, progress, commit, first_token)
 
     async def _walk(self, decision: RouteDecision, path: str, body: dict[str, Any], stream: bool,
-                    trace: Trace, progress: Progress, commit: Commit | None = None) -> Served:  # fmt: skip
+                    trace: Trace, progress: Progress, commit: Commit | None = None,
+                    first_token: FirstToken | None = None) -> Served:  # fmt: skip
         state = _State(decision, trace, progress)
         state.commit = commit
+        state.first_token = first_token
         for model, pool in self._candidates(decision, state):
             spec = self.policy.backends[pool.name]
             upstream_body = self._upstream_body(body, model)
@@ -219,6 +227,8 @@ class Failover:
             except BaseException:  # the client left (cancelled): release the upstream
                 await owner.aclose()
                 raise
+            if state.first_token is not None:  # nothing can fail this stream from here on
+                state.first_token(head, state.plan is not None)
             return Served(model, pool.name, upstream.url, state.attempts, stream=upstream, head=head,
                           owner=owner, resume=state.plan)  # fmt: skip
         return _NEXT
@@ -291,6 +301,7 @@ class _State:
         self.affinity: int | None = None  # the prefix key while the pool tried balances by it
         self.plan: ResumePlan | None = None  # how the model tried now resumes a broken stream
         self.commit: Commit | None = None  # a stream's head, not sent yet (sent at an upstream's first event)
+        self.first_token: FirstToken | None = None  # told the served stream's head
         # the choices whose opening event (sent with the head) the client has, from an upstream
         self.opened: frozenset[int] = frozenset()
         self.attempts: list[Attempt] = progress.attempts  # shared: what a caller that left has seen

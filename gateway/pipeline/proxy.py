@@ -24,7 +24,7 @@ from gateway.pipeline.call import Call, request_id
 from gateway.pipeline.failover import ChainExhaustedError, Commit, Progress
 from gateway.pipeline.finish import Finish
 from gateway.pipeline.prepare import prepare
-from gateway.pipeline.relay import opening_event, relay
+from gateway.pipeline.relay import EarlyHead, opening_event, relay
 from gateway.pipeline.reply import SSE_HEADERS, HeadSender, Outlet, Reply, error_reply, one_event
 from gateway.pipeline.runtime import Runtime, RuntimeHolder
 from gateway.pipeline.served import Served
@@ -98,11 +98,13 @@ class Proxy:
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
             progress = Progress()
             if call.stream:
-                early = rt.policy.stream_head == "first_event"
-                commit = self._committer(call, head, wants_usage) if head is not None and early else None
-                walk = rt.failover.stream(call.decision, path, body, trace, progress, commit)
+                early = None
+                if head is not None and rt.policy.stream_head == "first_event":
+                    early = EarlyHead(call, wants_usage)  # the head may go out with the first token
+                commit = None if early is None else self._committer(call, head, early)
+                walk = rt.failover.stream(call.decision, path, body, trace, progress, commit, early)
                 served = await self._upstream(call, walk, progress)
-                return await self._streamed(call, served, wants_usage)
+                return await self._streamed(call, served, wants_usage, early)
             served = await self._upstream(
                 call, rt.failover.send(call.decision, path, body, trace, progress), progress
             )
@@ -166,12 +168,14 @@ class Proxy:
         return answer
 
     @staticmethod
-    def _committer(call: Call, head: HeadSender, wants_usage: bool) -> Commit:
+    def _committer(call: Call, head: HeadSender | None, early: EarlyHead) -> Commit:
         """Sends the stream's status and headers when an upstream's stream sends its first event: they
         name that upstream and what failed before it; the wait so far was the upstream's. The event
         goes with them when it carries nothing but the opening (`line`): the official SDKs parse
         each event into objects, which costs a client about half a millisecond when that happens
-        after the first token rather than while the model works."""
+        after the first token rather than while the model works. The client's connection the
+        head sender gives back lets `early` write the stream's first token at once."""
+        assert head is not None
         opened = time.perf_counter()
 
         async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
@@ -179,13 +183,14 @@ class Proxy:
             call.served_by(backend, deployment, attempts)
             reply = call.stamp(Reply(200, list(SSE_HEADERS)))
             call.committed = True
-            event = None if line is None else opening_event(call, line, wants_usage)
-            await head(reply.status, reply.headers, event)
+            event = None if line is None else opening_event(call, line, early.wants_usage)
+            early.writer = await head(reply.status, reply.headers, event)
             return event is not None
 
         return commit
 
-    async def _streamed(self, call: Call, served: Served, wants_usage: bool) -> Reply:
+    async def _streamed(self, call: Call, served: Served, wants_usage: bool,
+                        early: EarlyHead | None) -> Reply:  # fmt: skip
         """An open stream relayed to the client; an error answer passed on (its upstream closed)."""
         upstream = served.stream
         assert upstream is not None
@@ -198,7 +203,7 @@ class Proxy:
             await served.aclose()  # the client gets the error's status, as a whole request would
             return self._answered(call, *passed_on(call, 400, refused))
         outlet = Outlet()
-        events = relay(call, served, wants_usage, self.finish, outlet)
+        events = relay(call, served, wants_usage, self.finish, outlet, early)
         if call.committed:  # the head went with the first upstream event
             return Reply(200, [], events=events, outlet=outlet)
         return call.stamp(Reply(200, list(SSE_HEADERS), events=events, outlet=outlet))

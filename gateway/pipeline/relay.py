@@ -33,7 +33,7 @@ from gateway.backends.upstream_errors import error_event, reduced_fields
 from gateway.errors import stopped_by_shutdown
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
-from gateway.pipeline.reply import Outlet
+from gateway.pipeline.reply import ClientWriter, Outlet
 from gateway.pipeline.resume import TOKEN_IDS, StreamTokens, break_reason, ended_early
 from gateway.pipeline.served import Served
 from gateway.store.record import Resumption
@@ -50,18 +50,59 @@ class StreamTooLongError(UpstreamStreamError):
     """The stream passed MAX_STREAM_CHARS: ended with an error event, never resumed elsewhere."""
 
 
+class EarlyHead:
+    """A stream's head (its events up to the first token) written to the client where failover
+    found the first token, when the stream's status and headers went out before it (`writer`, the
+    client's connection, set then): the first text then leaves before failover, the proxy, the
+    endpoint and the relay have returned and started (three quarters of its way out of the gateway
+    on a cold CPU, measured in docs/BENCHMARKS.md). The relay goes on after it, with its token record
+    (`tokens`) and what broke the head (`broke`, raised by the relay as if it had read it).
+    A head holding the stream's end, or a client whose socket is full, is left to the relay."""
+
+    __slots__ = ("broke", "call", "relayed", "spent", "tokens", "wants_usage", "writer")
+
+    def __init__(self, call: Call, wants_usage: bool) -> None:
+        self.call = call
+        self.wants_usage = wants_usage
+        self.writer: ClientWriter | None = None
+        self.relayed = False  # the head's events went out: the relay starts after them
+        self.tokens: StreamTokens | None = None
+        self.broke: Exception | None = None
+        self.spent = 0.0  # gateway time, inside what the caller counts as waiting on the upstream
+
+    def __call__(self, head: list[str], resumable: bool) -> None:
+        """Failover has a stream's first token (the last of `head`) and serves that stream."""
+        writer = self.writer
+        if self.relayed or writer is None or _DONE in head or not writer.writable():
+            return
+        started = time.perf_counter()
+        self.tokens = StreamTokens() if resumable else None
+        events, self.broke = _relayed_head(self.call, head, self.wants_usage, self.tokens)
+        self.relayed = True
+        if events:
+            writer.write_part(b"".join(events))
+        self.spent = time.perf_counter() - started
+
+
 async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[Call, int, str | None], None],
-                outlet: Outlet | None = None) -> AsyncGenerator[bytes, None]:  # fmt: skip
+                outlet: Outlet | None = None,
+                early: EarlyHead | None = None) -> AsyncGenerator[bytes, None]:  # fmt: skip
     """The client's events of an open stream whose first lines (`served.head`) are read already;
     a resumable one goes on on another replica when its own fails mid-answer (resume.py).
 
     Given an `outlet` that the endpoint connects to the client, and an upstream that can pump its
     lines, the events of the stream's middle are written from the upstream connection's callbacks
     (`take`), and only the others (the end, an event for a client whose socket is full, a break)
-    come through here."""
+    come through here. A head that `early` relayed already is not relayed again."""
     status, error = 200, None
     answered = False  # the client has been handed the stream's end ([DONE]): a close is not a leave
-    tokens = StreamTokens() if served.resume is not None else None
+    if early is not None and not early.relayed:
+        early = None
+    if early is not None:
+        tokens = early.tokens
+        call.upstream_seconds -= early.spent
+    else:
+        tokens = StreamTokens() if served.resume is not None else None
     current: Served | None = served
     perf_counter = time.perf_counter
     mark = perf_counter()  # gateway time up to here is counted; what follows is the upstream's
@@ -89,7 +130,11 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                     # read before committing to this upstream: one event for the client (one send);
                     # nothing after the end is the client's
                     lines = current.head[: current.head.index(_DONE) + 1] if ended else current.head
-                    head, broke = _relayed_head(call, lines, wants_usage, tokens)
+                    head: list[bytes] = []
+                    if early is not None:  # the head went out already (not a resumed stream's)
+                        broke, early = early.broke, None
+                    else:
+                        head, broke = _relayed_head(call, lines, wants_usage, tokens)
                     mark = perf_counter()
                     if head:
                         answered = ended and broke is None

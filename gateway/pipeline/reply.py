@@ -52,8 +52,9 @@ async def one_event(event: bytes) -> AsyncGenerator[bytes, None]:
 
 
 # sends a stream's status and headers before its first token, with an opening event or None (the
-# endpoint's; proxy.py decides when)
-HeadSender = Callable[[int, list[tuple[bytes, bytes]], bytes | None], Awaitable[None]]
+# endpoint's; proxy.py decides when); gives the client's connection to write the stream's next events
+# to at once (None: under another server, they go through the Reply's events)
+HeadSender = Callable[[int, list[tuple[bytes, bytes]], bytes | None], Awaitable[ClientWriter | None]]
 JSON_HEADER = (b"content-type", b"application/json")
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]  # fmt: skip

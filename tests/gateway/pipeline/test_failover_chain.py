@@ -272,3 +272,22 @@ def test_backoff_doubles_caps_and_jitters_within_bounds() -> None:
     for round_, base in ((1, 0.1), (2, 0.2), (3, 0.3), (4, 0.3)):
         value = backoff(retries, round_, rng)
         assert base * 0.5 <= value <= base * 1.5
+
+
+def test_first_token_is_told_once_the_served_streams_head_and_never_a_failed_candidates() -> None:
+    failover, _, _ = _setup({"http://r1": ["stall"], "http://r2": ["ids"]})
+    told: list[tuple[list[str], bool]] = []
+
+    def first_token(head: list[str], resumable: bool) -> None:
+        told.append((head, resumable))
+
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}, first_token=first_token))
+    # r1's role chunk came, then it stalled: only r2's head, which served, is told, with whether the
+    # stream resumes elsewhere should it break (an engine pool's does by default)
+    assert served.deployment == "http://r2" and served.resume is not None
+    assert told == [(served.head, True)] and served.head == [ROLE_IDS, TOKEN]
+    told.clear()
+    asyncio.run(
+        failover.stream(_decision(("frontier",)), "/v1/chat/completions", {}, first_token=first_token)
+    )
+    assert told == [([ROLE, TOKEN], False)]  # a hosted model's stream is not resumed
