@@ -186,8 +186,9 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                 try:
                     oversized = isinstance(exc, StreamTooLongError)  # another replica would send as much
                     current = None if oversized else await _resumed(call, reading, tokens, exc)
-                except asyncio.CancelledError:
-                    status, error = 499, "client_disconnected"
+                except asyncio.CancelledError as cancelled:  # the client left, or the gateway stopped
+                    stopped = stopped_by_shutdown(cancelled)
+                    status, error = (503, "gateway_shutdown") if stopped else (499, "client_disconnected")
                     raise
                 call.upstream_seconds += perf_counter() - mark  # waiting for another replica
                 mark = perf_counter()
