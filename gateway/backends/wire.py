@@ -96,7 +96,9 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.buffer += body
         self._wake()
-        if len(self.buffer) > _PAUSE_BYTES and self.transport is not None:
+        # a listener takes each line as it ends: what it leaves is one line still arriving, which
+        # it waits for (a pause would stall it for good: nothing else resumes the socket)
+        if len(self.buffer) > _PAUSE_BYTES and self.transport is not None and self.listener is None:
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:

@@ -126,7 +126,7 @@ def test_a_reader_cancelled_while_pumping_stops_the_feed() -> None:
         async with serving(_paced([_chunk(b"data: %d\n\n" % i) for i in range(20)], gap=0.02)) as (url, _):
             resp, lines, _ = await _opened(url)
             taken: list[str] = []
-            pumping = asyncio.ensure_future(lines.pump(lambda line: taken.append(line) is None))
+            pumping = asyncio.ensure_future(lines.pump(lambda line: taken.append(line) is None))  # type: ignore[func-returns-value]
             await asyncio.sleep(0.1)
             pumping.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -136,5 +136,30 @@ def test_a_reader_cancelled_while_pumping_stops_the_feed() -> None:
             await asyncio.sleep(0.1)  # more arrives: nobody is fed it
             assert len(taken) == count
             resp.release()
+
+    asyncio.run(main())
+
+
+def test_a_line_longer_than_the_read_ahead_reaches_take_though_the_socket_paused_for_it() -> None:
+    """The connection stops reading a megabyte ahead of its reader (wire.py's pause); a line that
+    long is still one line (up to MAX_LINE_BYTES): the pump, which is waiting for its end, reads on."""
+    big = b"data: " + b"x" * (3 << 20)
+    writes = [_chunk(b"data: 1\n\n"), _chunk(big + b"\n\n"), _chunk(b"data: 2\n\n")]
+
+    async def main() -> None:
+        async with serving(_paced(writes)) as (url, _):
+            resp, lines, _ = await _opened(url)
+            taken: list[int] = []
+
+            def take(line: str) -> bool:
+                taken.append(len(line))
+                return True
+
+            try:
+                async with asyncio.timeout(5):
+                    assert await lines.pump(take) is None
+            finally:
+                resp.release()
+            assert taken == [7, len(big), 7]
 
     asyncio.run(main())
