@@ -57,6 +57,15 @@ class CompletionsEndpoint:
         except GatewayError as exc:  # the key refused (or its database away), the body too large or slow
             await _send_whole(proxy.refuse(started, exc, trace), send, close or exc.status in (408, 413))
             return
+        except asyncio.CancelledError as exc:  # the gateway stopped, its grace period over (else: raised)
+            if not stopped_by_shutdown(exc):
+                raise
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()  # answered here: nothing to report to the server
+            proxy.refuse(started, shutdown_error(), trace)
+            await _told_of_shutdown(send, _through(send), {"head": False})
+            return
         except ClientLeftError:  # or its body's framing broke: the HTTP layer answered (REFUSED)
             status, message, code = scope.get(REFUSED, (499, "the client left", "client_disconnected"))
             proxy.refuse(started, GatewayError(status, message, code=code), trace)

@@ -1,0 +1,63 @@
+"""A completion request that the gateway's shutdown cuts off (api/completions.py, cancelled with
+errors.SHUTDOWN once GATEWAY_SHUTDOWN_TIMEOUT is over) before its body is in or its key checked is
+answered 503 `gateway_shutdown` and counted as refused, as one cut off later is: not a traceback and
+uvicorn's plain-text 500."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import MutableMapping
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+
+from gateway.api.completions import CompletionsEndpoint
+from gateway.errors import SHUTDOWN, GatewayError
+from gateway.pipeline.reply import Reply, error_reply
+from gateway.telemetry.trace import NO_TRACING
+
+
+class _Keys:
+    async def authenticate(self, presented: str | None, client: object = None) -> object:
+        return SimpleNamespace(id="k")
+
+
+class _Refusals:
+    tracing = NO_TRACING
+
+    def __init__(self) -> None:
+        self.refused: list[str | None] = []
+
+    def refuse(self, started: float, exc: GatewayError, trace: object) -> Reply:
+        self.refused.append(exc.code)
+        return error_reply(exc)
+
+
+def test_a_request_whose_body_is_still_arriving_at_the_cut_off_is_answered_503_gateway_shutdown() -> None:
+    proxy = _Refusals()
+    endpoint = CompletionsEndpoint(lambda: SimpleNamespace(keys=_Keys(), proxy=proxy), 1 << 20, 30.0)  # type: ignore[arg-type,return-value]
+    sent: list[MutableMapping[str, Any]] = []
+    reading = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:  # a body that does not come
+        reading.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "client": ("127.0.0.1", 1),
+             "headers": [(b"authorization", b"Bearer sk-x"), (b"content-length", b"20")]}  # fmt: skip
+
+    async def main() -> None:
+        task = asyncio.ensure_future(endpoint(scope, receive, send))
+        await reading.wait()
+        task.cancel(msg=SHUTDOWN)
+        await task  # answered, not raised to the server
+
+    asyncio.run(main())
+    assert sent[0]["status"] == 503 and (b"connection", b"close") in sent[0]["headers"]
+    assert orjson.loads(sent[1]["body"])["error"]["code"] == "gateway_shutdown"
+    assert proxy.refused == ["gateway_shutdown"]
