@@ -177,7 +177,8 @@ async def _told_of_shutdown(send: Send, body_part: BodyPart, state: dict[str, bo
     try:
         async with asyncio.timeout(_SHUTDOWN_WRITE_SECONDS):
             if state["head"]:
-                await body_part(b"data: " + error_answer(shutdown_error()).body + b"\n\n")
+                if not state["done"]:  # (done: the stream's end went out; only the answer's is left)
+                    await body_part(b"data: " + error_answer(shutdown_error()).body + b"\n\n")
                 await send({"type": "http.response.body", "body": b""})
             else:
                 await _send_whole(error_reply(shutdown_error()), send, close=True)

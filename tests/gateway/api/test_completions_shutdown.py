@@ -6,13 +6,13 @@ uvicorn's plain-text 500."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import MutableMapping
+from collections.abc import AsyncGenerator, MutableMapping
 from types import SimpleNamespace
 from typing import Any
 
 import orjson
 
-from gateway.api.completions import CompletionsEndpoint
+from gateway.api.completions import CompletionsEndpoint, _answer_until_disconnect
 from gateway.errors import SHUTDOWN, GatewayError
 from gateway.pipeline.reply import Reply, error_reply
 from gateway.telemetry.trace import NO_TRACING
@@ -61,3 +61,42 @@ def test_a_request_whose_body_is_still_arriving_at_the_cut_off_is_answered_503_g
     assert sent[0]["status"] == 503 and (b"connection", b"close") in sent[0]["headers"]
     assert orjson.loads(sent[1]["body"])["error"]["code"] == "gateway_shutdown"
     assert proxy.refused == ["gateway_shutdown"]
+
+
+def test_a_stream_whose_end_went_out_gets_no_error_event_after_it_when_cut_off() -> None:
+    """A client that stopped reading once the whole stream ([DONE]) was written holds the answer's
+    last (empty) part in uvicorn's flow control; the cut-off ends the answer, with no error event
+    after the [DONE] its request was logged for (200)."""
+    written: list[bytes] = []
+    sent: list[MutableMapping[str, Any]] = []
+    waiting = asyncio.Event()
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        yield b"data: {}\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def answer(head: object) -> Reply:
+        return Reply(200, [], events=events())
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body") and not waiting.is_set():
+            waiting.set()  # the client's socket is full: uvicorn's send waits for it to read
+            await asyncio.sleep(3600)
+
+    async def body_part(body: bytes) -> None:
+        written.append(body)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_answer_until_disconnect(answer, receive, send, body_part))
+        await waiting.wait()
+        task.cancel(msg=SHUTDOWN)
+        await task
+
+    asyncio.run(main())
+    assert written == [b"data: {}\n\n", b"data: [DONE]\n\n"]
+    assert sent[-1] == {"type": "http.response.body", "body": b""}  # the answer's end, once more
