@@ -2,7 +2,8 @@
 
 Every error a client may be answered with is a GatewayError: it carries its HTTP `status`,
 OpenAI's `type`, `param` and `code`, and the `headers()` its answer needs (Retry-After, Allow).
-`error_answer` turns any of them into the answer; the proxy, the completion endpoint, the ASGI
+`error_answer` turns any of them into the answer (with `nosniff`: a browser never takes an error's JSON,
+which may quote what a client sent, for HTML or script); the proxy, the completion endpoint, the ASGI
 guards and the FastAPI handlers (gateway/api/errors.py) all use it, and none reads a message.
 """
 
@@ -36,6 +37,10 @@ class GatewayError(Exception):
         return list(self._headers)
 
 
+# on every error answer (and an upstream's error passed on): its body is JSON, whatever a browser guesses
+NOSNIFF = (b"x-content-type-options", b"nosniff")
+
+
 class ErrorAnswer(NamedTuple):
     """An error's HTTP answer: status, headers (the JSON content type not included) and body."""
 
@@ -46,7 +51,8 @@ class ErrorAnswer(NamedTuple):
 
 def error_answer(exc: GatewayError) -> ErrorAnswer:
     """The OpenAI-format answer to `exc`: the one place an error becomes a status, body and headers."""
-    return ErrorAnswer(exc.status, exc.headers(), error_body(exc.message, exc.type, exc.param, exc.code))
+    body = error_body(exc.message, exc.type, exc.param, exc.code)
+    return ErrorAnswer(exc.status, [NOSNIFF, *exc.headers()], body)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:

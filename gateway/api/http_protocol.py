@@ -190,12 +190,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if reading:  # the app's body read ends as a disconnect: this says what the client was told
             cast(dict[str, Any], self.cycle.scope)[REFUSED] = (status, message, code)
         if not (reading and self.cycle.response_started):  # (a started answer is just cut off)
-            body = error_answer(GatewayError(status, message, code=code)).body
+            _, headers, body = error_answer(GatewayError(status, message, code=code))
+            fields = b"".join(b"%s: %s\r\n" % field for field in headers)
             head = (
                 f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n{_EXTRA_HEADERS.get(status, '')}connection: close\r\n\r\n"
+                f"content-length: {len(body)}\r\n{_EXTRA_HEADERS.get(status, '')}connection: close\r\n"
             )
-            self.transport.write(head.encode("ascii") + body)
+            self.transport.write(head.encode("ascii") + fields + b"\r\n" + body)
         self._linger()
 
     def _linger(self) -> None:

@@ -14,7 +14,7 @@ from gateway.backends.upstream_errors import (
     is_openai_error,
     reduced_error,
 )
-from gateway.errors import NO_RETRY, GatewayError
+from gateway.errors import NO_RETRY, NOSNIFF, GatewayError
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
 from gateway.pipeline.reply import JSON_HEADER, Reply, error_reply
@@ -46,7 +46,7 @@ def passed_on(call: Call, status: int, body: bytes, retry_after: int | None = No
         replaced = GatewayError(client_status, message, kind, code="upstream_error")
         return error_reply(replaced), "upstream_error"
     reduced = reduced_error(body, status, call.model or "the model")
-    headers = [JSON_HEADER]
+    headers = [JSON_HEADER, NOSNIFF]  # as every error answer of ours (gateway/errors.py)
     if client_status in (429, 503) and retry_after is not None:  # a rate limit's, an overload's wait
         headers.append((b"retry-after", str(retry_after).encode()))
     return Reply(client_status, headers, reduced), error_code(body)

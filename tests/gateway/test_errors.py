@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import orjson
 
-from gateway.errors import error_answer
+from gateway.errors import NOSNIFF, error_answer
 from gateway.governance.budgets import Budget, BudgetExceededError
 from gateway.governance.keys import AuthError
 from gateway.governance.ratelimit import Limit, RateLimitedError, refusal
@@ -23,12 +23,13 @@ def test_a_rate_limit_error_is_typed_by_what_its_limit_counts_not_by_its_text() 
 
 def test_an_error_answer_carries_the_errors_status_body_and_headers() -> None:
     status, headers, body = error_answer(RateLimitedError("rate limit reached", 2.5, "tokens"))
-    assert (status, headers) == (429, [(b"retry-after", b"3")])
+    assert (status, headers) == (429, [NOSNIFF, (b"retry-after", b"3")])
     assert orjson.loads(body) == {"error": {"message": "rate limit reached", "type": "tokens", "param": None,
                                             "code": "rate_limit_exceeded"}}  # fmt: skip
     assert error_answer(NoRouteError("nothing may serve 'm'")).status == 503
     assert orjson.loads(error_answer(NoRouteError("x")).body)["error"]["param"] == "model"
-    assert error_answer(AuthError(401, "Incorrect API key provided", "invalid_api_key"))[:2] == (401, [])
+    unknown = AuthError(401, "Incorrect API key provided", "invalid_api_key")
+    assert error_answer(unknown)[:2] == (401, [NOSNIFF])
 
 
 def test_a_spent_budget_tells_when_it_resets() -> None:
