@@ -3,7 +3,8 @@
 Domain errors carry their answer (`EngineError`: status, type, code, param, headers); starlette's
 HTTP errors carry a status; a cancelled request's client is gone (499, nobody reads it). Anything
 else is a bug: the client gets a fixed text (`INTERNAL_ERROR`; the caller logs the details). No
-message is read to choose a status or a param.
+message is read to choose a status or a param. Every error answer, these and the refusals made before
+any route (limits.py, h11_protocol.py), carries `NOSNIFF`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from engine.errors import ClientDisconnectedError, EngineError
 from engine.http.protocol import INTERNAL_ERROR, APIError
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+# its body is JSON, whatever a browser guesses: an error that quotes what a client sent is never HTML
+NOSNIFF = (b"x-content-type-options", b"nosniff")
 
 
 def api_error(exc: BaseException) -> APIError:

@@ -38,6 +38,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from engine.http.error_mapping import NOSNIFF
+
 logger = logging.getLogger(__name__)
 
 
@@ -190,6 +192,7 @@ def limited_h11_protocol(
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),
+                NOSNIFF,
             ]
             self._cancel_header_timer()
             try:

@@ -20,6 +20,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.http.error_mapping import NOSNIFF
+
 logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
@@ -92,6 +94,7 @@ async def _answer(
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),  # the rest of the body is never used
+                NOSNIFF,
                 *extra,
             ],
         }

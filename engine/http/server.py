@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
 from engine.engine_state import describe
 from engine.errors import ClientDisconnectedError, EngineError
-from engine.http.error_mapping import api_error
+from engine.http.error_mapping import NOSNIFF, api_error
 from engine.http.h11_protocol import limited_h11_protocol
 from engine.http.limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
 from engine.http.openai_format import dumps
@@ -276,12 +276,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         error = api_error(exc)
         if error is INTERNAL_ERROR:  # Starlette logs the traceback too
             logger.error("unexpected error on %s: %s", request.url.path, type(exc).__name__)
-        return Response(
+        response = Response(
             dumps(error.body()),
             status_code=error.status,
             headers=error.headers,
             media_type="application/json",
         )
+        response.raw_headers.append(NOSNIFF)
+        return response
 
     for exc_class in (EngineError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_class, answer)

@@ -71,14 +71,16 @@ def _clean_log(server: ServerProcess, since: int) -> None:
 
 
 def _reply(sock: socket.socket) -> tuple[int, dict[str, Any]]:
-    """Read one HTTP response with a Content-Length as (status, JSON body)."""
+    """Read one HTTP response with a Content-Length as (status, JSON body); an error says nosniff."""
     data = b""
     while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _length(data):
         chunk = sock.recv(65536)
         assert chunk, f"connection closed mid-response: {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), json.loads(body)
+    status = int(head.split(b" ", 2)[1])
+    assert status < 400 or b"\r\nx-content-type-options: nosniff\r\n" in head.lower() + b"\r\n", head
+    return status, json.loads(body)
 
 
 def _length(data: bytes) -> int:
