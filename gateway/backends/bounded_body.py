@@ -16,18 +16,29 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import litellm
 import openai
+from litellm.llms.azure.azure import AzureChatCompletion
 from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
 
 from gateway.backends.base import MAX_REPLY_BYTES
 from gateway.backends.replica_lines import MAX_LINE_BYTES
+from gateway.config.policy import HostedBackend
 
 STREAM_BYTES = 4 * MAX_REPLY_BYTES  # a streamed answer's bytes as the provider sends them
 
-# litellm providers whose whole answers are read through a client of ours that bounds them: those
-# that take an OpenAI SDK client, and those that take litellm's own handler
-_OPENAI_CLIENT = frozenset({"openai", "text-completion-openai"})
-_HANDLER_CLIENT = frozenset({"anthropic"})
+# litellm providers (1.83) whose answers are read through a client of ours that bounds them, by the
+# client their branch of litellm's `completion` takes: an OpenAI SDK client (openai's own, and the
+# OpenAI-compatible providers it sends through its openai handler), an Azure SDK client, or its own
+# handler (base_llm_http_handler's providers, anthropic's and gemini's). Any other provider's
+# answers are read by litellm's own client, unbounded (docs/security.md); tests/gateway/backends/
+# test_hosted_bounds.py sends each of these an oversized answer.
+_OPENAI_CLIENT = frozenset({"openai", "text-completion-openai", "together_ai", "deepinfra", "perplexity",
+                            "cerebras"})  # fmt: skip
+_AZURE_CLIENT = frozenset({"azure", "azure_text"})
+_HANDLER_CLIENT = frozenset({"anthropic", "gemini", "mistral", "groq", "deepseek", "xai", "fireworks_ai",
+                             "openrouter", "hosted_vllm"})  # fmt: skip
+BOUNDED_PROVIDERS = _OPENAI_CLIENT | _AZURE_CLIENT | _HANDLER_CLIENT
 
 
 class AnswerTooLargeError(Exception):
@@ -100,15 +111,18 @@ async def _bounded(response: httpx.Response, limit: int, line_limit: int | None)
     response.stream = _BoundedBody(stream, limit, line_limit)
 
 
+SDKClient = openai.AsyncOpenAI | openai.AsyncAzureOpenAI
+
+
 def bounded_client(
-    provider: str | None, api_key: str | None, base_url: str | None, stream: bool = False
-) -> tuple[openai.AsyncOpenAI | AsyncHTTPHandler, AsyncHTTPHandler] | None:
-    """The `client=` litellm takes for whole answers (or, `stream`, streamed ones) of a model of
-    `provider` (litellm_map.provider_of), one that reads them bounded (bound_body, bound_stream),
+    spec: HostedBackend, provider: str | None, api_key: str | None, stream: bool = False
+) -> tuple[SDKClient | AsyncHTTPHandler, AsyncHTTPHandler] | None:
+    """The `client=` litellm takes for whole answers (or, `stream`, streamed ones) of `spec`'s model
+    of `provider` (litellm_map.provider_of), one that reads them bounded (bound_body, bound_stream),
     and the handler that owns its connections (closed with the model: a handler closes its client
-    when it is collected). None for a provider outside _OPENAI_CLIENT and _HANDLER_CLIENT:
-    litellm's own client, whose answers are not bounded (docs/security.md)."""
-    if provider not in _HANDLER_CLIENT | _OPENAI_CLIENT:
+    when it is collected). None for a provider outside BOUNDED_PROVIDERS: litellm's own client,
+    whose answers are not bounded (docs/security.md)."""
+    if provider not in BOUNDED_PROVIDERS:
         return None
     bound = bound_stream if stream else bound_body
     hooks: dict[str, list[Callable[..., Any]]] = {"request": [uncompressed], "response": [bound]}
@@ -117,5 +131,33 @@ def bounded_client(
         return handler, handler
     # litellm's transport, our hooks; an httpx (not httpx2) client, as litellm gives the SDK
     http: Any = handler.client
-    key = api_key or os.environ.get("OPENAI_API_KEY") or ""
+    if provider in _AZURE_CLIENT:
+        return _azure_client(spec, api_key, http), handler
+    # the provider's URL and key as litellm finds them (its default URL; its variable, e.g.
+    # TOGETHERAI_API_KEY); OPENAI_API_KEY only for OpenAI's own
+    _, _, found_key, base_url = litellm.get_llm_provider(spec.model, api_base=spec.base_url, api_key=api_key)
+    fallback = os.environ.get("OPENAI_API_KEY") if provider in ("openai", "text-completion-openai") else None
+    key = api_key or found_key or fallback or ""
     return openai.AsyncOpenAI(api_key=key, base_url=base_url, max_retries=0, http_client=http), handler
+
+
+def _azure_client(spec: HostedBackend, api_key: str | None, http: Any) -> SDKClient:
+    """The Azure SDK client litellm would make for `spec` (its key, endpoint, version and Entra ID
+    settings, from the policy or its AZURE_* variables), on our `http` client."""
+    endpoint = spec.base_url or os.environ.get("AZURE_API_BASE")
+    key = api_key or os.environ.get("AZURE_OPENAI_API_KEY") or os.environ.get("AZURE_API_KEY")
+    azure = AzureChatCompletion()
+    params = azure.initialize_azure_sdk_client(
+        litellm_params={"azure_ad_token": os.environ.get("AZURE_AD_TOKEN")},
+        api_key=key,
+        api_base=endpoint,
+        model_name=spec.model,
+        api_version=spec.api_version,
+        is_async=True,
+    )
+    params.update(http_client=http, max_retries=0)  # litellm's own http client (unused) replaced
+    if azure._is_azure_v1_api_version(params["api_version"]):  # as litellm: the plain OpenAI client
+        return openai.AsyncOpenAI(
+            api_key=key, base_url=f"{endpoint}/openai/v1/", max_retries=0, http_client=http
+        )
+    return openai.AsyncAzureOpenAI(**params)

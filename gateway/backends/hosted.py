@@ -249,7 +249,7 @@ class HostedModel:
         bounded_client lacks."""
         given = self._clients.get(stream)
         if given is None:
-            made = bounded_client(self._provider, self._api_key, self.spec.base_url, stream)
+            made = bounded_client(self.spec, self._provider, self._api_key, stream)
             given = self._clients[stream] = {} if made is None else {"client": made[0]}
             if made is not None:
                 self._handlers.append(made[1])

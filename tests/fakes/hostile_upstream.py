@@ -399,7 +399,8 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
             raise
         return None
     lines = head.decode("latin-1").split("\r\n")
-    method, path, _ = lines[0].split(" ", 2)
+    method, target, _ = lines[0].split(" ", 2)
+    path = target.partition("?")[0]  # Azure's SDK sends ?api-version=
     headers = {}
     for line in lines[1:]:
         if line:
