@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,7 +101,9 @@ def report(title: str, figures: dict[str, Run], rps: bool = False) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each wrk run")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of direct and proxies")
     parser.add_argument("--gap-ms", type=float, default=5.0, help="paced upstream: gap between events")
