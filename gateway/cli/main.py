@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import date
@@ -37,6 +39,8 @@ from gateway.store.migrate import (
 )
 from gateway.store.reports import DIMENSIONS, parse_day, render, spend
 from gateway.telemetry.access_log import log_config
+
+logger = logging.getLogger(__name__)
 
 
 def _database_command(args: argparse.Namespace, settings: GatewaySettings) -> int:
@@ -107,12 +111,48 @@ def _self_hosted(given: Path | None, settings: GatewaySettings) -> frozenset[str
 
 
 class _CleanExitServer(uvicorn.Server):
-    """uvicorn that finishes its graceful shutdown on SIGTERM/SIGINT and exits 0 (no re-raise)."""
+    """uvicorn that finishes its graceful shutdown on SIGTERM/SIGINT and exits 0 (no re-raise).
+
+    First signal: requests in flight have the grace period (GATEWAY_SHUTDOWN_TIMEOUT), then are cut
+    off: answered 503 `gateway_shutdown`, logged, the request log flushed. Second: the grace period
+    ends now, with the same cut-off, so that an impatient operator loses no request's log row
+    (uvicorn's own second signal skips the app's shutdown: rows unwritten, reservations held).
+    Third: at once."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hurry = asyncio.Event()  # set by the second signal
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start, noting its loop (where a signal hands its word to the shutdown)."""
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """First signal: shut down gracefully (the request log is flushed); second: at once."""
-        self.force_exit = self.should_exit
+        """A signal, in the main thread between two of the loop's steps: it only leaves word."""
+        self._signals += 1
         self.should_exit = True
+        if self._signals == 2 and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._hurry.set)
+        elif self._signals >= 3:
+            self.force_exit = True
+
+    async def _wait_tasks_to_complete(self) -> None:
+        """uvicorn's wait for the requests in flight, cut short by a second signal as if the grace
+        period had ended (uvicorn's shutdown then cancels them and runs the app's shutdown)."""
+        waiting = asyncio.ensure_future(super()._wait_tasks_to_complete())
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait({waiting, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            logger.warning("a second signal: the requests in flight are cut off now")
+            raise TimeoutError
+        waiting.result()
 
 
 def _serve(args: argparse.Namespace) -> int:

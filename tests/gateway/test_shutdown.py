@@ -43,22 +43,26 @@ def _stuck_reader(port: int, key: str) -> socket.socket:
     return sock
 
 
-def test_requests_still_in_flight_at_the_grace_periods_end_are_cut_off_logged_and_told(
-    upstream: ManagedServer, tmp_path: Path
-) -> None:
+Stopped = tuple[float, str, list[str], list[BaseException], str]
+
+
+def _stopped(upstream: ManagedServer, tmp_path: Path, grace: int, signals: int) -> Stopped:
+    """A gateway with a stuck reader's stream and a reading client's under way, sent SIGTERM
+    `signals` times half a second apart: (seconds from the first signal to its exit, its output,
+    the reading client's lines, what that client raised, the database url)."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
     policy = tmp_path / "policy.yaml"
     policy.write_text(f'backends:\n  fast: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
                       "models:\n  fast: {backend: fast}\n")  # fmt: skip
     env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", "GATEWAY_DATABASE_URL": url,
-           "GATEWAY_SHUTDOWN_TIMEOUT": "2"}  # fmt: skip
+           "GATEWAY_SHUTDOWN_TIMEOUT": str(grace)}  # fmt: skip
     gateway = start_gateway(policy, env)
     stuck: socket.socket | None = None
+    lines: list[str] = []
+    failures: list[BaseException] = []
     try:
         key = create_key_cli(env, "shutdown")
         stuck = _stuck_reader(gateway.port, key)
-        lines: list[str] = []
-        failures: list[BaseException] = []
 
         def read() -> None:  # a client that reads to the end
             try:
@@ -77,7 +81,10 @@ def test_requests_still_in_flight_at_the_grace_periods_end_are_cut_off_logged_an
             time.sleep(0.05)
         assert len(lines) >= 10, failures  # both streams are under way
         stopped = time.monotonic()
-        gateway.signal(signal.SIGTERM)
+        for i in range(signals):
+            if i:
+                time.sleep(0.5)
+            gateway.signal(signal.SIGTERM)
         assert gateway.proc.wait(20) == 0
         took = time.monotonic() - stopped
         reader.join(10)
@@ -86,7 +93,10 @@ def test_requests_still_in_flight_at_the_grace_periods_end_are_cut_off_logged_an
         if stuck is not None:
             stuck.close()
         gateway.stop()
-    assert 2 <= took < 10  # the grace period, then the cut-off and the log's flush
+    return took, output, lines, failures, url
+
+
+def _cut_off_and_logged(output: str, lines: list[str], failures: list[BaseException], url: str) -> None:
     assert "Traceback" not in output and "Exception in ASGI application" not in output
     # the reading client saw the stream end with the error, not a cut connection
     assert failures == []
@@ -96,3 +106,20 @@ def test_requests_still_in_flight_at_the_grace_periods_end_are_cut_off_logged_an
     assert len(rows) == 2
     assert {(r["status"], r["error_type"]) for r in rows} == {(503, "gateway_shutdown")}
     assert all(r["completion_tokens"] > 0 for r in rows)  # what they were sent is counted
+
+
+def test_requests_still_in_flight_at_the_grace_periods_end_are_cut_off_logged_and_told(
+    upstream: ManagedServer, tmp_path: Path
+) -> None:
+    took, output, lines, failures, url = _stopped(upstream, tmp_path, grace=2, signals=1)
+    assert 2 <= took < 10  # the grace period, then the cut-off and the log's flush
+    _cut_off_and_logged(output, lines, failures, url)
+
+
+def test_a_second_signal_ends_the_grace_period_at_once_and_still_logs_every_request(
+    upstream: ManagedServer, tmp_path: Path
+) -> None:
+    # uvicorn's own second signal exits without the app's shutdown: no row for either request
+    took, output, lines, failures, url = _stopped(upstream, tmp_path, grace=60, signals=2)
+    assert took < 8  # not the minute of grace
+    _cut_off_and_logged(output, lines, failures, url)
