@@ -7,12 +7,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from gateway.api.services import ServicesDep
+from gateway.api.services import Database, ServicesDep
 from gateway.console.session import COOKIE
 from gateway.console.web import (
     HERE,
     SECURITY_HEADERS,
     CheckedForm,
+    ConsoleSession,
     local_path,
     page,
     read_form,
@@ -22,6 +23,7 @@ from gateway.console.web import (
 )
 from gateway.errors import GatewayError
 from gateway.governance.keys import AuthError
+from gateway.store.console_logouts import end_session
 
 router = APIRouter(prefix="/ui")
 
@@ -61,8 +63,10 @@ async def login(request: Request, services: ServicesDep) -> Response:
 
 
 @router.post("/logout")
-async def logout(_: CheckedForm) -> Response:
-    """End the session in this browser (the cookie is dropped; it also expires by itself)."""
+async def logout(_: CheckedForm, session: ConsoleSession, db: Database) -> Response:
+    """End the session: refused from now on by every replica, whoever holds its cookie (it is
+    dropped in this browser too)."""
+    await end_session(db, session.nonce, session.expires, int(time.time()))
     response = redirect("/ui/login")
     response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
     return response

@@ -20,6 +20,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from gateway.api.services import Services, ServicesDep
 from gateway.console.session import COOKIE, Session, SessionSigner
 from gateway.errors import GatewayError
+from gateway.store.console_logouts import session_ended
 from gateway.store.reports import usd
 
 HERE = Path(__file__).parent
@@ -61,9 +62,10 @@ def signer(services: Services) -> SessionSigner:
 
 
 async def console_session(request: Request, services: ServicesDep) -> Session:
-    """Dependency: the request's valid session, else LoginRequired."""
+    """Dependency: the request's valid session, else LoginRequired (a logged-out one too, on every
+    replica: store/console_logouts.py)."""
     session = signer(services).verify(request.cookies.get(COOKIE), time.time())
-    if session is None:
+    if session is None or await session_ended(services.db, session.nonce):
         raise LoginRequired(request.url.path)
     return session
 

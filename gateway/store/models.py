@@ -1,4 +1,4 @@
-"""ORM tables: virtual keys and the request log."""
+"""ORM tables: virtual keys, the request log (and its daily sums), console logouts."""
 
 from __future__ import annotations
 
@@ -150,3 +150,13 @@ class UsageDaily(Base):
     reference_cost_usd: Mapped[Decimal] = mapped_column("reference_cost_picousd", Money, default=Decimal(0))
     # what the requests that have a reference cost really cost: savings = reference - basis
     reference_basis_usd: Mapped[Decimal] = mapped_column("reference_basis_picousd", Money, default=Decimal(0))
+
+
+class ConsoleLogout(Base):
+    """A console session its logout ended before it expired (console/session.py's nonce): every
+    replica refuses its cookie until `expires` (Unix seconds), when the cookie is dead anyway."""
+
+    __tablename__ = "console_logouts"
+
+    nonce: Mapped[str] = mapped_column(String(32), primary_key=True)
+    expires: Mapped[int] = mapped_column(BigInteger, index=True)
