@@ -136,6 +136,8 @@ def bounded_client(
     # the provider's URL and key as litellm finds them (its default URL; its variable, e.g.
     # TOGETHERAI_API_KEY); OPENAI_API_KEY only for OpenAI's own
     _, _, found_key, base_url = litellm.get_llm_provider(spec.model, api_base=spec.base_url, api_key=api_key)
+    if provider in ("openai", "text-completion-openai"):  # litellm reads OPENAI_API_BASE too, the SDK not
+        base_url = base_url or os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE")
     fallback = os.environ.get("OPENAI_API_KEY") if provider in ("openai", "text-completion-openai") else None
     key = api_key or found_key or fallback or ""
     return openai.AsyncOpenAI(api_key=key, base_url=base_url, max_retries=0, http_client=http), handler
@@ -148,7 +150,8 @@ def _azure_client(spec: HostedBackend, api_key: str | None, http: Any) -> SDKCli
     key = api_key or os.environ.get("AZURE_OPENAI_API_KEY") or os.environ.get("AZURE_API_KEY")
     azure = AzureChatCompletion()
     params = azure.initialize_azure_sdk_client(
-        litellm_params={"azure_ad_token": os.environ.get("AZURE_AD_TOKEN")},
+        # a key comes first, as in litellm's own client (the SDK refuses a key and a token together)
+        litellm_params={"azure_ad_token": None if key else os.environ.get("AZURE_AD_TOKEN")},
         api_key=key,
         api_base=endpoint,
         model_name=spec.model,

@@ -167,3 +167,32 @@ def test_an_honest_gemini_answer_still_comes_through_the_bounded_client(
     monkeypatch.setenv("SB_TEST_BOUND_KEY", "sk-test")
     status, size = asyncio.run(_call(_spec("gemini/fake-model", oversized), "mode=ok", stream))
     assert status == 200 and 0 < size < 10_000
+
+
+def test_azure_with_a_key_and_an_ad_token_in_the_environment_sends_the_key_as_litellm_does(
+    honest: ManagedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # was: AsyncAzureOpenAI got both and refused every request ("mutually exclusive"): a 502
+    # where litellm's own client sends the key (its key comes first)
+    monkeypatch.setenv("SB_TEST_BOUND_KEY", "sk-test")
+    monkeypatch.setenv("AZURE_AD_TOKEN", "ad-token")
+    status, _ = asyncio.run(_call(_spec("azure/fake-model", honest.base_url), "mode=ok", False))
+    assert status == 200
+    sent = httpx.get(f"{honest.base_url}/stats").json()["requests"][-1]["headers"]
+    assert sent.get("api-key") == "sk-test" and "authorization" not in sent, sent
+
+
+def test_openai_without_a_base_url_goes_where_openai_api_base_says_as_litellm_does(
+    honest: ManagedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # was: litellm's own client reads OPENAI_API_BASE, the SDK's only OPENAI_BASE_URL: the request
+    # (and the key) went to api.openai.com
+    monkeypatch.setenv("SB_TEST_BOUND_KEY", "sk-test")
+    monkeypatch.setenv("OPENAI_API_BASE", honest.base_url + "/v1")
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    spec = HostedBackend(type="hosted", model="openai/fake-model", api_key_env="SB_TEST_BOUND_KEY")
+    httpx.post(f"{honest.base_url}/reset")
+    status, _ = asyncio.run(_call(spec, "mode=ok", False))
+    assert status == 200
+    sent = httpx.get(f"{honest.base_url}/stats").json()["requests"]
+    assert [r["path"] for r in sent] == ["/v1/chat/completions"], sent
