@@ -10,6 +10,9 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# the longest a console login may last, whatever GATEWAY_CONSOLE_SESSION_TTL says (a logout is kept as long)
+CONSOLE_SESSION_MAX_TTL = 30 * 86400
+
 
 def default_data_dir() -> Path:
     """$XDG_DATA_HOME/switchboard, else ~/.local/share/switchboard."""
@@ -60,7 +63,7 @@ class GatewaySettings(BaseSettings):
     redis_socket_timeout: float = Field(default=5.0, gt=0.0, le=60.0)  # seconds per Redis command or connect
     # the web console (/ui): how long a login lasts, and whether its cookie is marked Secure (auto:
     # when the request reached the gateway over https; behind a TLS-terminating proxy: always)
-    console_session_ttl: int = Field(default=8 * 3600, ge=60, le=30 * 86400)
+    console_session_ttl: int = Field(default=8 * 3600, ge=60, le=CONSOLE_SESSION_MAX_TTL)
     console_cookie_secure: Literal["auto", "always"] = "auto"
     # Who may read /metrics besides the master key (Prometheus gets this, not the master key)
     metrics_token: SecretStr | None = None

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from gateway.api.services import Database, ServicesDep
+from gateway.config.settings import CONSOLE_SESSION_MAX_TTL
 from gateway.console.session import COOKIE
 from gateway.console.web import (
     HERE,
@@ -63,10 +64,12 @@ async def login(request: Request, services: ServicesDep) -> Response:
 
 
 @router.post("/logout")
-async def logout(_: CheckedForm, session: ConsoleSession, db: Database) -> Response:
+async def logout(_: CheckedForm, session: ConsoleSession, db: Database, services: ServicesDep) -> Response:
     """End the session: refused from now on by every replica, whoever holds its cookie (it is
     dropped in this browser too)."""
-    await end_session(db, session.nonce, session.expires, int(time.time()))
+    # kept while any TTL could still take the cookie: a replica's setting may be raised later
+    issued = session.expires - services.settings.console_session_ttl
+    await end_session(db, session.nonce, issued + CONSOLE_SESSION_MAX_TTL, int(time.time()))
     response = redirect("/ui/login")
     response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
     return response

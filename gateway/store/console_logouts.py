@@ -2,8 +2,8 @@
 
 The console's session is a signed cookie that any replica verifies alone (console/session.py); a
 logout that only dropped it in the browser left a copied cookie working until it expired (8 hours
-by default). The session's nonce is kept here until then; rows past their expiry are removed with
-each logout.
+by default). The session's nonce is kept here while any TTL could still take its cookie (the
+console's logout says until when); rows past their expiry are removed with each logout.
 """
 
 from __future__ import annotations
