@@ -405,6 +405,9 @@ def _reset(conn: _Connection) -> None:
     conn.received = conn.status = 0
     conn.complete = conn.reusable = conn.framed = False
     conn.retry_after = conn.error = None
+    # a long body paused the socket on its last bytes (on_body cannot know they were the last)
+    if conn.transport is not None and conn.transport.is_reading() is False:
+        conn.transport.resume_reading()
 
 
 def _header_block(headers: Mapping[str, str]) -> bytes:

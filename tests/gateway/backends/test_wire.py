@@ -328,3 +328,33 @@ def test_a_stream_the_reader_holds_back_is_not_silent_while_its_socket_is_paused
                 resp.release()
 
     asyncio.run(main())
+
+
+def test_a_connection_kept_alive_after_a_body_past_the_pause_threshold_answers_its_next_request() -> None:
+    """A whole body over a megabyte pauses the socket on its last bytes; the connection went back to
+    the pool still paused and the next request on it heard nothing until its timeout (fuzz seed 1:
+    a 9 MiB answer, then a 504 for the next request to that replica)."""
+    big = b"y" * (3 << 20)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            answer = big if body.endswith(b"big") else b"ok"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
+            await writer.drain()
+
+    async def main() -> None:
+        async with serving(handler) as (url, connections):
+            pool = WirePool(url, {})
+            resp = await pool.post("/v1/x", b"big", 1.0, 5.0)
+            assert await resp.read(8 << 20) == big
+            resp.release()
+            resp = await pool.post("/v1/x", b"{}", 1.0, 2.0)
+            assert await resp.read(100) == b"ok"
+            resp.release()
+            assert len(connections) == 1
+
+    asyncio.run(main())
