@@ -371,6 +371,9 @@ class WirePool:
     def put_back(self, conn: _Connection) -> None:
         """Keep a connection whose exchange ended cleanly; close any other."""
         conn.head = conn.listener = None
+        # freed now: the connection and its parser refer to each other, so a dropped one lives
+        # until the cyclic GC runs, and a kept one would hold its last answer while idle
+        conn.buffer = bytearray()
         if conn.reusable and conn.transport is not None and not conn.transport.is_closing():
             conn.exchanges += 1
             conn.idle_since = asyncio.get_running_loop().time()
@@ -401,7 +404,6 @@ class WirePool:
 def _reset(conn: _Connection) -> None:
     """A kept-alive connection, ready for its next exchange."""
     conn.parser = httptools.HttpResponseParser(conn)
-    conn.buffer = bytearray()
     conn.received = conn.status = 0
     conn.complete = conn.reusable = conn.framed = False
     conn.retry_after = conn.error = None
