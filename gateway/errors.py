@@ -92,6 +92,12 @@ def stopped_by_shutdown(exc: BaseException) -> bool:
     return bool(exc.args) and exc.args[0] == SHUTDOWN
 
 
+def cancelled_outcome(exc: BaseException) -> tuple[int, str]:
+    """The log's status and error for a request a CancelledError ended: the gateway's shutdown
+    (503 `gateway_shutdown`), else its client leaving (499 `client_disconnected`)."""
+    return (503, "gateway_shutdown") if stopped_by_shutdown(exc) else (499, "client_disconnected")
+
+
 def shutdown_error() -> GatewayError:
     """What a request cut off by the gateway's shutdown is answered (if it still can be) and logged."""
     message = "the gateway shut down before the answer was complete; retry the request"

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 
 from gateway.backends.base import Attempt
 from gateway.config.policy import Policy
-from gateway.errors import GatewayError, stopped_by_shutdown
+from gateway.errors import GatewayError, cancelled_outcome
 from gateway.governance.keys import KeyInfo
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.answer import passed_on, whole
@@ -124,11 +124,8 @@ class Proxy:
             return self._failed(call, exc)
         except GatewayError as exc:
             return self._failed(call, exc)
-        except asyncio.CancelledError as exc:  # the client left before the answer was ready
-            if stopped_by_shutdown(exc):  # or the gateway stopped, its grace period over
-                self.finish(call, 503, "gateway_shutdown")
-            else:
-                self.finish(call, 499, "client_disconnected")
+        except asyncio.CancelledError as exc:  # the client left before the answer was ready, or the
+            self.finish(call, *cancelled_outcome(exc))  # gateway stopped, its grace period over
             raise
         except Exception:  # a fault nothing above names (an upstream's bytes nobody foresaw): 502, logged
             logger.exception("request %s failed unexpectedly", call.id)

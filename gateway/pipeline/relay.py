@@ -30,7 +30,7 @@ import orjson
 
 from gateway.backends.base import Pump, UpstreamErrorEvent, UpstreamRequestErrorEvent, UpstreamStreamError
 from gateway.backends.upstream_errors import error_event, reduced_fields
-from gateway.errors import stopped_by_shutdown
+from gateway.errors import cancelled_outcome
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
 from gateway.pipeline.reply import ClientWriter, Outlet
@@ -54,9 +54,9 @@ class EarlyHead:
     """A stream's head (its events up to the first token) written to the client where failover
     found the first token, when the stream's status and headers went out before it (`writer`, the
     client's connection, set then): the first text then leaves before failover, the proxy, the
-    endpoint and the relay have returned and started (three quarters of its way out of the gateway
-    on a cold CPU, measured in docs/BENCHMARKS.md). The relay goes on after it, with its token record
-    (`tokens`) and what broke the head (`broke`, raised by the relay as if it had read it).
+    endpoint and the relay have returned and started (about a third of its time in the gateway on
+    a cold CPU: docs/BENCHMARKS.md). The relay goes on after it, with its token record (`tokens`)
+    and what broke the head (`broke`, raised by the relay as if it had read it).
     A head holding the stream's end, or a client whose socket is full, is left to the relay."""
 
     __slots__ = ("broke", "call", "relayed", "spent", "tokens", "wants_usage", "writer")
@@ -167,9 +167,8 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
             except (asyncio.CancelledError, GeneratorExit) as exc:
                 # a client that closes once it has the end (the official SDKs stop reading at [DONE],
                 # before the upstream's body has ended) got the whole answer
-                if not answered:
-                    stopped = stopped_by_shutdown(exc)  # the gateway's grace period at shutdown ran out
-                    status, error = (503, "gateway_shutdown") if stopped else (499, "client_disconnected")
+                if not answered:  # the client left, or the gateway's grace period at shutdown ran out
+                    status, error = cancelled_outcome(exc)
                 raise
             except UpstreamRequestErrorEvent as exc:  # the request's own fault: passed on, never resumed
                 status, error = 400, exc.code
@@ -187,8 +186,7 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                     oversized = isinstance(exc, StreamTooLongError)  # another replica would send as much
                     current = None if oversized else await _resumed(call, reading, tokens, exc)
                 except asyncio.CancelledError as cancelled:  # the client left, or the gateway stopped
-                    stopped = stopped_by_shutdown(cancelled)
-                    status, error = (503, "gateway_shutdown") if stopped else (499, "client_disconnected")
+                    status, error = cancelled_outcome(cancelled)
                     raise
                 call.upstream_seconds += perf_counter() - mark  # waiting for another replica
                 mark = perf_counter()
