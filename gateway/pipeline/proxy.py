@@ -98,10 +98,10 @@ class Proxy:
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
             progress = Progress()
             if call.stream:
-                early = None
+                early, commit = None, None
                 if head is not None and rt.policy.stream_head == "first_event":
                     early = EarlyHead(call, wants_usage)  # the head may go out with the first token
-                commit = None if early is None else self._committer(call, head, early)
+                    commit = self._committer(call, head, early)
                 walk = rt.failover.stream(call.decision, path, body, trace, progress, commit, early)
                 served = await self._upstream(call, walk, progress)
                 return await self._streamed(call, served, wants_usage, early)
@@ -165,14 +165,13 @@ class Proxy:
         return answer
 
     @staticmethod
-    def _committer(call: Call, head: HeadSender | None, early: EarlyHead) -> Commit:
+    def _committer(call: Call, head: HeadSender, early: EarlyHead) -> Commit:
         """Sends the stream's status and headers when an upstream's stream sends its first event: they
         name that upstream and what failed before it; the wait so far was the upstream's. The event
         goes with them when it carries nothing but the opening (`line`): the official SDKs parse
         each event into objects, which costs a client about half a millisecond when that happens
         after the first token rather than while the model works. The client's connection the
         head sender gives back lets `early` write the stream's first token at once."""
-        assert head is not None
         opened = time.perf_counter()
 
         async def commit(backend: str, deployment: str, attempts: list[Attempt], line: str | None) -> bool:
