@@ -27,6 +27,11 @@ BODY_PART = "gateway.body_part"
 # stream's relay writes events itself as the upstream's bytes arrive; absent under another server
 CLIENT_WRITER = "gateway.client_writer"
 
+# scope key set by the HTTP layer: a callable that returns the request's body when all of it has
+# arrived and nothing read it yet, taken as `receive()` would take it, without a coroutine, an event
+# and a timer (None: read it with `receive()`); absent under another server
+WHOLE_BODY = "gateway.whole_body"
+
 
 async def send_error(send: Send, exc: GatewayError, close: bool = False) -> None:
     """`exc`'s OpenAI-format answer; `close`: end the connection after it (a request body left unread)."""

@@ -10,6 +10,7 @@ unparsed for a bounded time) so that the answer is not reset away.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from gateway.api.asgi import ASGIApp, Message, Receive, Scope, Send, send_error
 from gateway.errors import GatewayError
@@ -41,13 +42,22 @@ def may_exceed(declared: bytes | None, limit: int) -> bool:
     return declared is not None and not (declared.isdigit() and int(declared) <= limit)
 
 
-async def read_body(receive: Receive, declared: bytes | None, limit: int, timeout: float) -> bytes:
+async def read_body(receive: Receive, declared: bytes | None, limit: int, timeout: float,
+                    whole: Callable[[], bytes | None] | None = None) -> bytes:  # fmt: skip
     """The request body; GatewayError 413 as soon as it is declared or grows past `limit` bytes,
     408 when it has not all arrived `timeout` seconds after the headers (a client that starts a body
     and never ends it would hold its connection, and a concurrency slot, for ever: the header
-    timeout no longer applies once the headers are in). Both are answered with a close."""
+    timeout no longer applies once the headers are in). Both are answered with a close.
+
+    `whole` (the scope's WHOLE_BODY): a body that came with its headers, as nearly all do, is taken
+    from it at once; no timer is set for a body that has nothing left to wait for."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
+    body = None if whole is None else whole()
+    if body is not None:
+        if len(body) > limit:
+            raise too_large(limit)
+        return body
     chunks, size = [], 0
     try:
         async with asyncio.timeout(timeout):

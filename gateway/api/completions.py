@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, Receive, Scope, Send
+from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, WHOLE_BODY, Receive, Scope, Send
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
 from gateway.errors import GatewayError, error_answer, shutdown_error, stopped_by_shutdown
@@ -53,7 +53,8 @@ class CompletionsEndpoint:
         try:
             key = await keys.authenticate(_bearer(authorization), scope.get("client"))
             trace.authenticated(key)
-            raw = await read_body(receive, declared, self.max_body_bytes, self.body_timeout)
+            whole = scope.get(WHOLE_BODY)
+            raw = await read_body(receive, declared, self.max_body_bytes, self.body_timeout, whole)
         except GatewayError as exc:  # the key refused (or its database away), the body too large or slow
             await _send_whole(proxy.refuse(started, exc, trace), send, close or exc.status in (408, 413))
             return

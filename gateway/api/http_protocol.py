@@ -21,7 +21,7 @@ from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, send_error
+from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, WHOLE_BODY, send_error
 from gateway.errors import GatewayError, error_answer
 
 
@@ -114,6 +114,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self.cycle.transport = transport  # type: ignore[assignment]
             scope = cast(dict[str, Any], self.cycle.scope)
             scope[BODY_PART], scope[CLIENT_WRITER] = transport.body_part, transport
+            scope[WHOLE_BODY] = transport.whole_body
 
     def on_response_complete(self) -> None:
         """An answer is out: a refusal that waited for it (and those before it) goes now."""
@@ -283,6 +284,26 @@ class _CycleTransport:
             and not cycle.flow.write_paused
             and not self._transport.is_closing()
         )
+
+    def whole_body(self) -> bytes | None:
+        """The request's body if all of it is in and unread, taken as uvicorn's `receive()` takes it
+        (the event cleared, the buffer emptied, reading resumed), so that a later `receive()` waits
+        for the disconnect as after a read; None while more may come, after a disconnect or an
+        answer, or when the client waits for 100 Continue (`receive()` sends that)."""
+        cycle = self._cycle
+        if (
+            cycle.more_body
+            or cycle.disconnected
+            or cycle.response_complete
+            or cycle.waiting_for_100_continue
+            or not cycle.message_event.is_set()
+        ):
+            return None
+        body: bytes = cycle.body
+        cycle.body = b""
+        cycle.message_event.clear()
+        cycle.flow.resume_reading()
+        return body
 
     def write_part(self, body: bytes) -> None:
         """A chunk of a streamed answer, sent now (the caller asked `writable` first)."""
