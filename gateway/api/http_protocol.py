@@ -97,10 +97,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """The headers are in: stop counting and timing them; measure them if they came in one read."""
         self.header_bytes = None
         self._cancel_header_timer()
-        if (
-            len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
-            > self.max_header_bytes
-        ):
+        size = len(self.url)
+        for name, value in self.headers:  # a loop, not sum(generator): every request, a cold CPU mostly
+            size += len(name) + len(value)
+        if size > self.max_header_bytes:
             self._headers_too_large()
             raise _RefusedError  # stops the parser: no request task starts
         problem = framing_problem(self.parser.get_http_version(), self.headers)
@@ -371,10 +371,10 @@ def framing_problem(version: str, headers: Sequence[tuple[bytes, bytes]]) -> tup
         return 400, "the Host header is not a host[:port]", "invalid_http_request"
     if authorizations > 1:  # which one? routes disagreed
         return 400, "the request has more than one Authorization header", "invalid_http_request"
-    codings = [c.strip(b" \t").lower() for v in transfer for c in v.split(b",")]
-    if codings and codings != [b"chunked"]:
+    # (the comprehensions only when there is something to read: each is a call of its own)
+    if transfer and [c.strip(b" \t").lower() for v in transfer for c in v.split(b",")] != [b"chunked"]:
         return 501, "the only transfer coding supported is a lone chunked", "unsupported_transfer_encoding"
-    if {c.strip(b" \t").lower() for v in content for c in v.split(b",")} - {b"identity", b""}:
+    if content and {c.strip(b" \t").lower() for v in content for c in v.split(b",")} - {b"identity", b""}:
         return 415, "the request body must not be content-coded (e.g. gzip)", "unsupported_content_encoding"
     return None
 
