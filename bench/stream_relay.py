@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -170,9 +171,10 @@ def measure(
         for _ in range(20):  # warm-up
             for t in targets:
                 once(t)
-        for _ in range(requests):  # interleaved: drift on a noisy machine hits every target alike
-            for t in targets:
-                timings[t.name].append(once(t))
+        order = random.Random(0)
+        for _ in range(requests):  # interleaved: drift on a noisy machine hits every target alike,
+            for t in order.sample(targets, len(targets)):  # in a new order each time: in a fixed
+                timings[t.name].append(once(t))  # one, what ran before a target slowed it (gateway_ab.py)
     finally:
         for client in clients.values():
             client.close()
