@@ -202,8 +202,14 @@ class WireResponse:
         when the answer goes on beyond the buffer (await `more()`, then ask again). A stream's
         reader calls this once or twice per upstream write: no coroutine made per line."""
         conn = self._conn
+        buffer = conn.buffer
+        if not buffer:  # all handed out (the usual state between an upstream's writes): no search
+            if conn.complete:
+                return None
+            if conn.error is not None:
+                raise conn.error
+            return More.MORE
         while True:
-            buffer = conn.buffer
             end = buffer.find(b"\n", self._scanned)
             if end != -1:
                 start = self._start
@@ -211,7 +217,16 @@ class WireResponse:
                 if end - start > limit:
                     raise WireError(f"an SSE line longer than {limit} bytes")
                 if end - start > 1 or (end > start and buffer[start] != 13):  # not "" nor "\r"
-                    return buffer[start:end].decode("utf-8", "replace").rstrip("\r")
+                    line = buffer[start:end].decode("utf-8", "replace").rstrip("\r")
+                    tail = len(buffer) - end - 1  # what follows: nothing or the event's blank line,
+                    if (
+                        not tail
+                        or (tail == 1 and buffer[-1] == 10)
+                        or (tail == 2 and buffer.endswith(b"\r\n"))
+                    ):
+                        buffer.clear()  # mostly: then the next ask is answered without a search
+                        self._start = self._scanned = 0
+                    return line
                 continue
             if self._start:  # drop what was handed out; the rest is a line still growing
                 del buffer[: self._start]

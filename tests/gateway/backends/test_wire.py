@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from gateway.backends.wire import WireError, WirePool
+from gateway.backends.wire import More, WireError, WirePool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -402,3 +402,50 @@ def test_an_answer_s_buffer_is_freed_when_its_exchange_ends_not_when_the_gc_runs
     finally:
         tracemalloc.stop()
         gc.enable()
+
+
+async def pumped_lines(*parts: bytes) -> list[str]:
+    """The lines of an SSE answer sent as `parts` (one HTTP chunk each), taken as a pumped reader
+    takes them: from the connection's callback, after each part."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for part in parts:  # each its own read, after the reader listens
+            await asyncio.sleep(0.002)
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part) if part else b"")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    async with serving(handler) as (url, _):
+        resp = await WirePool(url, {}).post("/v1/x", b"{}", 1.0, 5.0)
+        lines: list[str] = []
+        ended = asyncio.get_running_loop().create_future()
+
+        def fed() -> None:
+            while (line := resp.buffered_line(1 << 20)) is not More.MORE:
+                if line is None:
+                    if not ended.done():
+                        ended.set_result(None)
+                    return
+                lines.append(line)
+
+        resp.listen(fed)
+        fed()
+        await asyncio.wait_for(ended, 5)
+        resp.release()
+        return lines
+
+
+def test_lines_read_as_each_part_arrives_are_the_same_wherever_the_parts_split() -> None:
+    """Every split of events with LF, CRLF, a leading CR and a comment gives the lines the whole gives."""
+    content = b"data: a\r\n\r\ndata: b\n\n\rdata: c\n\ndata: d\r\n\ndata: e\n\r\n: note\n\ndata: f"
+    expected = [t.rstrip("\r") for t in content.decode().split("\n") if t.rstrip("\r")]
+
+    async def main() -> None:
+        for at in range(1, len(content)):
+            for second in (at, min(at + 3, len(content))):
+                parts = (content[:at], content[at:second], content[second:])
+                assert await pumped_lines(*parts) == expected, parts
+
+    asyncio.run(main())
