@@ -6,22 +6,20 @@ import argparse
 import asyncio
 import json
 import logging
-import socket
 import sys
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
 from uvicorn.importer import import_from_string
-from uvicorn.supervisors import Multiprocess
 
 from gateway.api.admin_keys import KeyCreate
 from gateway.api.asgi import ASGIApp
 from gateway.api.http_protocol import LimitedConfig
+from gateway.cli.serving import CleanExitServer, WorkerSupervisor
 from gateway.config.policy import EngineBackend, PolicyError, load_policy
 from gateway.config.secrets import resolve_key_secret
 from gateway.config.settings import GatewaySettings
@@ -110,51 +108,6 @@ def _self_hosted(given: Path | None, settings: GatewaySettings) -> frozenset[str
     return frozenset(n for n, b in policy.backends.items() if isinstance(b, EngineBackend))
 
 
-class _CleanExitServer(uvicorn.Server):
-    """uvicorn that finishes its graceful shutdown on SIGTERM/SIGINT and exits 0 (no re-raise).
-
-    First signal: requests in flight have the grace period (GATEWAY_SHUTDOWN_TIMEOUT), then are cut
-    off: answered 503 `gateway_shutdown`, logged, the request log flushed. Second: the grace period
-    ends now, with the same cut-off, so that an impatient operator loses no request's log row
-    (uvicorn's own second signal skips the app's shutdown: rows unwritten, reservations held).
-    Third: at once."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self._signals = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._hurry = asyncio.Event()  # set by the second signal
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's start, noting its loop (where a signal hands its word to the shutdown)."""
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """A signal, in the main thread between two of the loop's steps: it only leaves word."""
-        self._signals += 1
-        self.should_exit = True
-        if self._signals == 2 and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._hurry.set)
-        elif self._signals >= 3:
-            self.force_exit = True
-
-    async def _wait_tasks_to_complete(self) -> None:
-        """uvicorn's wait for the requests in flight, cut short by a second signal as if the grace
-        period had ended (uvicorn's shutdown then cancels them and runs the app's shutdown)."""
-        waiting = asyncio.ensure_future(super()._wait_tasks_to_complete())
-        hurry = asyncio.ensure_future(self._hurry.wait())
-        try:
-            await asyncio.wait({waiting, hurry}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hurry.cancel()
-        if not waiting.done():
-            waiting.cancel()
-            logger.warning("a second signal: the requests in flight are cut off now")
-            raise TimeoutError
-        waiting.result()
-
-
 def _serve(args: argparse.Namespace) -> int:
     # the flag wins over GATEWAY_POLICY_PATH, which wins over the default, policies/default.yaml
     settings = GatewaySettings() if args.policy is None else GatewaySettings(policy_path=args.policy)
@@ -165,10 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"warning: {args.workers} workers without GATEWAY_REDIS_URL: each keeps its own rate-limit "
               f"and budget counters, so keys may use up to {args.workers}x their limits and budgets",
               file=sys.stderr, flush=True)  # fmt: skip
-    if args.workers > 1:  # uvicorn's supervisor forwards signals to the workers
-        Multiprocess(config, sockets=[config.bind_socket()]).run()
+    if args.workers > 1:  # uvicorn's supervisor, forwarding every stop signal to the workers
+        WorkerSupervisor(config, sockets=[config.bind_socket()]).run()
         return 0
-    server = _CleanExitServer(config)
+    server = CleanExitServer(config)
     server.run()
     return 0 if server.started else 1
 

@@ -26,7 +26,8 @@ class ManagedServer:
     """A server subprocess on a free port, ready once GET `health_path` answers 200.
 
     `command(port)` builds its command line (`port`: a given one, e.g. to restart a server where it
-    was; default a free one); `stop()` sends SIGTERM and returns the exit code.
+    was; default a free one); `stop()` sends SIGTERM and returns the exit code. `process_group`:
+    the server leads a process group of its own (its children, say, can be signalled together).
     """
 
     def __init__(
@@ -36,6 +37,7 @@ class ManagedServer:
         env: dict[str, str] | None = None,
         health_path: str = "/health",
         port: int | None = None,
+        process_group: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.health_path = health_path
@@ -43,8 +45,9 @@ class ManagedServer:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
-            command(self.port), stdout=self.log, stderr=subprocess.STDOUT, env=full_env
-        )
+            command(self.port), stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+            process_group=0 if process_group else None,
+        )  # fmt: skip
         self._wait_ready(ready_timeout)
 
     def _wait_ready(self, timeout: float) -> None:

@@ -38,14 +38,19 @@ def gateway_cli(env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
-def start_gateway(policy: Path, env: dict[str, str]) -> ManagedServer:
-    """Migrate the configured database, then serve `policy`; ready once /health answers."""
+def start_gateway(
+    policy: Path, env: dict[str, str], *serve_args: str, process_group: bool = False
+) -> ManagedServer:
+    """Migrate the configured database, then serve `policy` (`serve_args`: more `serve` options,
+    as `--workers 2`; `process_group`: in a group of its own); ready once /health answers."""
     gateway_cli(env, "db", "upgrade")
     return ManagedServer(
-        lambda port: [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--port", str(port)],
+        lambda port: [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--port", str(port),
+                      *serve_args],
         60,
         env,
-    )
+        process_group=process_group,
+    )  # fmt: skip
 
 
 @contextmanager

@@ -4,12 +4,15 @@ process exits. A stream to a client that stopped reading used to keep it running
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
@@ -46,17 +49,20 @@ def _stuck_reader(port: int, key: str) -> socket.socket:
 Stopped = tuple[float, str, list[str], list[BaseException], str]
 
 
-def _stopped(upstream: ManagedServer, tmp_path: Path, grace: int, signals: int) -> Stopped:
-    """A gateway with a stuck reader's stream and a reading client's under way, sent SIGTERM
-    `signals` times half a second apart: (seconds from the first signal to its exit, its output,
-    the reading client's lines, what that client raised, the database url)."""
+def _stopped(
+    upstream: ManagedServer, tmp_path: Path, grace: int, signals: int, workers: int = 1, ctrl_c: bool = False
+) -> Stopped:
+    """A gateway (of `workers` processes) with a stuck reader's stream and a reading client's under
+    way, sent SIGTERM (`ctrl_c`: its process group sent SIGINT, as a terminal does) `signals` times
+    half a second apart: (seconds from the first signal to its exit, its output, the reading
+    client's lines, what that client raised, the database url)."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
     policy = tmp_path / "policy.yaml"
     policy.write_text(f'backends:\n  fast: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
                       "models:\n  fast: {backend: fast}\n")  # fmt: skip
     env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", "GATEWAY_DATABASE_URL": url,
            "GATEWAY_SHUTDOWN_TIMEOUT": str(grace)}  # fmt: skip
-    gateway = start_gateway(policy, env)
+    gateway = start_gateway(policy, env, "--workers", str(workers), process_group=True)
     stuck: socket.socket | None = None
     lines: list[str] = []
     failures: list[BaseException] = []
@@ -84,7 +90,10 @@ def _stopped(upstream: ManagedServer, tmp_path: Path, grace: int, signals: int) 
         for i in range(signals):
             if i:
                 time.sleep(0.5)
-            gateway.signal(signal.SIGTERM)
+            if ctrl_c:
+                os.killpg(gateway.proc.pid, signal.SIGINT)
+            else:
+                gateway.signal(signal.SIGTERM)
         assert gateway.proc.wait(20) == 0
         took = time.monotonic() - stopped
         reader.join(10)
@@ -92,7 +101,10 @@ def _stopped(upstream: ManagedServer, tmp_path: Path, grace: int, signals: int) 
     finally:
         if stuck is not None:
             stuck.close()
-        gateway.stop()
+        with suppress(subprocess.TimeoutExpired):
+            gateway.stop(5)
+        with suppress(ProcessLookupError):  # its workers too, whatever happened
+            os.killpg(gateway.proc.pid, signal.SIGKILL)
     return took, output, lines, failures, url
 
 
@@ -122,4 +134,25 @@ def test_a_second_signal_ends_the_grace_period_at_once_and_still_logs_every_requ
     # uvicorn's own second signal exits without the app's shutdown: no row for either request
     took, output, lines, failures, url = _stopped(upstream, tmp_path, grace=60, signals=2)
     assert took < 8  # not the minute of grace
+    _cut_off_and_logged(output, lines, failures, url)
+
+
+def test_a_second_signal_to_a_gateway_of_several_workers_ends_every_workers_grace_period_and_logs(
+    upstream: ManagedServer, tmp_path: Path
+) -> None:
+    # uvicorn's supervisor sent its workers one SIGTERM and waited out their grace period; its
+    # workers, plain uvicorn servers, were forced out without the app's shutdown by a second
+    took, output, lines, failures, url = _stopped(upstream, tmp_path, grace=60, signals=2, workers=2)
+    assert took < 8
+    _cut_off_and_logged(output, lines, failures, url)
+
+
+@pytest.mark.parametrize(("presses", "grace"), [(1, 2), (2, 60)])
+def test_ctrl_c_at_a_terminal_gives_several_workers_their_grace_period_and_a_second_ends_it(
+    upstream: ManagedServer, tmp_path: Path, presses: int, grace: int
+) -> None:
+    # each worker gets the terminal's SIGINT and the supervisor's SIGTERM: counted as two, one
+    # Ctrl-C would have ended the grace period; uvicorn's workers forced out on the second Ctrl-C
+    took, output, lines, failures, url = _stopped(upstream, tmp_path, grace, presses, workers=2, ctrl_c=True)
+    assert grace <= took < 10 if presses == 1 else took < 8
     _cut_off_and_logged(output, lines, failures, url)

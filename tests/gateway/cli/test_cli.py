@@ -40,8 +40,8 @@ def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
     def started(*args: object, **kwargs: object) -> None:
         raise _ServerStarted("serve started a server without its secrets")
 
-    monkeypatch.setattr(cli, "_CleanExitServer", started)
-    monkeypatch.setattr(cli, "Multiprocess", started)
+    monkeypatch.setattr(cli, "CleanExitServer", started)
+    monkeypatch.setattr(cli, "WorkerSupervisor", started)
     monkeypatch.setattr(uvicorn, "run", started)
 
 
@@ -122,8 +122,8 @@ def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
         def run(self) -> None:
             pass
 
-    monkeypatch.setattr(cli, "_CleanExitServer", Recorder)
-    monkeypatch.setattr(cli, "Multiprocess", Recorder)
+    monkeypatch.setattr(cli, "CleanExitServer", Recorder)
+    monkeypatch.setattr(cli, "WorkerSupervisor", Recorder)
     argv = ["serve", "--policy", str(POLICY), "--port", "0", "--workers", str(workers)]
     assert cli.main(argv) == 0
     assert dict(os.environ) == before  # the workers get the settings in their config, not our environment
@@ -166,7 +166,7 @@ def test_serve_without_policy_flag_serves_gateway_policy_path(
         def run(self) -> None:
             pass
 
-    monkeypatch.setattr(cli, "_CleanExitServer", Recorder)
+    monkeypatch.setattr(cli, "CleanExitServer", Recorder)
     assert cli.main(["serve", "--port", "0", *(["--policy", str(flag)] if flag else [])]) == 0
     (config,) = started
     assert isinstance(config.app, cli.AppFactory)

@@ -1,0 +1,198 @@
+"""`serve`'s uvicorn, one process or a supervisor of workers, stopping alike on signals.
+
+First SIGTERM/SIGINT: requests in flight have the grace period (GATEWAY_SHUTDOWN_TIMEOUT), then are
+cut off: answered 503 `gateway_shutdown`, logged, the request log flushed, exit 0. Second: the grace
+period ends now, with the same cut-off, so that an impatient operator loses no request's log row
+(uvicorn's own second signal skips the app's shutdown: rows unwritten, reservations held). Third:
+at once. With `--workers N` uvicorn's supervisor sent its workers one SIGTERM and left any later
+signal unread; ours forwards each, and its workers count them as the single server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from contextlib import suppress
+from multiprocessing.connection import wait
+from types import FrameType
+
+import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors.multiprocess import Multiprocess, Process
+
+logger = logging.getLogger(__name__)
+
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+class CleanExitServer(uvicorn.Server):
+    """uvicorn that finishes its graceful shutdown on SIGTERM/SIGINT and exits 0 (no re-raise); a
+    second signal ends the grace period, a third exits at once (the module's docstring)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hurry = asyncio.Event()  # set by the second signal
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start, noting its loop (where a signal hands its word to the shutdown)."""
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A signal, in the main thread between two of the loop's steps: it only leaves word."""
+        self._signals += 1
+        self.should_exit = True
+        if self._signals == 2 and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._hurry.set)
+        elif self._signals >= 3:
+            self.force_exit = True
+
+    async def _wait_tasks_to_complete(self) -> None:
+        """uvicorn's wait for the requests in flight, cut short by a second signal as if the grace
+        period had ended (uvicorn's shutdown then cancels them and runs the app's shutdown)."""
+        waiting = asyncio.ensure_future(super()._wait_tasks_to_complete())
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait({waiting, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            logger.warning("a second signal: the requests in flight are cut off now")
+            raise TimeoutError
+        waiting.result()
+
+
+class _WorkerServer(CleanExitServer):
+    """A worker's server: it counts its supervisor's SIGTERMs only.
+
+    Ctrl-C at a terminal signals the whole process group, workers included, and the supervisor
+    forwards that SIGINT as a SIGTERM too: counting both, one Ctrl-C would end the grace period.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM counts; SIGINT reached the supervisor too, which forwards it."""
+        if sig != signal.SIGINT:
+            super().handle_exit(sig, frame)
+
+
+class _Worker(Process):
+    """uvicorn's worker process (health pings, sockets from the supervisor), serving _WorkerServer."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        """The worker's server, made in the worker process."""
+        if self._server is None:
+            self._server = _WorkerServer(self.config)
+        return self._server
+
+    def target(self, sockets: list[socket.socket] | None = None) -> None:  # pragma: no cover
+        """In the worker: SIGINT ignored from the start (until its server counts signals, a Ctrl-C
+        would raise KeyboardInterrupt in the middle of its start-up), then uvicorn's target."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        super().target(sockets)
+
+
+class WorkerSupervisor(Multiprocess):
+    """uvicorn 0.54's supervisor of `--workers N` (restarts a dead or hung worker, SIGHUP replaces
+    them all, SIGTTIN/SIGTTOU add or remove one), its workers serving _WorkerServer, and every stop
+    signal forwarded to them.
+
+    uvicorn makes its workers in four methods, naming its Process class: those are overridden with
+    uvicorn's code naming _Worker (tests/gateway/cli/test_serving.py notices a fifth).
+    """
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
+        super().__init__(config, sockets)
+        self._stops = 0  # SIGINT and SIGTERM received; terminate_all forwards the first
+
+    def handle_int(self) -> None:
+        """Ctrl-C: stop (uvicorn's), counted."""
+        self._stops += 1
+        super().handle_int()
+
+    def handle_term(self) -> None:
+        """SIGTERM: stop (uvicorn's), counted."""
+        self._stops += 1
+        super().handle_term()
+
+    def join_all(self) -> None:
+        """Wait for the workers, forwarding each further stop signal to them as a SIGTERM (uvicorn
+        left them in its queue: its workers had their whole grace period however often one asked)."""
+        forwarded = 1  # terminate_all's SIGTERM
+        while alive := [p for p in self.processes if p.process.is_alive()]:
+            for sig in tuple(self.signal_queue):
+                self.signal_queue.remove(sig)
+                if sig in _STOPS:
+                    self._stops += 1
+                else:  # a restart or another worker, while they stop: no
+                    logger.info("stopping: signal %s ignored", signal.Signals(sig).name)
+            for _ in range(forwarded, self._stops):
+                logger.info("a further stop signal: forwarded to the workers")
+                for worker in alive:
+                    assert worker.pid is not None
+                    with suppress(ProcessLookupError):  # it has just exited
+                        os.kill(worker.pid, signal.SIGTERM)
+            forwarded = max(forwarded, self._stops)
+            wait([p.process.sentinel for p in alive], timeout=0.1)
+        super().join_all()
+
+    # uvicorn 0.54's four methods that make workers, as they stand there, naming _Worker
+
+    def init_processes(self) -> None:
+        """Start the workers."""
+        for _ in range(self.processes_num):
+            process = _Worker(self.config, self.sockets)
+            process.start()
+            self.processes.append(process)
+
+    def restart_all(self) -> None:
+        """SIGHUP: replace each worker, its replacement in service before the old one is retired."""
+        for idx, old_process in enumerate(self.processes):
+            if self.should_exit.is_set():
+                return
+            new_process = _Worker(self.config, self.sockets)
+            new_process.start()
+            if not new_process.wait_until_ready(self.config.timeout_worker_healthcheck, self.should_exit):
+                new_process.kill()
+                new_process.join()
+                if not self.should_exit.is_set():
+                    logger.error(f"New child process [{new_process.pid}] was not ready in time; "
+                                 f"keeping worker [{old_process.pid}] and aborting the restart.")  # fmt: skip
+                return
+            old_process.terminate()
+            old_process.join()
+            self.processes[idx] = new_process
+
+    def keep_subprocess_alive(self) -> None:
+        """Replace a dead or hung worker; stop when one failed to start (it would fail again)."""
+        if self.should_exit.is_set():
+            return
+        for idx, process in enumerate(self.processes):
+            if process.is_alive(timeout=self.config.timeout_worker_healthcheck):
+                continue
+            process.kill()  # hung: killed
+            process.join()
+            if process.exitcode == STARTUP_FAILURE:
+                logger.error(f"Child process [{process.pid}] failed to start, stopping the parent process.")
+                self.should_exit.set()
+                return
+            if self.should_exit.is_set():
+                return
+            logger.info(f"Child process [{process.pid}] died")
+            process = _Worker(self.config, self.sockets)
+            process.start()
+            self.processes[idx] = process
+
+    def handle_ttin(self) -> None:
+        """SIGTTIN: one worker more."""
+        logger.info("Received SIGTTIN, increasing the number of processes.")
+        self.processes_num += 1
+        process = _Worker(self.config, self.sockets)
+        process.start()
+        self.processes.append(process)
