@@ -133,8 +133,51 @@ class _StopRequested(BaseException):
     """
 
 
-def _request_stop(signum: int, _frame: object) -> None:
-    raise _StopRequested(signal.Signals(signum).name)
+class _StopSignals:
+    """The handler of SIGINT, SIGTERM and SIGHUP: counts them; the first, while the stack starts or
+    runs, raises _StopRequested (so that a signal during the long start-up stops at once too)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.stopping = False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.received += 1
+        if not self.stopping:
+            self.stopping = True
+            raise _StopRequested(signal.Signals(signum).name)
+
+
+def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, timeout: float = 60) -> None:
+    """SIGTERM to each child, the gateway first; another signal meanwhile sends each a second one,
+    and a third kills them (so does `timeout`).
+
+    The second SIGTERM ends the gateway's grace period: its requests in flight are cut off, logged
+    and told (503 `gateway_shutdown`). The engine gets its own (which drops its requests at once)
+    only when the gateway is gone: before, the gateway's requests would end as upstream failures.
+    """
+    signals.stopping = True
+    first = signals.received  # 1 when a signal stopped us, 0 when a child exited by itself
+    order = list(reversed(procs))  # the gateway, then the engine
+    for p in order:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    hurried = 0  # how many of `order` were sent their second SIGTERM
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if signals.received >= first + 2 or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        if signals.received == first + 1:
+            while hurried < len(order) and (hurried == 0 or order[hurried - 1].poll() is not None):
+                if order[hurried].poll() is None:
+                    order[hurried].send_signal(signal.SIGTERM)
+                hurried += 1
+        time.sleep(0.05)
+    for p in procs:
+        p.wait()
 
 
 def run_dev_stack(
@@ -146,16 +189,18 @@ def run_dev_stack(
     SIGINT was not ignored at start-up, and a background job, `nohup` or a CI runner starts us with
     it ignored. The handler raises, so a signal during the (long) start-up stops at once too.
     Each child runs in a process group of its own: Ctrl-C at the terminal reaches only us, and each
-    child gets one SIGTERM from us. In our group it also got the terminal's SIGINT, and a second
+    child gets its SIGTERMs from us. In our group it also got the terminal's SIGINT, and a second
     signal forces uvicorn out without its shutdown (the gateway's queued request-log rows were lost).
-    The terminal closing (SIGHUP) stops both the same way.
+    A second Ctrl-C is forwarded as a second SIGTERM (the gateway cuts its requests off, logged),
+    a third kills both (_stop_children). The terminal closing (SIGHUP) stops both the same way.
     """
     settings = GatewaySettings(dev_mode=True)
     gateway_env = {**os.environ, "GATEWAY_DEV_MODE": "1"}  # the child's environment; ours is unchanged
     engine_url, gateway_url = f"http://{host}:{engine_port}", f"http://{host}:{port}"
     procs: list[subprocess.Popen[bytes]] = []
+    signals = _StopSignals()
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stop, _request_stop)
+        signal.signal(stop, signals)
     try:
         engine_cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--host", host,
                       "--port", str(engine_port), "--no-access-log", *engine_options]  # fmt: skip
@@ -182,19 +227,4 @@ def run_dev_stack(
     except _StopRequested:
         return 0
     finally:
-
-        def kill_all(_signum: int, _frame: object) -> None:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-
-        for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(stop, kill_all)  # a second signal while they stop: kill, do not wait
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop_children(procs, signals)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -19,16 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
+import pytest
 
+from gateway.cli.dev import _stop_children, _StopSignals
 from tests.engine.server_proc import free_port
 
 
 @contextmanager
 def _dev_stack(
-    model: Path, data_dir: Path, port: int, engine_port: int, preexec: Callable[[], None] | None = None
+    model: Path,
+    data_dir: Path,
+    port: int,
+    engine_port: int,
+    preexec: Callable[[], None] | None = None,
+    **more_env: str,
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`gateway dev` started and past its banner: (the process, what it printed)."""
-    env = dict(os.environ, GATEWAY_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, GATEWAY_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1", **more_env)
     for name in ("GATEWAY_MASTER_KEY", "GATEWAY_KEY_SECRET", "GATEWAY_DATABASE_URL"):
         env.pop(name, None)
     # the engine option as make run gives it
@@ -125,3 +136,102 @@ def test_ctrl_c_at_the_terminal_stops_both_gracefully_and_keeps_every_request_lo
     _nothing_listens_on(port, engine_port)
     with sqlite3.connect(tmp_path / "gateway.db") as db:
         assert db.execute("SELECT count(*) FROM request_logs").fetchone() == (3,)
+
+
+def _stuck_stream(port: int, key: str, model: str) -> socket.socket:
+    """A streamed chat request whose answer (some hundred kilobytes: top logprobs on every token)
+    is never read: the gateway keeps it in flight, blocked on the client, until it is cut off."""
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "max_tokens": 400, "logprobs": True, "top_logprobs": 20})  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n")  # fmt: skip
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def test_a_second_sigterm_is_forwarded_so_the_gateway_cuts_its_requests_off_and_logs_them(
+    tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    # was: a second signal killed both children, and the gateway's row for the request was lost
+    port, engine_port = free_port(), free_port()
+    stack = _dev_stack(tiny_chat_model, tmp_path, port, engine_port, GATEWAY_SHUTDOWN_TIMEOUT="60")
+    with stack as (proc, out):
+        key = re.search(r"^\s+key\s+(sk-\S+)", out, re.M)
+        assert key is not None, out
+        stuck = _stuck_stream(port, key.group(1), tiny_chat_model.name)
+        try:
+            assert select.select([stuck], [], [], 30)[0], "the stream did not start"
+            time.sleep(0.3)  # its answer fills the buffers on the way
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0  # not the minute of grace
+        finally:
+            stuck.close()
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert "Traceback" not in rest, rest
+    _nothing_listens_on(port, engine_port)
+    with sqlite3.connect(tmp_path / "gateway.db") as db:
+        rows = db.execute("SELECT status, error_type FROM request_logs").fetchall()
+    assert rows == [(503, "gateway_shutdown")], rest
+
+
+# a child that prints each SIGTERM's number and exits at the `argv[1]`th
+_CHILD = """import signal, sys, time
+count = 0
+def term(_signum, _frame):
+    global count
+    count += 1
+    print(count, flush=True)
+    if count >= int(sys.argv[1]):
+        sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print(0, flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _line(child: subprocess.Popen[str], timeout: float = 5) -> str | None:
+    """The child's next line, or None when none comes within `timeout` seconds."""
+    assert child.stdout is not None
+    return child.stdout.readline() if select.select([child.stdout], [], [], timeout)[0] else None
+
+
+@pytest.mark.parametrize("gateway_exits_at", [2, 99])
+def test_a_second_stop_signal_sends_the_gateway_then_the_engine_a_second_sigterm_and_a_third_kills(
+    gateway_exits_at: int,
+) -> None:
+    def child(exits_at: int) -> subprocess.Popen[str]:
+        command = [sys.executable, "-c", _CHILD, str(exits_at)]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, process_group=0)
+
+    engine, gateway = child(99), child(gateway_exits_at)
+    signals = _StopSignals()
+    signals.received = 1  # the signal that stopped the stack
+    stopper = threading.Thread(target=_stop_children, args=([engine, gateway], signals))
+    try:
+        assert (_line(engine), _line(gateway)) == ("0\n", "0\n")
+        stopper.start()
+        assert (_line(engine), _line(gateway)) == ("1\n", "1\n")
+        signals.received += 1  # another Ctrl-C
+        assert _line(gateway) == "2\n"
+        if gateway_exits_at == 2:  # the gateway gone, the engine's turn
+            assert gateway.wait(5) == 0
+            assert _line(engine) == "2\n"
+        else:  # not before
+            assert _line(engine, 0.3) is None
+        signals.received += 1  # a third
+        stopper.join(5)
+        assert not stopper.is_alive()
+        assert engine.returncode == -signal.SIGKILL
+    finally:
+        for p in (engine, gateway):
+            with suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        if stopper.is_alive():
+            stopper.join(5)
