@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import uvicorn
+from pydantic import SecretStr
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
@@ -103,7 +104,8 @@ class InProcessGateway:
         url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         upgrade(url)
         settings = GatewaySettings(
-            master_key=master_key, key_secret="in-process-secret", database_url=url, policy_path=policy,
+            master_key=SecretStr(master_key), key_secret=SecretStr("in-process-secret"), database_url=url,
+            policy_path=policy,
             otlp_endpoint=None, otlp_traces_endpoint=None,
         )  # fmt: skip
         self.app = create_app(settings, tracing)
