@@ -18,7 +18,7 @@ from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, WHOLE_BODY, Rece
 from gateway.api.body_limit import ClientLeftError, may_exceed, read_body
 from gateway.api.services import Services
 from gateway.errors import GatewayError, error_answer, shutdown_error, stopped_by_shutdown
-from gateway.pipeline.reply import ClientWriter, HeadSender, Reply, error_reply
+from gateway.pipeline.reply import DONE_EVENT, ClientWriter, HeadSender, Reply, error_reply
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
     """
     task = asyncio.current_task()
     assert task is not None
-    state = {"done": False, "left": False, "head": False}
+    state = {"done": False, "left": False, "head": False, "ended": False}
 
     async def head(status: int, headers: list[tuple[bytes, bytes]],
                    opening: bytes | None) -> ClientWriter | None:  # fmt: skip
@@ -178,7 +178,9 @@ async def _told_of_shutdown(send: Send, body_part: BodyPart, state: dict[str, bo
     try:
         async with asyncio.timeout(_SHUTDOWN_WRITE_SECONDS):
             if state["head"]:
-                if not state["done"]:  # (done: the stream's end went out; only the answer's is left)
+                # done or ended: the stream's end went out (ended: its [DONE], while the relay still
+                # reads what the upstream sends after it); only the answer's end is left
+                if not (state["done"] or state["ended"]):
                     await body_part(b"data: " + error_answer(shutdown_error()).body + b"\n\n")
                 await send({"type": "http.response.body", "body": b""})
             else:
@@ -211,8 +213,10 @@ async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dic
             await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
         if first is not None:
             await body_part(first)
+            state["ended"] = first.endswith(DONE_EVENT)
             async for event in events:
                 await body_part(event)
+                state["ended"] = event.endswith(DONE_EVENT)  # (the end comes this way, never pumped)
         state["done"] = True
         await send({"type": "http.response.body", "body": b""})
     except asyncio.CancelledError as exc:

@@ -33,7 +33,7 @@ from gateway.backends.upstream_errors import error_event, reduced_fields
 from gateway.errors import cancelled_outcome
 from gateway.governance.usage import checked_usage
 from gateway.pipeline.call import Call
-from gateway.pipeline.reply import ClientWriter, Outlet
+from gateway.pipeline.reply import DONE_EVENT, ClientWriter, Outlet
 from gateway.pipeline.resume import TOKEN_IDS, StreamTokens, break_reason, ended_early
 from gateway.pipeline.served import Served
 from gateway.store.record import Resumption
@@ -41,7 +41,6 @@ from gateway.store.record import Resumption
 logger = logging.getLogger(__name__)
 
 _DONE = "data: [DONE]"
-_DONE_EVENT = b"data: [DONE]\n\n"
 MAX_STREAM_CHARS = 64 << 20  # a stream's events in all, as a whole answer's bytes (MAX_REPLY_BYTES)
 _AFTER_DONE_SECONDS = 1.0  # how long the upstream may take to end its body once it has sent [DONE]
 
@@ -179,7 +178,7 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                     current = None
                     answered = True
                     done(call, status, error)
-                    yield _DONE_EVENT
+                    yield DONE_EVENT
                     continue
                 mark = perf_counter()
                 try:
@@ -266,7 +265,7 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     if call.ttft is None:
         call.ttft = time.perf_counter() - call.started
     if line == _DONE:
-        return _DONE_EVENT
+        return DONE_EVENT
     if not line.startswith("data:"):  # comments, other fields, stray text: none of it is the client's
         if tokens is not None and line.startswith(TOKEN_IDS):
             tokens.announce(line)

@@ -8,6 +8,8 @@ from typing import Protocol
 
 from gateway.errors import GatewayError, error_answer
 
+DONE_EVENT = b"data: [DONE]\n\n"  # a stream's end, as its client is sent it
+
 
 class ClientWriter(Protocol):
     """The client's connection, written to at once (api/http_protocol.py's, under our own server)."""

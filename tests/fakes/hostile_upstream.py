@@ -29,6 +29,7 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   odd_chunk          a stream opening with role chunks of the wrong shapes (choices 7, delta a string)
   html               a stream answered 200 with an HTML page that names an internal host
   after_done         a stream that goes on after its [DONE]: text, a second usage, [DONE] again
+  stall_after_done   a stream whose [DONE] comes, then nothing (no end of its body) until the caller leaves
   role_spam          a stream of 200 role-only chunks before its text
   two_usage          a stream with a believable usage chunk, then an unbelievable one (2**40)
   big_stream:MIB     a stream of MIB one-MiB text chunks, no usage
@@ -260,6 +261,8 @@ class HostileUpstream:
                 break
             writer.write(_chunk(event))
             await writer.drain()
+            if mode == "stall_after_done" and event == b"data: [DONE]\n\n":
+                return await self._stall(reader)
         writer.write(b"0\r\n\r\n")  # the chunked body ends cleanly, whatever the events said
         await writer.drain()
         return mode not in ("truncate",)

@@ -156,3 +156,50 @@ def test_ctrl_c_at_a_terminal_gives_several_workers_their_grace_period_and_a_sec
     took, output, lines, failures, url = _stopped(upstream, tmp_path, grace, presses, workers=2, ctrl_c=True)
     assert grace <= took < 10 if presses == 1 else took < 8
     _cut_off_and_logged(output, lines, failures, url)
+
+
+def test_a_cut_off_while_the_upstream_s_body_ends_after_done_adds_nothing_after_the_done(
+    tmp_path: Path,
+) -> None:
+    # the relay reads what an upstream sends after [DONE] for a second; a shutdown's cut-off in that
+    # second used to add a `gateway_shutdown` error event after the client's [DONE]
+    hostile = ManagedServer(
+        lambda port: [sys.executable, "tests/fakes/hostile_upstream.py", "--port", str(port)]
+    )
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f'backends:\n  h: {{type: engine, urls: ["{hostile.base_url}"]}}\nmodels:\n  fast: {{backend: h}}\n'
+    )
+    env = {"GATEWAY_MASTER_KEY": "m", "GATEWAY_KEY_SECRET": "s", "GATEWAY_DATABASE_URL": url,
+           "GATEWAY_SHUTDOWN_TIMEOUT": "30"}  # fmt: skip
+    gateway = start_gateway(policy, env, process_group=True)
+    lines: list[str] = []
+    try:
+        key = create_key_cli(env, "after-done")
+        body = {
+            "model": "fast",
+            "stream": True,
+            "messages": [{"role": "user", "content": "mode=stall_after_done"}],
+        }
+        with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body,
+                          headers={"authorization": f"Bearer {key}"}, timeout=30) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if line == "data: [DONE]":  # the gateway now drains the upstream: stop it twice
+                    gateway.signal(signal.SIGTERM)
+                    time.sleep(0.1)
+                    gateway.signal(signal.SIGTERM)
+        assert gateway.proc.wait(20) == 0
+        output = gateway.output()
+    finally:
+        with suppress(subprocess.TimeoutExpired):
+            gateway.stop(5)
+        with suppress(ProcessLookupError):
+            os.killpg(gateway.proc.pid, signal.SIGKILL)
+        hostile.stop()
+    assert "Traceback" not in output
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    rows = read_log_rows(url)
+    assert [(r["status"], r["error_type"]) for r in rows] == [(200, None)]
