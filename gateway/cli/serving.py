@@ -5,7 +5,10 @@ cut off: answered 503 `gateway_shutdown`, logged, the request log flushed, exit 
 period ends now, with the same cut-off, so that an impatient operator loses no request's log row
 (uvicorn's own second signal skips the app's shutdown: rows unwritten, reservations held). Third:
 at once. With `--workers N` uvicorn's supervisor sent its workers one SIGTERM and left any later
-signal unread; ours forwards each, and its workers count them as the single server does.
+signal unread; ours sends that SIGTERM, then each further stop as a SIGUSR1, which its workers count
+as the single server counts its signals. Not a SIGTERM each: systemd's stop (KillMode=control-group,
+its default) and dumb-init signal every process of the group, so each worker got that SIGTERM and
+the supervisor's, and counting both ended the grace period at once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from uvicorn.supervisors.multiprocess import Multiprocess, Process
 logger = logging.getLogger(__name__)
 
 _STOPS = (signal.SIGINT, signal.SIGTERM)
+_FURTHER_STOP = signal.SIGUSR1  # the supervisor's word to its workers: one more stop signal came
 
 
 class CleanExitServer(uvicorn.Server):
@@ -69,15 +73,21 @@ class CleanExitServer(uvicorn.Server):
 
 
 class _WorkerServer(CleanExitServer):
-    """A worker's server: it counts its supervisor's SIGTERMs only.
+    """A worker's server: it counts its supervisor's word only, a first SIGTERM then SIGUSR1s.
 
     Ctrl-C at a terminal signals the whole process group, workers included, and the supervisor
     forwards that SIGINT as a SIGTERM too: counting both, one Ctrl-C would end the grace period.
+    systemd's stop does the same with SIGTERM: only the first SIGTERM counts.
     """
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """SIGTERM counts; SIGINT reached the supervisor too, which forwards it."""
-        if sig != signal.SIGINT:
+        """The first SIGTERM and each SIGUSR1 count; SIGINT, or another SIGTERM, reached the
+        supervisor too, which forwards it."""
+        if sig == _FURTHER_STOP:
+            if not self._signals:  # it overtook the SIGTERM sent before it (Python runs the
+                super().handle_exit(signal.SIGTERM, frame)  # handlers of a lower number first)
+            super().handle_exit(sig, frame)
+        elif sig == signal.SIGTERM and not self._signals:
             super().handle_exit(sig, frame)
 
 
@@ -93,8 +103,10 @@ class _Worker(Process):
 
     def target(self, sockets: list[socket.socket] | None = None) -> None:  # pragma: no cover
         """In the worker: SIGINT ignored from the start (until its server counts signals, a Ctrl-C
-        would raise KeyboardInterrupt in the middle of its start-up), then uvicorn's target."""
+        would raise KeyboardInterrupt in the middle of its start-up), the supervisor's SIGUSR1
+        counted by its server (uvicorn's handles SIGINT and SIGTERM only), then uvicorn's target."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(_FURTHER_STOP, self.server.handle_exit)
         super().target(sockets)
 
 
@@ -122,7 +134,7 @@ class WorkerSupervisor(Multiprocess):
         super().handle_term()
 
     def join_all(self) -> None:
-        """Wait for the workers, forwarding each further stop signal to them as a SIGTERM (uvicorn
+        """Wait for the workers, forwarding each further stop signal to them as a SIGUSR1 (uvicorn
         left them in its queue: its workers had their whole grace period however often one asked)."""
         forwarded = 1  # terminate_all's SIGTERM
         while alive := [p for p in self.processes if p.process.is_alive()]:
@@ -137,7 +149,7 @@ class WorkerSupervisor(Multiprocess):
                 for worker in alive:
                     assert worker.pid is not None
                     with suppress(ProcessLookupError):  # it has just exited
-                        os.kill(worker.pid, signal.SIGTERM)
+                        os.kill(worker.pid, _FURTHER_STOP)
             forwarded = max(forwarded, self._stops)
             wait([p.process.sentinel for p in alive], timeout=0.1)
         super().join_all()

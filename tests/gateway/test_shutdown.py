@@ -50,12 +50,14 @@ Stopped = tuple[float, str, list[str], list[BaseException], str]
 
 
 def _stopped(
-    upstream: ManagedServer, tmp_path: Path, grace: int, signals: int, workers: int = 1, ctrl_c: bool = False
-) -> Stopped:
+    upstream: ManagedServer, tmp_path: Path, grace: int, signals: int, workers: int = 1,
+    group: signal.Signals | None = None,
+) -> Stopped:  # fmt: skip
     """A gateway (of `workers` processes) with a stuck reader's stream and a reading client's under
-    way, sent SIGTERM (`ctrl_c`: its process group sent SIGINT, as a terminal does) `signals` times
-    half a second apart: (seconds from the first signal to its exit, its output, the reading
-    client's lines, what that client raised, the database url)."""
+    way, sent SIGTERM (`group`: its process group sent that signal, as a terminal's Ctrl-C does
+    SIGINT, or systemd's stop SIGTERM) `signals` times half a second apart: (seconds from the first
+    signal to its exit, its output, the reading client's lines, what that client raised, the
+    database url)."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
     policy = tmp_path / "policy.yaml"
     policy.write_text(f'backends:\n  fast: {{type: engine, urls: ["{upstream.base_url}"]}}\n'
@@ -90,8 +92,8 @@ def _stopped(
         for i in range(signals):
             if i:
                 time.sleep(0.5)
-            if ctrl_c:
-                os.killpg(gateway.proc.pid, signal.SIGINT)
+            if group is not None:
+                os.killpg(gateway.proc.pid, group)
             else:
                 gateway.signal(signal.SIGTERM)
         assert gateway.proc.wait(20) == 0
@@ -153,8 +155,22 @@ def test_ctrl_c_at_a_terminal_gives_several_workers_their_grace_period_and_a_sec
 ) -> None:
     # each worker gets the terminal's SIGINT and the supervisor's SIGTERM: counted as two, one
     # Ctrl-C would have ended the grace period; uvicorn's workers forced out on the second Ctrl-C
-    took, output, lines, failures, url = _stopped(upstream, tmp_path, grace, presses, workers=2, ctrl_c=True)
+    took, output, lines, failures, url = _stopped(upstream, tmp_path, grace, presses, workers=2,
+                                                  group=signal.SIGINT)  # fmt: skip
     assert grace <= took < 10 if presses == 1 else took < 8
+    _cut_off_and_logged(output, lines, failures, url)
+
+
+@pytest.mark.parametrize(("signals", "grace"), [(1, 2), (2, 60)])
+def test_a_sigterm_to_the_whole_group_gives_several_workers_their_grace_period_and_a_second_ends_it(
+    upstream: ManagedServer, tmp_path: Path, signals: int, grace: int
+) -> None:
+    # systemd's stop (KillMode=control-group, its default) and dumb-init signal every process of
+    # the group: each worker gets that SIGTERM and the supervisor's, which counted as a second
+    # ended the grace period at once
+    took, output, lines, failures, url = _stopped(upstream, tmp_path, grace, signals, workers=2,
+                                                  group=signal.SIGTERM)  # fmt: skip
+    assert grace <= took < 10 if signals == 1 else took < 8
     _cut_off_and_logged(output, lines, failures, url)
 
 
