@@ -299,7 +299,7 @@ class _CycleTransport:
             or not cycle.message_event.is_set()
         ):
             return None
-        body: bytes = cycle.body
+        body = bytes(cycle.body)  # uvicorn's buffer is a bytearray: bytes, as `receive()` hands it
         cycle.body = b""
         cycle.message_event.clear()
         cycle.flow.resume_reading()

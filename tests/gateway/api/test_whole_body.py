@@ -115,6 +115,17 @@ def test_a_body_that_came_with_its_head_is_handed_over_once_and_receive_then_wai
     run(scenario)
 
 
+def test_a_whole_body_is_handed_over_as_bytes_as_receive_hands_it() -> None:
+    # uvicorn's buffer is a bytearray: handed over as such, the body was mutable and unhashable
+    # where every reader of it (the proxy, the request log) takes bytes
+    async def scenario(app: Recorder, port: int) -> None:
+        body = b'{"a": 1}'
+        assert await _exchange(port, _head(len(body)) + body) == body
+        assert type(app.seen[0]["whole"]) is bytes
+
+    run(scenario)
+
+
 def test_a_body_still_arriving_is_left_to_receive() -> None:
     async def scenario(app: Recorder, port: int) -> None:
         body = b"x" * 1000
