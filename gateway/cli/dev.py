@@ -157,7 +157,9 @@ def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, 
     only when the gateway is gone: before, the gateway's requests would end as upstream failures.
     """
     signals.stopping = True
-    first = signals.received  # 1 when a signal stopped us, 0 when a child exited by itself
+    # 1 when a signal stopped us (any more came since: a second while the start-up unwound), 0
+    # when a child exited by itself
+    first = min(signals.received, 1)
     order = list(reversed(procs))  # the gateway, then the engine
     for p in order:
         if p.poll() is None:
@@ -165,6 +167,7 @@ def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, 
     hurried = 0  # how many of `order` were sent their second SIGTERM
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
+        time.sleep(0.05)  # first: a second SIGTERM sent while the first is pending merges with it
         if signals.received >= first + 2 or time.monotonic() > deadline:
             for p in procs:
                 if p.poll() is None:
@@ -175,7 +178,6 @@ def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, 
                 if order[hurried].poll() is None:
                     order[hurried].send_signal(signal.SIGTERM)
                 hurried += 1
-        time.sleep(0.05)
     for p in procs:
         p.wait()
 

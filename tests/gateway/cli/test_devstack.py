@@ -235,3 +235,32 @@ def test_a_second_stop_signal_sends_the_gateway_then_the_engine_a_second_sigterm
             p.wait()
         if stopper.is_alive():
             stopper.join(5)
+
+
+def test_a_second_signal_that_came_before_the_children_were_stopped_still_hurries_the_gateway() -> None:
+    # a second Ctrl-C while the first unwound the start-up (asyncio.run's clean-up of the dev key's
+    # database, say) was taken for the first: the gateway got one SIGTERM, its whole grace period
+    def child() -> subprocess.Popen[str]:
+        command = [sys.executable, "-c", _CHILD, "2"]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, process_group=0)
+
+    engine, gateway = child(), child()
+    signals = _StopSignals()
+    signals.received, signals.stopping = 2, True  # the signal that stopped the stack, and another
+    stopper = threading.Thread(target=_stop_children, args=([engine, gateway], signals))
+    try:
+        assert (_line(engine), _line(gateway)) == ("0\n", "0\n")
+        stopper.start()
+        assert (_line(gateway), _line(gateway)) == ("1\n", "2\n")
+        assert gateway.wait(5) == 0
+        assert _line(engine) == "1\n" and _line(engine) == "2\n"  # then the engine's turn
+        stopper.join(5)
+        assert not stopper.is_alive()
+    finally:
+        signals.received += 2  # a stopper still waiting kills them
+        for p in (engine, gateway):
+            with suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        if stopper.is_alive():
+            stopper.join(5)
