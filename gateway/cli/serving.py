@@ -51,8 +51,8 @@ class CleanExitServer(uvicorn.Server):
         """A signal, in the main thread between two of the loop's steps: it only leaves word."""
         self._signals += 1
         self.should_exit = True
-        if self._signals == 2 and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._hurry.set)
+        if self._signals == 2 and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._hurry.set)  # (closed: it ended, nothing to hurry)
         elif self._signals >= 3:
             self.force_exit = True
 
