@@ -148,7 +148,7 @@ class _StopSignals:
             raise _StopRequested(signal.Signals(signum).name)
 
 
-def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, timeout: float = 60) -> None:
+def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, timeout: float) -> None:
     """SIGTERM to each child, the gateway first; another signal meanwhile sends each a second one,
     and a third kills them (so does `timeout`).
 
@@ -229,4 +229,4 @@ def run_dev_stack(
     except _StopRequested:
         return 0
     finally:
-        _stop_children(procs, signals)
+        _stop_children(procs, signals, settings.shutdown_timeout + 30)  # the gateway's grace, then some
