@@ -148,7 +148,7 @@ class _StopSignals:
             raise _StopRequested(signal.Signals(signum).name)
 
 
-def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, timeout: float) -> None:
+def _stop_children(procs: list[subprocess.Popen[bytes]], signals: _StopSignals, timeout: float = 60) -> None:
     """SIGTERM to each child, the gateway first; another signal meanwhile sends each a second one,
     and a third kills them (so does `timeout`).
 
