@@ -164,16 +164,22 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                     call.upstream_seconds += perf_counter() - mark
                 current = None
             except (asyncio.CancelledError, GeneratorExit) as exc:
+                call.upstream_seconds += perf_counter() - mark  # (mostly spent waiting for its next line)
                 # a client that closes once it has the end (the official SDKs stop reading at [DONE],
                 # before the upstream's body has ended) got the whole answer
                 if not answered:  # the client left, or the gateway's grace period at shutdown ran out
                     status, error = cancelled_outcome(exc)
                 raise
             except UpstreamRequestErrorEvent as exc:  # the request's own fault: passed on, never resumed
+                call.upstream_seconds += perf_counter() - mark
+                mark = perf_counter()
                 status, error = 400, exc.code
                 current = None
                 yield exc.event
             except Exception as exc:  # broke off mid-stream: resumed, or the client is told
+                # the wait up to the break (a silence, the total timeout) was the upstream's, not ours
+                call.upstream_seconds += perf_counter() - mark
+                mark = perf_counter()
                 if tokens is not None and tokens.finished and call.usage:  # all but the end: given
                     current = None
                     answered = True

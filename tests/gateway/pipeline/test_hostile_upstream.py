@@ -512,3 +512,16 @@ def test_a_hosted_whole_answer_past_64_mib_is_cut_at_its_bound_and_answered_502(
         assert [row["id"] for row in stack.log_rows()].count(answer.request_id) == 1
     last = asyncio.run(_one(stack, key, chat("host", "mode=ok", False, max_tokens=4000)))
     assert last.status == 200, last.body
+
+
+@pytest.mark.parametrize("mode", ["stall", "slow:100"])
+def test_the_time_spent_waiting_on_a_stalled_or_slow_engine_stream_is_the_upstream_s_not_overhead(
+    stack: HostileStack, answers: dict[tuple[str, str, bool], Answer], mode: str
+) -> None:
+    # a stream cut off after seconds of silence (its total timeout) or read a byte at a time: the
+    # gateway's own share of its time (overhead_ms: the row, /metrics) stays that of its work
+    answer = answers[("eng", mode, True)]
+    assert answer.request_id is not None
+    row = stack.rows_for({answer.request_id})[answer.request_id]
+    assert row["latency_ms"] > 1000
+    assert row["overhead_ms"] < 200, (row["latency_ms"], row["overhead_ms"])
