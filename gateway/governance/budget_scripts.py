@@ -55,9 +55,9 @@ for i = 1, nl do
   if tat < now then tat = now end
   new[i] = tat + cost * interval
   local over = new[i] - now - 60
-  if over > wait then wait, culprit = over, i end
+  if over > 0.000001 and over > wait then wait, culprit = over, i end  -- ratelimit.SLACK
 end
-if wait > 0 then return string.format('limit %.6f %d', wait, culprit) end
+if culprit > 0 then return string.format('limit %.6f %d', wait, culprit) end
 local base = 2 + 2 * nl
 for j = 1, nb do
   local value = tonumber(redis.call('GET', KEYS[nl + j]))

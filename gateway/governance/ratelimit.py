@@ -22,6 +22,10 @@ from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 logger = logging.getLogger(__name__)
 
 WINDOW = 60.0  # seconds: limits are per minute
+# seconds a counter may be over its window and still admit: float rounding of `tat + cost * interval
+# - now - WINDOW` leaves a counter exactly at its limit a few ulps over (an rpm_limit of 1 refused
+# its first request at some clock readings), which must not cost the last request a minute allows
+SLACK = 1e-6
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ class LocalRateLimiter:
         for limit in limits:
             new = max(self._tat.get(limit.name, now), now) + limit.cost * limit.interval
             over = new - now - WINDOW
-            if over > 0 and (worst is None or over > worst[0]):
+            if over > SLACK and (worst is None or over > worst[0]):
                 worst = (over, limit)
             updates.append((limit.name, new))
         if worst is not None:
@@ -160,9 +164,9 @@ for i, key in ipairs(KEYS) do
   if tat < now then tat = now end
   new[i] = tat + cost * interval
   local over = new[i] - now - window
-  if over > wait then wait, culprit = over, i end
+  if over > 0.000001 and over > wait then wait, culprit = over, i end  -- SLACK
 end
-if wait > 0 then return string.format('%.6f %d', wait, culprit) end
+if culprit > 0 then return string.format('%.6f %d', wait, culprit) end
 for i, key in ipairs(KEYS) do
   redis.call('SET', key, string.format('%.6f', new[i]), 'PX', math.ceil((new[i] - now) * 1000) + 1000)
 end

@@ -157,3 +157,37 @@ def test_an_unreachable_redis_is_named_to_the_client_without_its_error_text_whic
 def test_a_limiter_error_built_with_details_shows_the_client_none_of_them() -> None:
     error = LimiterUnavailableError("Error 111 connecting to redis-internal:6379. Connection refused.")
     assert "redis-internal" not in str(error) and "redis-internal" in error.detail
+
+
+@pytest.mark.parametrize("per_minute", [1, 3, 7, 60, 1000])
+def test_a_burst_at_one_instant_admits_exactly_the_limit_whatever_the_clock_reads(per_minute: int) -> None:
+    # float rounding of `tat + interval - now - window` once refused the last request a full
+    # minute allows (an rpm_limit of 1 refused its first request at a monotonic clock of 4.32 s)
+    clock = Clock()
+
+    async def run() -> None:
+        for now in (4.323456789, 1000.0, 6234.80723528, 98765.4321, 1_700_000_000.123456):
+            clock.now = now
+            limiter = LocalRateLimiter(clock)
+            for _ in range(per_minute):
+                await limiter.acquire([_rpm("k", per_minute)])
+            with pytest.raises(RateLimitedError):
+                await limiter.acquire([_rpm("k", per_minute)])
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("per_minute", [1, 7, 60])
+def test_redis_admits_exactly_the_limit_in_a_burst(per_minute: int) -> None:
+    async def run() -> None:
+        limiter = RedisRateLimiter(REDIS)
+        name = f"test:{uuid.uuid4().hex}"
+        try:
+            for _ in range(per_minute):
+                await limiter.acquire([_rpm(name, per_minute)])
+            with pytest.raises(RateLimitedError):
+                await limiter.acquire([_rpm(name, per_minute)])
+        finally:
+            await limiter.close()
+
+    asyncio.run(run())
