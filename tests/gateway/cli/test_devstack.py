@@ -229,12 +229,17 @@ def test_a_second_stop_signal_sends_the_gateway_then_the_engine_a_second_sigterm
         assert not stopper.is_alive()
         assert engine.returncode == -signal.SIGKILL
     finally:
-        for p in (engine, gateway):
-            with suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        if stopper.is_alive():
-            stopper.join(5)
+        _end((engine, gateway), stopper)
+
+
+def _end(children: tuple[subprocess.Popen[str], ...], stopper: threading.Thread) -> None:
+    """Whatever a test saw: its children's process groups killed and reaped, its stopper joined."""
+    for p in children:
+        with suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    if stopper.is_alive():
+        stopper.join(5)
 
 
 def test_a_second_signal_that_came_before_the_children_were_stopped_still_hurries_the_gateway() -> None:
@@ -258,9 +263,4 @@ def test_a_second_signal_that_came_before_the_children_were_stopped_still_hurrie
         assert not stopper.is_alive()
     finally:
         signals.received += 2  # a stopper still waiting kills them
-        for p in (engine, gateway):
-            with suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        if stopper.is_alive():
-            stopper.join(5)
+        _end((engine, gateway), stopper)
