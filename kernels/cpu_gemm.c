@@ -37,8 +37,10 @@
 #define CHUNK_PAIRS 256L          /* int32 sums of at most 256 pairs of products, then float32 */
 #define W8A8_MAX_K 65536L         /* w8a8: 255 x 127 x 65,536 < 2^31, one int32 sum per output */
 #define Q4_MAX_GROUP 4096L        /* int4: 4,096 x 15 x 32767 < 2^31, one int32 sum per group */
-/* float32 x, w; int16 x, int8 w; int8 x, w (w8a8); int16 x, int4 w with float32 / float16 scales and offsets */
-enum { F32 = 0, I16 = 1, W8 = 2, Q4 = 3, Q4H = 4 };
+/* float32 x, w; int16 x, int8 w; int8 x, w (w8a8, VNNI); int16 x, int4 w with float32 / float16 scales and
+ * offsets; W16: w8a8 without VNNI, its int8 codes of x held as int16 (I16's tiles, one int32 sum over all k) */
+enum { F32 = 0, I16 = 1, W8 = 2, Q4 = 3, Q4H = 4, W16 = 5 };
+#define IS_PAIRS(MODE) ((MODE) == I16 || (MODE) == W16)
 #define IS_Q4(MODE) ((MODE) == Q4 || (MODE) == Q4H)
 /* a group's 16 scales and 16 offsets: float32, or float16 (GGUF Q4_1's own) */
 #define Q4_SCALE_BYTES(MODE) (2L * PANEL * ((MODE) == Q4H ? 2 : 4))
@@ -134,13 +136,14 @@ static inline __attribute__((always_inline)) void line_i8(const int8_t *panel, l
     }
 
 /* out[i][j] for R rows of int16 codes (row stride ldx, `pairs` pairs each) and one int8 panel (one
- * panel a tile at every row count: measured faster than two at 1-3 rows, unlike float32). */
+ * panel a tile at every row count: measured faster than two at 1-3 rows, unlike float32), the int32
+ * sums of `chunk` pairs at a time added to float32 (I16: CHUNK_PAIRS; W16: all of them, one exact sum). */
 static inline __attribute__((always_inline)) void tile_i8(const int16_t *xq, long ldx, const float *row_scales,
-                                                          long pairs, const int8_t *panel, const float *scales,
-                                                          float *out, long ldo, const int R) {
+                                                          long pairs, long chunk, const int8_t *panel,
+                                                          const float *scales, float *out, long ldo, const int R) {
     IDECLARE(0) IDECLARE(1) IDECLARE(2) IDECLARE(3) IDECLARE(4) IDECLARE(5)
-    for (long t0 = 0; t0 < pairs; t0 += CHUNK_PAIRS) {
-        long t1 = t0 + CHUNK_PAIRS < pairs ? t0 + CHUNK_PAIRS : pairs;
+    for (long t0 = 0; t0 < pairs; t0 += chunk) {
+        long t1 = t0 + chunk < pairs ? t0 + chunk : pairs;
         for (long t = t0; t < t1; t++) {
             v8i b0, b1;
             line_i8(panel, t, &b0, &b1);
@@ -219,12 +222,13 @@ static inline __attribute__((always_inline)) v16i dot_pairs_wide(v16i acc, v16i 
     }
 
 static inline __attribute__((always_inline)) void tile_i8_wide(const int16_t *xq, long ldx, const float *row_scales,
-                                                               long pairs, const int8_t *panel, const float *scales,
-                                                               float *out, long ldo, const int R, const int P) {
+                                                               long pairs, long chunk, const int8_t *panel,
+                                                               const float *scales, float *out, long ldo, const int R,
+                                                               const int P) {
     ZIDECLARE(0) ZIDECLARE(1) ZIDECLARE(2) ZIDECLARE(3) ZIDECLARE(4) ZIDECLARE(5)
     const int8_t *next = panel + pairs * 2 * PANEL;
-    for (long t0 = 0; t0 < pairs; t0 += CHUNK_PAIRS) {
-        long t1 = t0 + CHUNK_PAIRS < pairs ? t0 + CHUNK_PAIRS : pairs;
+    for (long t0 = 0; t0 < pairs; t0 += chunk) {
+        long t1 = t0 + chunk < pairs ? t0 + chunk : pairs;
         for (long t = t0; t < t1; t++) {
             v16i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(panel + t * 2 * PANEL)));
             v16i b1 = _mm512_setzero_si512();
@@ -405,7 +409,7 @@ static inline __attribute__((always_inline)) void tile_w8(const int8_t *xq, long
     QSTORE(0) QSTORE(1) QSTORE(2) QSTORE(3) QSTORE(4) QSTORE(5)
 }
 #else
-#define VNNI 0 /* no dpbusd: gemm_w8a8 refuses, the engine keeps torch's integer product */
+#define VNNI 0 /* no dpbusd: gemm_w8a8 runs on int8 panels and int16 codes (W16) */
 #endif
 
 #else
@@ -426,17 +430,17 @@ static void tile_f32(const float *x, long k_len, const float *panel, float *out,
         }
 }
 
-static void tile_i8(const int16_t *xq, long ldx, const float *row_scales, long pairs, const int8_t *panel,
-                    const float *scales, float *out, long ldo, const int R) {
+static void tile_i8(const int16_t *xq, long ldx, const float *row_scales, long pairs, long chunk,
+                    const int8_t *panel, const float *scales, float *out, long ldo, const int R) {
     for (int i = 0; i < R; i++)
         for (int j = 0; j < PANEL; j++) {
             const int8_t *w = panel + j * 2;
             float sum = 0.0f;
-            for (long t0 = 0; t0 < pairs; t0 += CHUNK_PAIRS) {
-                int32_t chunk = 0;
-                for (long t = t0; t < t0 + CHUNK_PAIRS && t < pairs; t++)
-                    chunk += xq[i * ldx + 2 * t] * w[t * 2 * PANEL] + xq[i * ldx + 2 * t + 1] * w[t * 2 * PANEL + 1];
-                sum += (float)chunk;
+            for (long t0 = 0; t0 < pairs; t0 += chunk) {
+                int32_t part = 0;
+                for (long t = t0; t < t0 + chunk && t < pairs; t++)
+                    part += xq[i * ldx + 2 * t] * w[t * 2 * PANEL] + xq[i * ldx + 2 * t + 1] * w[t * 2 * PANEL + 1];
+                sum += (float)part;
             }
             out[i * ldo + j] = sum * row_scales[i] * scales[j];
         }
@@ -498,24 +502,26 @@ static inline RowCodes rows_from(RowCodes q, long i) {
 }
 
 /* R rows (1 to TILE_ROWS) by P panels (1, or 2 with R <= 3: float32 only) as a constant-shape tile.
- * `x` is float32 (F32, depth = k), int16 pairs (I16, depth = the pairs) or int8 quads (W8, depth =
- * the quads), the latter two with `q`; a row of x takes depth * 4 bytes in each. */
+ * `x` is float32 (F32, depth = k), int16 pairs (I16, W16: depth = the pairs) or int8 quads (W8,
+ * depth = the quads), the latter two with `q`; a row of x takes depth * 4 bytes in each. */
 static inline __attribute__((always_inline)) void tile(const void *x, RowCodes q, long depth, const void *panel,
                                                        const float *scales, float *out, long ldo, const int R,
                                                        const int P, const int MODE) {
 #if WIDE
     if (MODE == F32)
         tile_f32_wide((const float *)x, depth, (const float *)panel, out, ldo, R, P);
-    else if (MODE == I16)
-        tile_i8_wide((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R, P);
+    else if (IS_PAIRS(MODE))
+        tile_i8_wide((const int16_t *)x, 2 * depth, q.scales, depth, MODE == I16 ? CHUNK_PAIRS : depth,
+                     (const int8_t *)panel, scales, out, ldo, R, P);
     else if (IS_Q4(MODE))
         tile_q4_wide((const int16_t *)x, 2 * depth, q.scales, q.group_sums, q.groups, q.group / 4,
                      (const uint8_t *)panel, out, ldo, R, P, MODE);
 #else
     if (MODE == F32)
         tile_f32((const float *)x, depth, (const float *)panel, out, ldo, R, P);
-    else if (MODE == I16)
-        tile_i8((const int16_t *)x, 2 * depth, q.scales, depth, (const int8_t *)panel, scales, out, ldo, R);
+    else if (IS_PAIRS(MODE))
+        tile_i8((const int16_t *)x, 2 * depth, q.scales, depth, MODE == I16 ? CHUNK_PAIRS : depth,
+                (const int8_t *)panel, scales, out, ldo, R);
     else if (IS_Q4(MODE))
         tile_q4((const int16_t *)x, 2 * depth, q.scales, q.group_sums, q.groups, q.group / 4,
                 (const uint8_t *)panel, out, ldo, R, MODE);
@@ -560,10 +566,10 @@ static inline __attribute__((always_inline)) void rows_by_panels(const void *x, 
 static inline __attribute__((always_inline)) void panel_rows(const void *x, RowCodes q, long r0, long r1, long depth,
                                                              const void *packed, const float *scales, long p,
                                                              long n_out, float *y, int pair, const int MODE) {
-    /* a line of a panel: 16 floats (F32), 16 x 2 int8 (I16), 16 x 4 int8 (W8); Q4: a group of
+    /* a line of a panel: 16 floats (F32), 16 x 2 int8 (I16, W16), 16 x 4 int8 (W8); Q4: a group of
      * inputs takes 16 x group / 2 bytes of nibbles and 16 x 2 floats */
     long panel_bytes = IS_Q4(MODE) ? q.groups * (PANEL * q.group / 2 + Q4_SCALE_BYTES(MODE))
-                                   : depth * PANEL * (MODE == I16 ? 2 : 4);
+                                   : depth * PANEL * (IS_PAIRS(MODE) ? 2 : 4);
     const void *panel = (const char *)packed + p * panel_bytes;
     const float *panel_scales = MODE == F32 || IS_Q4(MODE) ? NULL : scales + p * PANEL;
     long col = p * PANEL, width = (pair ? 2 : 1) * PANEL;
@@ -583,14 +589,14 @@ static inline __attribute__((always_inline)) void panel_rows(const void *x, RowC
 }
 
 /* y (rows, n_out) = x @ w.T over the packed w: float32 x and panels (F32, depth = k), or codes of x
- * with `q` and int8 panels with `scales` per column (I16: depth = pairs of k; W8: quads of k). */
+ * with `q` and int8 panels with `scales` per column (I16, W16: depth = pairs of k; W8: quads of k). */
 static inline __attribute__((always_inline)) void gemm(const void *x, RowCodes q, long rows, long depth,
                                                        const void *packed, const float *scales, long n_out,
                                                        float *y, const int MODE) {
     long panels = (n_out + PANEL - 1) / PANEL;
     /* two panels a tile: float32 at a decode step's few rows (AVX2), float32, int8 and int4 at every
      * row count (AVX-512: a panel is one register, so a 6-row tile of two panels keeps 12 sums) */
-    int paired = (MODE == F32 && (rows <= 3 || WIDE)) || ((MODE == I16 || IS_Q4(MODE)) && WIDE);
+    int paired = (MODE == F32 && (rows <= 3 || WIDE)) || ((IS_PAIRS(MODE) || IS_Q4(MODE)) && WIDE);
     long units = paired ? (panels + 1) / 2 : panels;
     long chunk = CHUNK_BYTES / (depth * 4) / TILE_ROWS * TILE_ROWS;
     if (chunk < TILE_ROWS) chunk = TILE_ROWS;
@@ -606,13 +612,13 @@ static inline __attribute__((always_inline)) void gemm(const void *x, RowCodes q
 
 /* Row r of x (rows, k_len) as integer codes round(x / s_r) with s_r = max(max |x_r| / qmax, FLT_MIN)
  * (a normal float: a subnormal scale keeps a few bits, and x / s_r could pass qmax),
- * rounded half to even (torch.round's rule): int16 codes, qmax 32767 (I16), or int8 codes, qmax 127,
- * and their sum (W8); `width` codes a row, zeros past k_len. A row holding a NaN or an infinity gets
+ * rounded half to even (torch.round's rule): int16 codes, qmax 32767 (I16), int8 codes, qmax 127,
+ * and their sum (W8), or the same codes as int16 (W16); `width` codes a row, zeros past k_len. A row holding a NaN or an infinity gets
  * zero codes and the scale NaN: its outputs are NaN, as a float product's. */
 static inline __attribute__((always_inline)) void quantize_rows(const float *x, long rows, long k_len, long width,
                                                                 void *codes, float *row_scales,
                                                                 int32_t *row_sums, const int MODE) {
-    const float qmax = MODE == W8 ? 127.0f : QMAX;
+    const float qmax = MODE == W8 || MODE == W16 ? 127.0f : QMAX;
     const size_t code_bytes = MODE == W8 ? 1 : 2;
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * k_len;
@@ -705,32 +711,41 @@ int gemm_i8(const float *x, long rows, long k_len, const int8_t *packed, const f
 }
 
 /* w8a8: x's rows rounded to int8 codes (one scale a row, max |x| / 127) times int8 weight codes, in
- * exact int32 sums (VNNI's dpbusd: four products per lane and instruction), each output
- * float(sum) * row scale * column scale: torch._int_mm's answer on the same codes, bit for bit.
- * `packed` holds the codes + 128 as unsigned bytes in ceil(n_out / PANEL) panels of
- * (ceil(k_len / 4), PANEL, 4) (128 past n_out and k_len). Returns 0; -1 when the codes cannot be
- * allocated; -2 where this CPU has no VNNI or k_len is past W8A8_MAX_K (the sums could overflow). */
-int gemm_w8a8(const float *x, long rows, long k_len, const uint8_t *packed, const float *scales, long n_out,
+ * exact int32 sums, each output float(sum) * row scale * column scale: torch._int_mm's answer on the
+ * same codes, bit for bit. Where the CPU has VNNI, `packed` holds the codes + 128 as unsigned bytes
+ * in ceil(n_out / PANEL) panels of (ceil(k_len / 4), PANEL, 4) (128 past n_out and k_len), and
+ * dpbusd takes four products per lane and instruction. Elsewhere (torch._int_mm is then oneDNN's
+ * reference loop, ~30x slower than float32 at 32 rows) `packed` holds the signed codes as gemm_i8's
+ * panels of (ceil(k_len / 2), PANEL, 2) and x's codes are held as int16: gemm_i8's tiles with one
+ * int32 sum over all of k (|sum| <= 65,536 x 127 x 128 < 2^31). Returns 0; -1 when the codes cannot
+ * be allocated; -2 past W8A8_MAX_K inputs (the sums could overflow). */
+int gemm_w8a8(const float *x, long rows, long k_len, const void *packed, const float *scales, long n_out,
               float *y) {
-#if VNNI
     if (k_len > W8A8_MAX_K) return -2;
-    long quads = (k_len + 3) / 4;
-    int8_t *xq = malloc((size_t)(rows * 4 * quads));
+#if VNNI
+    long depth = (k_len + 3) / 4;
+    size_t code_bytes = 4 * sizeof(int8_t);
+#else
+    long depth = (k_len + 1) / 2;
+    size_t code_bytes = 2 * sizeof(int16_t);
+#endif
+    void *xq = malloc((size_t)(rows * depth) * code_bytes);
     float *row_scales = malloc((size_t)rows * sizeof(float));
     int32_t *row_sums = malloc((size_t)rows * sizeof(int32_t));
     int failed = xq == NULL || row_scales == NULL || row_sums == NULL;
     if (!failed) {
-        quantize_rows(x, rows, k_len, 4 * quads, xq, row_scales, row_sums, W8);
-        gemm(xq, (RowCodes){row_scales, row_sums, NULL, 0, 0}, rows, quads, packed, scales, n_out, y, W8);
+#if VNNI
+        quantize_rows(x, rows, k_len, 4 * depth, xq, row_scales, row_sums, W8);
+        gemm(xq, (RowCodes){row_scales, row_sums, NULL, 0, 0}, rows, depth, packed, scales, n_out, y, W8);
+#else
+        quantize_rows(x, rows, k_len, 2 * depth, xq, row_scales, NULL, W16);
+        gemm(xq, (RowCodes){row_scales, NULL, NULL, 0, 0}, rows, depth, packed, scales, n_out, y, W16);
+#endif
     }
     free(xq);
     free(row_scales);
     free(row_sums);
     return failed ? -1 : 0;
-#else
-    (void)x, (void)rows, (void)k_len, (void)packed, (void)scales, (void)n_out, (void)y;
-    return -2;
-#endif
 }
 
 /* int4 weights in groups, w[j][i] = q * d + m with q in 0..15 and float32 (d, m) per column and group

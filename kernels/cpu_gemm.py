@@ -11,9 +11,12 @@ n)` rounds each row of x to int16 codes with its own scale and multiplies them w
 codes in exact integer sums (two products per instruction and lane: twice float32's work per
 instruction), also each row on its own. Its exact reference is `reference_int8_gemm` below.
 
-`pack_w8a8` and `bind_w8a8` are w8a8's product where the CPU has VNNI: each row of x rounded to
-int8 codes (max |x| / 127) times int8 codes, four products per lane and instruction, in exact int32
-sums: bit for bit what torch._int_mm gives on the same codes (engine/layers/quant.py's W8A8Weight).
+`pack_w8a8` and `bind_w8a8` are w8a8's product: each row of x rounded to int8 codes (max |x| / 127)
+times int8 codes in exact int32 sums, bit for bit what torch._int_mm gives on the same codes
+(engine/layers/quant.py's W8A8Weight). Where the CPU has VNNI, four products per lane and
+instruction (dpbusd) over codes + 128 in quads; elsewhere `pack_int8`'s panels and the int8 tiles
+over int16-held codes, one sum over all of k (torch._int_mm has no fast path there: oneDNN's
+reference loop, ~30x float32's time at 32 rows).
 
 `pack_int4` lays 4-bit weights in groups out (w = q * d + m per column and group of inputs, q in
 0..15, float32 d and m: GGUF Q4_1's form, and any asymmetric or symmetric 4-bit grid's; float16 d
@@ -61,7 +64,7 @@ class CpuGemm:
         self._threads.restype = ctypes.c_int
         self.panel = int(library.gemm_panel_width())
         self.vectorized = bool(library.gemm_vectorized())  # False: correct scalar sums, too slow to use
-        self.vnni = bool(library.gemm_vnni())  # False: no w8a8 product here (torch._int_mm stays)
+        self.vnni = bool(library.gemm_vnni())  # False: w8a8 panels hold pairs of signed codes here
         self.half_scales = bool(library.gemm_half_scales())  # False: int4 keeps float32 scales here
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -93,10 +96,13 @@ class CpuGemm:
         return lines.reshape(panels * self.panel, 2 * pairs)[:n, :k]
 
     def pack_w8a8(self, codes: torch.Tensor) -> torch.Tensor:
-        """(n, k) int8 codes -> (ceil(n / panel), ceil(k / 4), 4 * panel) uint8 codes + 128: each line
-        four consecutive inputs of the panel's columns, 128 (code 0) past row n and column k."""
+        """(n, k) int8 codes -> where this CPU has VNNI, (ceil(n / panel), ceil(k / 4), 4 * panel) uint8
+        codes + 128: each line four consecutive inputs of the panel's columns, 128 (code 0) past row n
+        and column k; elsewhere `pack_int8`'s panels (the signed codes in pairs)."""
         if codes.dtype != torch.int8 or codes.dim() != 2 or codes.device.type != "cpu":
             raise ValueError(f"packs 2-D int8 CPU codes, got {tuple(codes.shape)} {codes.dtype}")
+        if not self.vnni:
+            return self.pack_int8(codes)
         n, k = codes.shape
         panels, quads = -(-n // self.panel), -(-k // 4)
         padded = codes.new_zeros(panels * self.panel, 4 * quads)
@@ -200,16 +206,16 @@ class CpuGemm:
 
     def bind_w8a8(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> PanelProduct:
         """The w8a8 product with one pack_w8a8 weight of k inputs and its padded scales, checked now;
-        refused where this CPU has no VNNI or past W8A8_MAX_K inputs."""
-        if not self.vnni:
-            raise ValueError("the w8a8 product needs VNNI (AVX-VNNI or AVX-512 VNNI) on this CPU")
+        refused past W8A8_MAX_K inputs (its int32 sums could overflow)."""
         if k > W8A8_MAX_K:
             raise ValueError(f"the w8a8 product takes at most {W8A8_MAX_K} inputs, got {k}")
-        if packed.dtype != torch.uint8 or scales.dtype != torch.float32:
+        dtype = torch.uint8 if self.vnni else torch.int8  # pack_w8a8's layout on this CPU
+        if packed.dtype != dtype or scales.dtype != torch.float32:
             raise ValueError(
-                f"the w8a8 gemm takes uint8 panels and float32 scales, got {packed.dtype}, {scales.dtype}"
+                f"the w8a8 gemm takes {dtype} panels and float32 scales here, "
+                f"got {packed.dtype}, {scales.dtype}"
             )
-        self._check_scaled_panels(packed, scales, n, k, 4)
+        self._check_scaled_panels(packed, scales, n, k, 4 if self.vnni else 2)
         return PanelProduct(self._gemm_w8a8, W8A8, (packed, scales), k, n)
 
     def bind_int4(self, packed: torch.Tensor, n: int, k: int, group: int) -> PanelProduct:
@@ -307,7 +313,7 @@ class PanelProduct:
             failed = self._kernel(x.data_ptr(), rows, k, *self._pointers, self.n, y.data_ptr())
             if failed == -1:
                 raise MemoryError(f"no memory for the integer codes of a ({rows}, {k}) input")
-            if failed:  # -2: w8a8 without VNNI, int4 groups that do not fit: refused when bound
+            if failed:  # -2: w8a8 past W8A8_MAX_K, int4 groups that do not fit: refused when bound
                 raise RuntimeError("the product does not run on this CPU or for these shapes")
         elif rows and self.n:
             y.zero_()

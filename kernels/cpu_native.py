@@ -46,13 +46,15 @@ class CpuKernels:
     path: Path
 
 
-def load(cache_dir: Path, compiler: str | None = None) -> CpuKernels | None:
-    """The kernels built for this machine under `cache_dir` (built now if missing), or None."""
-    return _load(Path(cache_dir), compiler)
+def load(cache_dir: Path, compiler: str | None = None, march: str = "native") -> CpuKernels | None:
+    """The kernels built for this machine under `cache_dir` (built now if missing), or None.
+    `march`: another instruction set than this CPU's (`haswell`: AVX2 and FMA, no AVX-512, no
+    VNNI), for tests and benchmarks of the code an older CPU runs; this CPU must run it."""
+    return _load(Path(cache_dir), compiler, march)
 
 
 @lru_cache(maxsize=8)
-def _load(cache_dir: Path, compiler: str | None) -> CpuKernels | None:
+def _load(cache_dir: Path, compiler: str | None, march: str) -> CpuKernels | None:
     cc = compiler or shutil.which("cc") or shutil.which("gcc")
     if cc is None or shutil.which(cc) is None:
         logger.warning(
@@ -60,7 +62,7 @@ def _load(cache_dir: Path, compiler: str | None) -> CpuKernels | None:
         )
         return None
     try:
-        path = _built(cache_dir, cc)
+        path = _built(cache_dir, cc, march)
         library = ctypes.CDLL(str(path))
         return CpuKernels(CpuGemm(library), CpuDecode(library), CpuStack(library), path)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
@@ -68,11 +70,13 @@ def _load(cache_dir: Path, compiler: str | None) -> CpuKernels | None:
         return None
 
 
-def _built(cache_dir: Path, cc: str) -> Path:
-    """The library's path, compiling it first unless a build for these sources, compiler and CPU exists."""
+def _built(cache_dir: Path, cc: str, march: str = "native") -> Path:
+    """The library's path, compiling it first unless a build for these sources, flags, compiler and
+    CPU exists."""
+    flags = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     parts = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(), _cpu_flags()]))
     target = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -80,7 +84,7 @@ def _built(cache_dir: Path, cc: str) -> Path:
     fd, partial = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        command = [cc, *FLAGS, *map(str, SOURCES), "-lm", "-o", partial]
+        command = [cc, *flags, *map(str, SOURCES), "-lm", "-o", partial]
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-500:]}")

@@ -15,7 +15,7 @@
 /* cpu_gemm.c */
 void gemm_f32(const float *x, long rows, long k_len, const float *packed, long n_out, float *y);
 int gemm_i8(const float *x, long rows, long k_len, const int8_t *packed, const float *scales, long n_out, float *y);
-int gemm_w8a8(const float *x, long rows, long k_len, const uint8_t *packed, const float *scales, long n_out,
+int gemm_w8a8(const float *x, long rows, long k_len, const void *packed, const float *scales, long n_out,
               float *y);
 int gemm_q4(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y);
 int gemm_q4h(const float *x, long rows, long k_len, const uint8_t *packed, long group, long n_out, float *y);

@@ -195,17 +195,20 @@ class PackedInt4Weight:
 @dataclass(frozen=True)
 class PackedW8A8Weight:
     """w8a8's weight (engine/layers/quant.py's W8A8Weight) with a second layout of its codes for the
-    C product where the CPU has VNNI: up to FEW_ROWS rows (decode steps) the C kernel's dpbusd
+    C product. Where the CPU has VNNI: up to FEW_ROWS rows (decode steps) the C kernel's dpbusd
     (2.8-3.6x float32's product, 1.1-6.5x torch._int_mm's at 1-16 rows), past them torch._int_mm
-    (faster there: oneDNN's larger tiles). Both are exact int32 sums with the same float steps after,
-    so they give the same bits and the engine stays batch-invariant. Costs one more byte a weight."""
+    (faster there: oneDNN's larger tiles). Without VNNI the C product takes every row count:
+    torch._int_mm is oneDNN's reference loop there (24 ms for 32 x 576 x 1536 on a Zen 3 core pair,
+    29x float32's product). Both are exact int32 sums with the same float steps after, so they give
+    the same bits and the engine stays batch-invariant. Costs one more byte a weight."""
 
     FEW_ROWS = 16
 
     weight: W8A8Weight
-    packed: Tensor  # (ceil(out / 16), ceil(in / 4), 64) uint8: the codes + 128
+    packed: Tensor  # VNNI: (ceil(out / 16), ceil(in / 4), 64) uint8, the codes + 128; else pack_int8's
     scales: Tensor  # (ceil(out / 16) * 16,) float32
     product: PanelProduct
+    row_limit: int | None  # the most rows the C product takes (None: any), torch._int_mm past it
 
     @classmethod
     def of(cls, weight: W8A8Weight, gemm: CpuGemm) -> PackedW8A8Weight:
@@ -213,7 +216,8 @@ class PackedW8A8Weight:
         out_features, in_features = weight.shape
         packed = gemm.pack_w8a8(weight.qweight.t())
         scales = gemm.pack_scales(weight.scales)
-        return cls(weight, packed, scales, gemm.bind_w8a8(packed, scales, out_features, in_features))
+        product = gemm.bind_w8a8(packed, scales, out_features, in_features)
+        return cls(weight, packed, scales, product, cls.FEW_ROWS if gemm.vnni else None)
 
     @property
     def shape(self) -> torch.Size:
@@ -231,7 +235,7 @@ class PackedW8A8Weight:
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x (..., in) @ w.T (+ bias) in x's dtype: each row quantized to int8 by its own maximum."""
-        if x.numel() > self.FEW_ROWS * x.shape[-1]:
+        if self.row_limit is not None and x.numel() > self.row_limit * x.shape[-1]:
             return self.weight.matmul(x, bias)
         return _product(self.product, x, bias)
 
@@ -261,22 +265,22 @@ def stack_product(weight: object) -> tuple[PanelProduct, int | None] | None:
         return weight.product, None
     if isinstance(weight, PackedInt4Weight):
         return (weight.product, None) if weight.input_perm is None else None
-    if isinstance(weight, PackedW8A8Weight):  # the same bits past FEW_ROWS, where torch._int_mm is faster
-        return weight.product, PackedW8A8Weight.FEW_ROWS
+    if isinstance(weight, PackedW8A8Weight):  # the same bits past row_limit, where torch._int_mm is faster
+        return weight.product, weight.row_limit
     return None
 
 
 def use_packed_int8(model: nn.Module, gemm: CpuGemm) -> int:
     """Every Int8Weight of the model (int8's projections and LM head, w8a8's output and down
-    projections, int4's head) becomes a PackedInt8Weight, and, where the CPU has VNNI, every
-    W8A8Weight (w8a8's QKV and gate/up) a PackedW8A8Weight; returns how many."""
+    projections, int4's head) becomes a PackedInt8Weight, and every W8A8Weight (w8a8's QKV and
+    gate/up) of up to W8A8_MAX_K inputs a PackedW8A8Weight; returns how many."""
     swapped = 0
     for module in model.modules():
         for name, value in list(vars(module).items()):
             if type(value) is Int8Weight:
                 setattr(module, name, PackedInt8Weight.of(value, gemm))
                 swapped += 1
-            elif type(value) is W8A8Weight and gemm.vnni and value.shape[1] <= W8A8_MAX_K:
+            elif type(value) is W8A8Weight and value.shape[1] <= W8A8_MAX_K:
                 setattr(module, name, PackedW8A8Weight.of(value, gemm))
                 swapped += 1
     return swapped
@@ -286,12 +290,18 @@ def rows_alone(model: nn.Module) -> bool:
     """Whether every product of the model (projections and LM head) is one of the C kernel's over
     packed weights, which compute each row on its own: a batch-invariant step then needs no rows
     padded to MKL's row multiple."""
-    alone = (PackedWeight, PackedInt8Weight, PackedInt4Weight)
     for module in model.modules():
         for name in PROJECTIONS.get(type(module).__name__, ()):
-            if not isinstance(getattr(module, name), alone):
+            if not _alone(getattr(module, name)):
                 return False
-    return isinstance(getattr(model, "head_weight", None), alone)
+    return _alone(getattr(model, "head_weight", None))
+
+
+def _alone(weight: object) -> bool:
+    """Whether the weight's every product is a C kernel's (w8a8: where no row count goes to torch)."""
+    if isinstance(weight, PackedW8A8Weight):
+        return weight.row_limit is None
+    return isinstance(weight, (PackedWeight, PackedInt8Weight, PackedInt4Weight))
 
 
 def use_packed_weights(model: nn.Module, gemm: CpuGemm) -> int:

@@ -22,8 +22,9 @@ on), in both modes; and int4 is made for the C kernel's own int4 product at load
 values come back to float32's rounding). The default model's figures are in docs/quantization.md.
 
 - w8a8 (`W8A8Weight`, QKV and gate/up only): int8 weights times int8 activations with one scale per
-  row, through torch's integer matmul; several times faster for batches (see the class). Where the
-  CPU has VNNI, decode steps' few rows take the C kernel's product instead (packed.py's
+  row, through torch's integer matmul; several times faster for batches where the CPU has VNNI
+  (see the class). There, decode steps' few rows take the C kernel's product instead; without VNNI
+  (torch's product is then oneDNN's slow reference loop) every row count does (packed.py's
   `PackedW8A8Weight`, the same bits).
 
 The embedding table stays in the model's dtype for the lookups (tied to the LM head, the head gets
@@ -101,7 +102,8 @@ class W8A8Weight:
     """Int8 weights (one scale per output channel) times int8 activations (one scale per row,
     from the row's own maximum, at each product): torch's integer matmul accumulates exactly in
     int32, so a row's result never depends on the other rows (batch-invariant), and from a few
-    rows on it runs several times faster than the float or weight-only kernels on this CPU."""
+    rows on it runs several times faster than the float or weight-only kernels on a CPU with VNNI
+    (without, it is ~30x slower: the engine's C product replaces it, packed.py)."""
 
     qweight: Tensor  # (in, out) int8: the (out, in) codes transposed, as torch._int_mm reads them
     scales: Tensor  # (out,) float32

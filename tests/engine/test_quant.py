@@ -27,7 +27,7 @@ from tests.engine.server_proc import ServerProcess
 _CPU = cpu_native.load(kernel_cache_dir())
 # where the C product builds, the engine moves every int8 weight to it (engine/layers/packed.py)
 INT8_KIND = PackedInt8Weight if _CPU is not None and _CPU.gemm.vectorized else Int8Weight
-W8A8_KIND = PackedW8A8Weight if _CPU is not None and _CPU.gemm.vectorized and _CPU.gemm.vnni else W8A8Weight
+W8A8_KIND = PackedW8A8Weight if _CPU is not None and _CPU.gemm.vectorized else W8A8Weight
 INT4_KIND = PackedInt4Weight if _CPU is not None and _CPU.gemm.vectorized else Int4Weight
 
 
@@ -380,10 +380,12 @@ def test_the_c_decode_path_gives_the_torch_paths_tokens_and_logprobs_in_float32(
             assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b, strict=True))
 
 
-@pytest.mark.skipif(_CPU is None or not _CPU.gemm.vnni, reason="no VNNI (dpbusd) on this CPU")
+@pytest.mark.skipif(_CPU is None or not _CPU.gemm.vectorized, reason="the C product builds vectorized on x86")
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
 def test_the_packed_w8a8_product_gives_torch_int_mms_bits_at_every_row_count(rows: int) -> None:
-    """C's dpbusd up to 16 rows, torch._int_mm past them: the same exact sums, the same bits."""
+    """With VNNI, C's dpbusd up to 16 rows and torch._int_mm past them; without, C's int16 lanes at
+    every row count (torch._int_mm is oneDNN's slow reference loop there): the same exact sums, the
+    same bits."""
     assert _CPU is not None
     gen = torch.Generator().manual_seed(rows)
     weight, x, bias = (
@@ -393,6 +395,7 @@ def test_the_packed_w8a8_product_gives_torch_int_mms_bits_at_every_row_count(row
     )
     plain = W8A8Weight.quantize(weight)
     packed = PackedW8A8Weight.of(plain, _CPU.gemm)
+    assert packed.row_limit == (PackedW8A8Weight.FEW_ROWS if _CPU.gemm.vnni else None)
     assert packed.shape == plain.shape and torch.equal(packed.dequantize(), plain.dequantize())
     got = packed.matmul(x, bias)
     assert got.shape == (rows, 99)
@@ -480,4 +483,5 @@ def test_an_int4_engine_computes_its_own_rows_only_in_both_modes(
         runner = LLM(path, quantization="int4", batch_invariant=invariant).engine.runner
         assert isinstance(runner.model.head_weight, PackedInt8Weight) and not runner._pad_rows
     assert LLM(path).engine.runner._pad_rows is False  # float32, packed
-    assert LLM(path, quantization="w8a8").engine.runner._pad_rows is True  # torch._int_mm past 16 rows
+    # with VNNI, torch._int_mm past 16 rows; without, the C kernel at every row count
+    assert LLM(path, quantization="w8a8").engine.runner._pad_rows is _CPU.gemm.vnni

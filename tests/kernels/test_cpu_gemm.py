@@ -3,7 +3,6 @@ against their exact references; their row invariance, their packing, and what th
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 
 import pytest
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 
 from engine.config import kernel_cache_dir
 from kernels import cpu_native
-from kernels.cpu_gemm import INT4_MAX_GROUP, reference_int4_gemm, reference_int8_gemm
+from kernels.cpu_gemm import INT4_MAX_GROUP, CpuGemm, reference_int4_gemm, reference_int8_gemm
 
 KERNELS = cpu_native.load(kernel_cache_dir())
 GEMM = None if KERNELS is None else KERNELS.gemm
@@ -231,7 +230,19 @@ def test_int8_gemm_refuses_what_it_cannot_read() -> None:
     assert torch.equal(got, torch.zeros(3, 5))
 
 
-needs_vnni = pytest.mark.skipif(GEMM is None or not GEMM.vnni, reason="no VNNI (dpbusd) on this CPU")
+def _w8a8_builds() -> list[str]:
+    """The builds whose w8a8 product the tests run: this CPU's, and where it has VNNI (dpbusd over
+    quads) also one for AVX2 alone (pairs of codes on int16 lanes: what a CPU without VNNI runs)."""
+    return ["native", "haswell"] if GEMM is not None and GEMM.vnni else ["native"]
+
+
+@pytest.fixture(scope="module", params=_w8a8_builds())
+def w8a8_gemm(request: pytest.FixtureRequest) -> CpuGemm:
+    march = request.param
+    kernels = KERNELS if march == "native" else cpu_native.load(kernel_cache_dir(), march=march)
+    if kernels is None:
+        pytest.skip(f"no C kernels built for -march={march} here")
+    return kernels.gemm
 
 
 def _int_mm_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -241,29 +252,50 @@ def _int_mm_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return torch._int_mm(x_codes, codes.t().contiguous()).float().mul_(row_scale).mul_(scales)
 
 
-@needs_vnni
+@needs_gemm
 @pytest.mark.parametrize(
     ("rows", "k", "n"),
     [(1, 576, 960), (2, 64, 17), (3, 7, 16), (4, 101, 33), (13, 1537, 130), (300, 20, 40), (40, 1536, 576)],
 )
-def test_w8a8_gemm_is_torch_int_mm_bit_for_bit(rows: int, k: int, n: int) -> None:
-    assert GEMM is not None
+def test_w8a8_gemm_is_torch_int_mm_bit_for_bit(w8a8_gemm: CpuGemm, rows: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(rows + k + n)
     x = torch.randn(rows, k, generator=gen) * 3
     codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, generator=gen) + 0.01
-    packed = GEMM.pack_w8a8(codes)
-    assert packed.shape == (-(-n // 16), -(-k // 4), 64) and packed.dtype == torch.uint8
-    got = GEMM.bind_w8a8(packed, GEMM.pack_scales(scales), n, k)(x)
+    packed = w8a8_gemm.pack_w8a8(codes)
+    if w8a8_gemm.vnni:  # quads of the codes + 128
+        assert packed.shape == (-(-n // 16), -(-k // 4), 64) and packed.dtype == torch.uint8
+    else:  # the int8 product's pairs
+        assert torch.equal(packed, w8a8_gemm.pack_int8(codes))
+    got = w8a8_gemm.bind_w8a8(packed, w8a8_gemm.pack_scales(scales), n, k)(x)
     assert torch.equal(got, _int_mm_reference(x, codes, scales))
 
 
-@needs_vnni
-def test_w8a8_rows_keep_their_bits_and_a_non_finite_row_gives_nan() -> None:
-    assert GEMM is not None
+@needs_gemm
+def test_w8a8_sums_as_large_as_they_may_grow_stay_exact(w8a8_gemm: CpuGemm) -> None:
+    """W8A8_MAX_K inputs with codes near +-127 on both sides: int32 sums near +-2^30, exact (no float
+    steps between inputs: a float32 running sum past 2^24 would drop their low bits)."""
+    from kernels.cpu_gemm import W8A8_MAX_K
+
+    k = W8A8_MAX_K
+    gen = torch.Generator().manual_seed(7)
+    x = torch.ones(2, k)
+    x[1, 1:] = torch.rand(k - 1, generator=gen) * 0.5 + 0.5  # codes 64..127
+    codes = torch.randint(100, 128, (3, k), generator=gen, dtype=torch.int8)
+    codes[1] = -codes[1] - 1  # -128..-101
+    codes[2] = torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8)
+    scales = torch.ones(3)
+    got = w8a8_gemm.bind_w8a8(w8a8_gemm.pack_w8a8(codes), w8a8_gemm.pack_scales(scales), 3, k)(x)
+    want = _int_mm_reference(x, codes, scales)
+    assert want[:, :2].abs().min() > 2**29 * (1 / 127)
+    assert torch.equal(got, want)
+
+
+@needs_gemm
+def test_w8a8_rows_keep_their_bits_and_a_non_finite_row_gives_nan(w8a8_gemm: CpuGemm) -> None:
     x, codes, scales = _int8_case(200, 130, 301, 13)
     codes = codes.clamp(min=-127)
-    product = GEMM.bind_w8a8(GEMM.pack_w8a8(codes), GEMM.pack_scales(scales), 301, 130)
+    product = w8a8_gemm.bind_w8a8(w8a8_gemm.pack_w8a8(codes), w8a8_gemm.pack_scales(scales), 301, 130)
     _rows_keep_their_bits(product, x)
     x[3, 129] = float("nan")
     x[4, 0] = float("-inf")
@@ -272,24 +304,19 @@ def test_w8a8_rows_keep_their_bits_and_a_non_finite_row_gives_nan() -> None:
     assert torch.equal(got[[0, 1, 2, 5]], _int_mm_reference(x[[0, 1, 2, 5]], codes, scales))
 
 
-@needs_vnni
-def test_w8a8_gemm_refuses_what_it_cannot_run() -> None:
-    from kernels.cpu_gemm import W8A8_MAX_K, CpuGemm
+@needs_gemm
+def test_w8a8_gemm_refuses_what_it_cannot_run(w8a8_gemm: CpuGemm) -> None:
+    from kernels.cpu_gemm import W8A8_MAX_K
 
-    assert GEMM is not None and KERNELS is not None
     codes = torch.randint(-127, 128, (20, 9), dtype=torch.int8)
-    packed, scales = GEMM.pack_w8a8(codes), GEMM.pack_scales(torch.rand(20))
+    packed, scales = w8a8_gemm.pack_w8a8(codes), w8a8_gemm.pack_scales(torch.rand(20))
     with pytest.raises(ValueError, match="shapes"):
-        GEMM.bind_w8a8(packed, scales, 20, 13)  # 4 quads of inputs, the panels hold 3
-    with pytest.raises(ValueError, match="uint8 panels"):
-        GEMM.bind_w8a8(packed.view(torch.int8), scales, 20, 9)
+        w8a8_gemm.bind_w8a8(packed, scales, 20, 13)  # one more line of inputs than the panels hold
+    with pytest.raises(ValueError, match="panels and float32 scales"):  # the other build's layout
+        w8a8_gemm.bind_w8a8(packed.view(torch.int8 if w8a8_gemm.vnni else torch.uint8), scales, 20, 9)
     with pytest.raises(ValueError, match="at most"):
-        GEMM.bind_w8a8(packed, scales, 20, W8A8_MAX_K + 1)  # its int32 sums could overflow
-    without_vnni = CpuGemm(ctypes.CDLL(str(KERNELS.path)))
-    without_vnni.vnni = False
-    with pytest.raises(ValueError, match="VNNI"):
-        without_vnni.bind_w8a8(packed, scales, 20, 9)
-    product = GEMM.bind_w8a8(packed, scales, 20, 9)
+        w8a8_gemm.bind_w8a8(packed, scales, 20, W8A8_MAX_K + 1)  # its int32 sums could overflow
+    product = w8a8_gemm.bind_w8a8(packed, scales, 20, 9)
     with pytest.raises(ValueError, match="shapes"):
         product(torch.randn(2, 12))
 

@@ -50,3 +50,23 @@ def test_a_failing_build_leaves_no_library_and_says_why(
     assert cpu_native.load(tmp_path / "kernels", compiler=str(compiler)) is None
     assert "exited with 3" in caplog.text and "broken" in caplog.text
     assert list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_another_instruction_set_is_passed_to_the_compiler_and_built_apart(tmp_path: Path) -> None:
+    """`march` replaces -march=native (a build for the code an older CPU runs), under its own key."""
+    args = tmp_path / "args"
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\n'
+        f'echo "$@" >> {args}\n'
+        'while [ "$1" != -o ]; do shift; done\necho fake > "$2"\n'  # the library the build writes
+    )
+    compiler.chmod(0o755)
+    haswell = cpu_native._built(tmp_path / "kernels", str(compiler), march="haswell")
+    native = cpu_native._built(tmp_path / "kernels", str(compiler))
+    assert haswell != native and haswell.exists() and native.exists()
+    first, second = (line.split() for line in args.read_text().splitlines())
+    assert "-march=haswell" in first and "-march=native" not in first
+    assert "-march=native" in second and "-march=haswell" not in second
+    assert cpu_native._built(tmp_path / "kernels", str(compiler), march="haswell") == haswell  # cached
+    assert len(args.read_text().splitlines()) == 2
