@@ -100,7 +100,13 @@ static inline __attribute__((always_inline)) v8i dot_pairs(v8i acc, v8i a, v8i w
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpwssd_epi32(acc, a, w);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, w));
+    /* one asm block: GCC otherwise computes a step's madds first, into as many more registers, and
+     * with the sums, codes and lines that is more than AVX2's 16 (spills on the loop's critical path) */
+    v8i product;
+    __asm__("vpmaddwd %[w], %[a], %[p]\n\tvpaddd %[p], %[acc], %[acc]"
+            : [acc] "+x"(acc), [p] "=&x"(product)
+            : [a] "x"(a), [w] "x"(w));
+    return acc;
 #endif
 }
 
