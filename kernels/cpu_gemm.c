@@ -32,6 +32,9 @@
 
 #define PANEL 16
 #define TILE_ROWS 6
+/* rows of a tile: TILE_ROWS, but 4 for AVX2's int4 tiles, whose 6-row form needs more than AVX2's 16
+ * registers (12 int32 sums, 2 lines of nibbles, their 2 halves, the mask and a broadcast code) */
+#define ROWS_PER_TILE(MODE) (IS_Q4(MODE) && !WIDE ? 4 : TILE_ROWS)
 #define CHUNK_BYTES (512L * 1024) /* rows of x taken per pass over the weights: ~half an L2 */
 #define QMAX 32767.0f             /* int16 activation codes: -32767..32767 */
 #define CHUNK_PAIRS 256L          /* int32 sums of at most 256 pairs of products, then float32 */
@@ -92,16 +95,22 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, long 
     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
 }
 
-/* acc's eight int32 lanes += a.w pairwise (int16 pairs): VNNI's dpwssd where the CPU has it. No
- * product pair overflows (|w| <= 128, |a| <= 32767), so dpwssd and madd + add agree bit for bit. */
-static inline __attribute__((always_inline)) v8i dot_pairs(v8i acc, v8i a, v8i w) {
+/* acc's eight int32 lanes += a.w pairwise (int16 pairs) in a tile of R rows: VNNI's dpwssd where the
+ * CPU has it. No product pair overflows (|w| <= 128, |a| <= 32767), so dpwssd and madd + add agree
+ * bit for bit. Without VNNI, from 4 rows on, madd and add are one asm block: GCC otherwise computes
+ * a step's madds first, into as many more registers, which with the sums, codes and lines is more
+ * than AVX2's 16; it spilled sums, a store and a reload a step on the loop's critical path (the
+ * int8 product at 32 rows ran at half its speed). At 1-3 rows the registers suffice, and GCC's own
+ * schedule is faster (measured: the asm block cost 10-20% at one row). */
+static inline __attribute__((always_inline)) v8i dot_pairs(v8i acc, v8i a, v8i w, const int R) {
 #if defined(__AVXVNNI__)
+    (void)R;
     return _mm256_dpwssd_avx_epi32(acc, a, w);
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)R;
     return _mm256_dpwssd_epi32(acc, a, w);
 #else
-    /* one asm block: GCC otherwise computes a step's madds first, into as many more registers, and
-     * with the sums, codes and lines that is more than AVX2's 16 (spills on the loop's critical path) */
+    if (R < 4) return _mm256_add_epi32(acc, _mm256_madd_epi16(a, w));
     v8i product;
     __asm__("vpmaddwd %[w], %[a], %[p]\n\tvpaddd %[p], %[acc], %[acc]"
             : [acc] "+x"(acc), [p] "=&x"(product)
@@ -125,8 +134,8 @@ static inline __attribute__((always_inline)) void line_i8(const int8_t *panel, l
         int32_t pair;                                                                                        \
         memcpy(&pair, xq + i * ldx + 2 * t, sizeof pair);                                                    \
         v8i a = _mm256_set1_epi32(pair);                                                                     \
-        n##i##a = dot_pairs(n##i##a, a, b0);                                                                 \
-        n##i##b = dot_pairs(n##i##b, a, b1);                                                                 \
+        n##i##a = dot_pairs(n##i##a, a, b0, R);                                                              \
+        n##i##b = dot_pairs(n##i##b, a, b1, R);                                                              \
     }
 #define FOLD(i)                                                                                              \
     if (R > i) {                                                                                             \
@@ -579,8 +588,9 @@ static inline __attribute__((always_inline)) void panel_rows(const void *x, RowC
     const void *panel = (const char *)packed + p * panel_bytes;
     const float *panel_scales = MODE == F32 || IS_Q4(MODE) ? NULL : scales + p * PANEL;
     long col = p * PANEL, width = (pair ? 2 : 1) * PANEL;
-    for (long i = r0; i < r1; i += TILE_ROWS) {
-        long rows = r1 - i < TILE_ROWS ? r1 - i : TILE_ROWS; /* <= 3 when `pair` without AVX-512 (gemm) */
+    const long step = ROWS_PER_TILE(MODE);
+    for (long i = r0; i < r1; i += step) {
+        long rows = r1 - i < step ? r1 - i : step; /* <= 3 when `pair` without AVX-512 (gemm) */
         const void *xi = (const char *)x + i * depth * 4;
         RowCodes qi = rows_from(q, i);
         if (col + width <= n_out) {
