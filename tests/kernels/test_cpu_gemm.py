@@ -120,6 +120,22 @@ def _int8_case(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torc
     return x, codes, torch.rand(n, generator=gen) + 0.01
 
 
+def _builds() -> list[str]:
+    """The builds whose integer products the tests run: this CPU's, and where it has VNNI also one
+    for AVX2 alone (madd + add instead of dpwssd, w8a8 on int16 lanes instead of dpbusd over quads:
+    what a CPU without VNNI runs)."""
+    return ["native", "haswell"] if GEMM is not None and GEMM.vnni else ["native"]
+
+
+@pytest.fixture(scope="module", params=_builds())
+def build_gemm(request: pytest.FixtureRequest) -> CpuGemm:
+    march = request.param
+    kernels = KERNELS if march == "native" else cpu_native.load(kernel_cache_dir(), march=march)
+    if kernels is None:
+        pytest.skip(f"no C kernels built for -march={march} here")
+    return kernels.gemm
+
+
 @needs_gemm
 @pytest.mark.parametrize(
     ("rows", "k", "n"),
@@ -134,13 +150,12 @@ def _int8_case(rows: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torc
         (40, 1536, 576),
     ],
 )
-def test_int8_gemm_is_its_reference_bit_for_bit(rows: int, k: int, n: int) -> None:
-    assert GEMM is not None
+def test_int8_gemm_is_its_reference_bit_for_bit(build_gemm: CpuGemm, rows: int, k: int, n: int) -> None:
     x, codes, scales = _int8_case(rows, k, n, rows * 1000 + k + n)
-    packed = GEMM.pack_int8(codes)
+    packed = build_gemm.pack_int8(codes)
     assert packed.shape == (-(-n // 16), -(-k // 2), 32)
-    assert torch.equal(GEMM.unpack_int8(packed, n, k), codes)
-    got = GEMM.int8(x, packed, GEMM.pack_scales(scales), n)
+    assert torch.equal(build_gemm.unpack_int8(packed, n, k), codes)
+    got = build_gemm.int8(x, packed, build_gemm.pack_scales(scales), n)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.equal(got, reference_int8_gemm(x, codes, scales))
     exact = x.double() @ (codes.double() * scales.double()[:, None]).T
@@ -230,21 +245,6 @@ def test_int8_gemm_refuses_what_it_cannot_read() -> None:
     assert torch.equal(got, torch.zeros(3, 5))
 
 
-def _w8a8_builds() -> list[str]:
-    """The builds whose w8a8 product the tests run: this CPU's, and where it has VNNI (dpbusd over
-    quads) also one for AVX2 alone (pairs of codes on int16 lanes: what a CPU without VNNI runs)."""
-    return ["native", "haswell"] if GEMM is not None and GEMM.vnni else ["native"]
-
-
-@pytest.fixture(scope="module", params=_w8a8_builds())
-def w8a8_gemm(request: pytest.FixtureRequest) -> CpuGemm:
-    march = request.param
-    kernels = KERNELS if march == "native" else cpu_native.load(kernel_cache_dir(), march=march)
-    if kernels is None:
-        pytest.skip(f"no C kernels built for -march={march} here")
-    return kernels.gemm
-
-
 def _int_mm_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """w8a8 in torch: rows to int8 by their own maximum, torch._int_mm, then row and column scales."""
     row_scale = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
@@ -257,22 +257,22 @@ def _int_mm_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     ("rows", "k", "n"),
     [(1, 576, 960), (2, 64, 17), (3, 7, 16), (4, 101, 33), (13, 1537, 130), (300, 20, 40), (40, 1536, 576)],
 )
-def test_w8a8_gemm_is_torch_int_mm_bit_for_bit(w8a8_gemm: CpuGemm, rows: int, k: int, n: int) -> None:
+def test_build_gemm_is_torch_int_mm_bit_for_bit(build_gemm: CpuGemm, rows: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(rows + k + n)
     x = torch.randn(rows, k, generator=gen) * 3
     codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, generator=gen) + 0.01
-    packed = w8a8_gemm.pack_w8a8(codes)
-    if w8a8_gemm.vnni:  # quads of the codes + 128
+    packed = build_gemm.pack_w8a8(codes)
+    if build_gemm.vnni:  # quads of the codes + 128
         assert packed.shape == (-(-n // 16), -(-k // 4), 64) and packed.dtype == torch.uint8
     else:  # the int8 product's pairs
-        assert torch.equal(packed, w8a8_gemm.pack_int8(codes))
-    got = w8a8_gemm.bind_w8a8(packed, w8a8_gemm.pack_scales(scales), n, k)(x)
+        assert torch.equal(packed, build_gemm.pack_int8(codes))
+    got = build_gemm.bind_w8a8(packed, build_gemm.pack_scales(scales), n, k)(x)
     assert torch.equal(got, _int_mm_reference(x, codes, scales))
 
 
 @needs_gemm
-def test_w8a8_sums_as_large_as_they_may_grow_stay_exact(w8a8_gemm: CpuGemm) -> None:
+def test_w8a8_sums_as_large_as_they_may_grow_stay_exact(build_gemm: CpuGemm) -> None:
     """W8A8_MAX_K inputs with codes near +-127 on both sides: int32 sums near +-2^30, exact (no float
     steps between inputs: a float32 running sum past 2^24 would drop their low bits)."""
     from kernels.cpu_gemm import W8A8_MAX_K
@@ -285,17 +285,17 @@ def test_w8a8_sums_as_large_as_they_may_grow_stay_exact(w8a8_gemm: CpuGemm) -> N
     codes[1] = -codes[1] - 1  # -128..-101
     codes[2] = torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8)
     scales = torch.ones(3)
-    got = w8a8_gemm.bind_w8a8(w8a8_gemm.pack_w8a8(codes), w8a8_gemm.pack_scales(scales), 3, k)(x)
+    got = build_gemm.bind_w8a8(build_gemm.pack_w8a8(codes), build_gemm.pack_scales(scales), 3, k)(x)
     want = _int_mm_reference(x, codes, scales)
     assert want[:, :2].abs().min() > 2**29 * (1 / 127)
     assert torch.equal(got, want)
 
 
 @needs_gemm
-def test_w8a8_rows_keep_their_bits_and_a_non_finite_row_gives_nan(w8a8_gemm: CpuGemm) -> None:
+def test_w8a8_rows_keep_their_bits_and_a_non_finite_row_gives_nan(build_gemm: CpuGemm) -> None:
     x, codes, scales = _int8_case(200, 130, 301, 13)
     codes = codes.clamp(min=-127)
-    product = w8a8_gemm.bind_w8a8(w8a8_gemm.pack_w8a8(codes), w8a8_gemm.pack_scales(scales), 301, 130)
+    product = build_gemm.bind_w8a8(build_gemm.pack_w8a8(codes), build_gemm.pack_scales(scales), 301, 130)
     _rows_keep_their_bits(product, x)
     x[3, 129] = float("nan")
     x[4, 0] = float("-inf")
@@ -305,18 +305,18 @@ def test_w8a8_rows_keep_their_bits_and_a_non_finite_row_gives_nan(w8a8_gemm: Cpu
 
 
 @needs_gemm
-def test_w8a8_gemm_refuses_what_it_cannot_run(w8a8_gemm: CpuGemm) -> None:
+def test_build_gemm_refuses_what_it_cannot_run(build_gemm: CpuGemm) -> None:
     from kernels.cpu_gemm import W8A8_MAX_K
 
     codes = torch.randint(-127, 128, (20, 9), dtype=torch.int8)
-    packed, scales = w8a8_gemm.pack_w8a8(codes), w8a8_gemm.pack_scales(torch.rand(20))
+    packed, scales = build_gemm.pack_w8a8(codes), build_gemm.pack_scales(torch.rand(20))
     with pytest.raises(ValueError, match="shapes"):
-        w8a8_gemm.bind_w8a8(packed, scales, 20, 13)  # one more line of inputs than the panels hold
+        build_gemm.bind_w8a8(packed, scales, 20, 13)  # one more line of inputs than the panels hold
     with pytest.raises(ValueError, match="panels and float32 scales"):  # the other build's layout
-        w8a8_gemm.bind_w8a8(packed.view(torch.int8 if w8a8_gemm.vnni else torch.uint8), scales, 20, 9)
+        build_gemm.bind_w8a8(packed.view(torch.int8 if build_gemm.vnni else torch.uint8), scales, 20, 9)
     with pytest.raises(ValueError, match="at most"):
-        w8a8_gemm.bind_w8a8(packed, scales, 20, W8A8_MAX_K + 1)  # its int32 sums could overflow
-    product = w8a8_gemm.bind_w8a8(packed, scales, 20, 9)
+        build_gemm.bind_w8a8(packed, scales, 20, W8A8_MAX_K + 1)  # its int32 sums could overflow
+    product = build_gemm.bind_w8a8(packed, scales, 20, 9)
     with pytest.raises(ValueError, match="shapes"):
         product(torch.randn(2, 12))
 
@@ -351,19 +351,20 @@ def _int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group: int) 
     ],
 )
 @pytest.mark.parametrize("half", [False, True])
-def test_int4_gemm_is_its_reference_bit_for_bit(rows: int, k: int, n: int, group: int, half: bool) -> None:
-    assert GEMM is not None
-    if half and not GEMM.half_scales:
+def test_int4_gemm_is_its_reference_bit_for_bit(
+    build_gemm: CpuGemm, rows: int, k: int, n: int, group: int, half: bool
+) -> None:
+    if half and not build_gemm.half_scales:
         pytest.skip("float16 scales need F16C")
     x, q, d, m = _int4_case(rows, k, n, group, rows * 1000 + k + n + group)
     if half:  # Q4_1's form: float16 scales and offsets, stored as such (5 bits a weight, not 6)
         d, m = d.half().float(), m.half().float()
-    packed = GEMM.pack_int4(q, d, m, group, half)
+    packed = build_gemm.pack_int4(q, d, m, group, half)
     line = 8 * group + (64 if half else 128)
     assert packed.shape == (-(-n // 16), k // group, line) and packed.dtype == torch.uint8
-    back = GEMM.unpack_int4(packed, n, group)
+    back = build_gemm.unpack_int4(packed, n, group)
     assert torch.equal(back[0], q) and torch.equal(back[1], d) and torch.equal(back[2], m)
-    got = GEMM.bind_int4(packed, n, k, group)(x)
+    got = build_gemm.bind_int4(packed, n, k, group)(x)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.equal(got, reference_int4_gemm(x, q, d, m, group))
     exact = x.double() @ _int4_weight(q, d, m, group).T
