@@ -614,8 +614,9 @@ static inline __attribute__((always_inline)) void gemm(const void *x, RowCodes q
      * row count (AVX-512: a panel is one register, so a 6-row tile of two panels keeps 12 sums) */
     int paired = (MODE == F32 && (rows <= 3 || WIDE)) || ((IS_PAIRS(MODE) || IS_Q4(MODE)) && WIDE);
     long units = paired ? (panels + 1) / 2 : panels;
-    long chunk = CHUNK_BYTES / (depth * 4) / TILE_ROWS * TILE_ROWS;
-    if (chunk < TILE_ROWS) chunk = TILE_ROWS;
+    const long step = ROWS_PER_TILE(MODE); /* a chunk holds whole tiles */
+    long chunk = CHUNK_BYTES / (depth * 4) / step * step;
+    if (chunk < step) chunk = step;
     for (long r0 = 0; r0 < rows; r0 += chunk) { /* x's chunk stays in cache while the panels stream by */
         long r1 = r0 + chunk < rows ? r0 + chunk : rows;
 #pragma omp parallel for schedule(static)
