@@ -4,6 +4,8 @@ reservations, all or nothing) and one settle, each a single round trip, each saf
 
 from __future__ import annotations
 
+from gateway.governance.ratelimit import SLACK
+
 # A marker outlives any request (a day); a settle removes it, so only requests in flight, and
 # tombstones of blind settles (Redis failed), hold one.
 MARKER_SECONDS = 86400
@@ -55,7 +57,7 @@ for i = 1, nl do
   if tat < now then tat = now end
   new[i] = tat + cost * interval
   local over = new[i] - now - 60
-  if over > 0.000001 and over > wait then wait, culprit = over, i end  -- ratelimit.SLACK
+  if over > $SLACK and over > wait then wait, culprit = over, i end
 end
 if culprit > 0 then return string.format('limit %.6f %d', wait, culprit) end
 local base = 2 + 2 * nl
@@ -72,7 +74,7 @@ for j = 1, nb do
   redis.call('SET', KEYS[nl + nb + j], ARGV[base + 2 * j] .. ' ' .. seed, 'EX', ARGV[base + 2 * nb + 1])
 end
 return 'ok'
-"""
+""".replace("$SLACK", repr(SLACK))
 
 # KEYS: counter, its seed. ARGV: the spend so far, a new seed token, the lifetime in seconds ('' for
 # none: a total budget's counter). The first seeder wins; the seed goes with the counter.

@@ -164,14 +164,14 @@ for i, key in ipairs(KEYS) do
   if tat < now then tat = now end
   new[i] = tat + cost * interval
   local over = new[i] - now - window
-  if over > 0.000001 and over > wait then wait, culprit = over, i end  -- SLACK
+  if over > $SLACK and over > wait then wait, culprit = over, i end
 end
 if culprit > 0 then return string.format('%.6f %d', wait, culprit) end
 for i, key in ipairs(KEYS) do
   redis.call('SET', key, string.format('%.6f', new[i]), 'PX', math.ceil((new[i] - now) * 1000) + 1000)
 end
 return '0'
-"""
+""".replace("$SLACK", repr(SLACK))
 
 # KEYS[1]: counter. ARGV: interval, delta.
 _ADJUST = """
