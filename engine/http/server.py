@@ -292,8 +292,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 class DrainingServer(uvicorn.Server):
     """uvicorn, but SIGTERM/SIGINT first drains: 503 for new work, requests in flight finish, exit 0.
 
-    A second signal exits at once. If the engine dies (loading or the step loop failed, or its
-    thread is gone), the server stops and `engine_died` is set: the process exits non-zero so
+    A second signal ends the drain now: the requests in flight are aborted (streams get their error
+    event), the connections' grace ends, the engine stops, exit 0. A third exits at once (uvicorn's
+    force_exit, which skips the engine's stop). If the engine dies (loading or the step loop failed,
+    or its thread is gone), the server stops and `engine_died` is set: the process exits non-zero so
     that its supervisor restarts it; /health answers 503 until then.
     """
 
@@ -302,7 +304,8 @@ class DrainingServer(uvicorn.Server):
         self._engine = engine
         self._drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
+        self._cut_off = asyncio.Event()  # set once a second signal's aborts have been delivered
         self.engine_died = False
 
     async def serve(self, sockets: Any = None) -> None:
@@ -327,19 +330,48 @@ class DrainingServer(uvicorn.Server):
                 return
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """First signal: drain. Second: exit now. (Not re-raised, so the exit code stays 0.)"""
-        if self._draining or self._loop is None:
+        """A signal, in the main thread between two of the loop's steps: it only leaves word (the
+        class's docstring). Not re-raised, so the exit code stays 0."""
+        self._signals += 1
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._signals >= 3:  # before serving, after it, or a third
             self.should_exit = True
-            self.force_exit = self._draining
+            self.force_exit = self._signals >= 3
             return
-        self._draining = True
-        logger.info("received %s: draining", signal.Signals(sig).name)
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        name = signal.Signals(sig).name
+        if self._signals == 1:
+            logger.info("received %s: draining", name)
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        else:
+            logger.warning("received %s again: aborting the requests in flight", name)
+            self.should_exit = True
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._abort_all()))
 
     async def _drain(self) -> None:
         aborted = await self._engine.drain(self._drain_timeout)
         logger.info("drained (%d request(s) aborted); shutting down", aborted)
         self.should_exit = True
+
+    async def _abort_all(self) -> None:
+        """The drain with no time left: abort what runs, let the handlers send their last bytes."""
+        try:
+            await self._engine.drain(0)
+        finally:
+            self._cut_off.set()
+
+    async def _wait_tasks_to_complete(self) -> None:
+        """uvicorn's wait for the connections to finish, cut short once a second signal's aborts are
+        delivered (uvicorn then cancels what is left and runs the app's shutdown: the engine stops)."""
+        waiting = asyncio.ensure_future(super()._wait_tasks_to_complete())
+        cut_off = asyncio.ensure_future(self._cut_off.wait())
+        try:
+            await asyncio.wait({waiting, cut_off}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut_off.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            raise TimeoutError
+        waiting.result()
 
 
 def run_server(

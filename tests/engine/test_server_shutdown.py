@@ -68,3 +68,48 @@ def test_sigterm_drains_finishes_short_requests_aborts_long_ones_and_exits_0(def
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_second_signal_aborts_the_requests_in_flight_and_stops_the_engine_without_a_traceback(
+    default_model_dir: Path,
+) -> None:
+    # was: the second signal set uvicorn's force_exit, which skips the app's shutdown: the engine
+    # thread was never stopped, and asyncio.run's teardown cancelled the lifespan task, which
+    # printed a CancelledError traceback (seen when `gateway dev` forwarded its second SIGTERM)
+    server = ServerProcess("default", "--shutdown-timeout", "60", "--max-model-len", "1024")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    long: dict[str, Any] = {}
+    started = threading.Event()
+    stream = threading.Thread(target=_stream, args=(client, 900, started, long))
+    try:
+        stream.start()
+        assert started.wait(60)
+        server.signal(signal.SIGTERM)
+        time.sleep(0.5)  # draining: the stream goes on, for up to the minute of grace
+        assert stream.is_alive()
+        server.signal(signal.SIGTERM)
+        assert server.proc.wait(20) == 0
+        stream.join(20)
+        assert "error" in long and "shutting down" in str(long["error"])
+        out = server.output()
+        assert "Traceback" not in out, out
+        assert "Application shutdown complete" in out, out  # the lifespan's end ran: the engine stopped
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_two_signals_back_to_back_while_idle_exit_0_without_a_traceback(default_model_dir: Path) -> None:
+    # the drain of an idle engine ends at once: the second signal lands in uvicorn's own shutdown
+    server = ServerProcess("default", "--max-model-len", "1024")
+    try:
+        for gap in (0.0, 0.05):
+            server.signal(signal.SIGTERM)
+            time.sleep(gap)
+        assert server.proc.wait(20) == 0
+        out = server.output()
+        assert "Traceback" not in out, out
+        assert "Application shutdown complete" in out, out
+    finally:
+        server.stop()
