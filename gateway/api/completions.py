@@ -65,7 +65,7 @@ class CompletionsEndpoint:
             assert task is not None
             task.uncancel()  # answered here: nothing to report to the server
             proxy.refuse(started, shutdown_error(), trace)
-            await _told_of_shutdown(send, _through(send), {"head": False})
+            await _told_of_shutdown(send, {"head": False, "complete": False})
             return
         except ClientLeftError:  # or its body's framing broke: the HTTP layer answered (REFUSED)
             status, message, code = scope.get(REFUSED, (499, "the client left", "client_disconnected"))
@@ -124,7 +124,7 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
     """
     task = asyncio.current_task()
     assert task is not None
-    state = {"done": False, "left": False, "head": False, "ended": False}
+    state = {"done": False, "left": False, "head": False, "ended": False, "complete": False}
 
     async def head(status: int, headers: list[tuple[bytes, bytes]],
                    opening: bytes | None) -> ClientWriter | None:  # fmt: skip
@@ -160,7 +160,7 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
             raise
         task.uncancel()  # the client left: nothing to answer, nothing to report to the server
         if not state["left"]:  # the gateway stops: the client is told, if it still reads (logged already)
-            await _told_of_shutdown(send, body_part, state)
+            await _told_of_shutdown(send, state)
     finally:
         state["done"] = True
         if watcher is not None:
@@ -170,19 +170,25 @@ async def _answer_until_disconnect(answer: Callable[[HeadSender], Awaitable[Repl
 _SHUTDOWN_WRITE_SECONDS = 1.0  # how long the last words to a client may wait for it to read
 
 
-async def _told_of_shutdown(send: Send, body_part: BodyPart, state: dict[str, bool]) -> None:
+async def _told_of_shutdown(send: Send, state: dict[str, bool]) -> None:
     """A request the gateway's shutdown cut off gets 503 `gateway_shutdown` (retryable), or, when its
     stream has begun, that error as its last event and the stream's end, so that its client sees an
     error rather than a cut connection. A client that does not read gets nothing: the write is
     bounded, and the server closes the connection."""
     try:
         async with asyncio.timeout(_SHUTDOWN_WRITE_SECONDS):
+            if state["complete"]:  # the answer went out whole (the relay was reading what the
+                return  # upstream sent after its [DONE]): nothing is left to say
             if state["head"]:
-                # done or ended: the stream's end went out (ended: its [DONE], while the relay still
-                # reads what the upstream sends after it); only the answer's end is left
-                if not (state["done"] or state["ended"]):
-                    await body_part(b"data: " + error_answer(shutdown_error()).body + b"\n\n")
-                await send({"type": "http.response.body", "body": b""})
+                # ended: the [DONE] and the answer's end waited on the client's socket (none of it
+                # went out), sent again; done: only the answer's end is left; else the error event
+                if state["ended"]:
+                    last = DONE_EVENT
+                elif state["done"]:
+                    last = b""
+                else:
+                    last = b"data: " + error_answer(shutdown_error()).body + b"\n\n"
+                await send({"type": "http.response.body", "body": last})
             else:
                 await _send_whole(error_reply(shutdown_error()), send, close=True)
     except Exception:  # a client gone or not reading: the connection is closed as the server stops
@@ -211,14 +217,21 @@ async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dic
         if not state["head"]:  # else it went with the first upstream event (proxy.py)
             state["head"] = True
             await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
-        if first is not None:
-            await body_part(first)
-            state["ended"] = first.endswith(DONE_EVENT)
-            async for event in events:
+        event = first
+        while event is not None:
+            if event.endswith(DONE_EVENT):  # (the end comes this way, never pumped) with the answer's
+                # end, in one write: a client that stops reading at [DONE] (the official SDKs) finds
+                # its connection whole for its next request, while the relay still drains the upstream
+                state["ended"] = state["done"] = True
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+                state["complete"] = True
+            else:
                 await body_part(event)
-                state["ended"] = event.endswith(DONE_EVENT)  # (the end comes this way, never pumped)
-        state["done"] = True
-        await send({"type": "http.response.body", "body": b""})
+            event = await anext(events, None)
+        if not state["done"]:
+            state["done"] = True
+            await send({"type": "http.response.body", "body": b""})
+            state["complete"] = True
     except asyncio.CancelledError as exc:
         if stopped_by_shutdown(exc):  # cut off while writing (a client not reading): the relay, which
             with contextlib.suppress(BaseException):  # logs the request, learns why, not a GeneratorExit

@@ -63,10 +63,10 @@ def test_a_request_whose_body_is_still_arriving_at_the_cut_off_is_answered_503_g
     assert proxy.refused == ["gateway_shutdown"]
 
 
-def test_a_stream_whose_end_went_out_gets_no_error_event_after_it_when_cut_off() -> None:
-    """A client that stopped reading once the whole stream ([DONE]) was written holds the answer's
-    last (empty) part in uvicorn's flow control; the cut-off ends the answer, with no error event
-    after the [DONE] its request was logged for (200)."""
+def test_a_stream_whose_end_waits_on_the_client_gets_its_done_not_an_error_event_when_cut_off() -> None:
+    """A client that stopped reading holds the stream's [DONE], which goes out with the answer's end
+    in one send, in uvicorn's flow control (nothing of it written); the cut-off sends that end again,
+    with no error event: the request was logged for it (200)."""
     written: list[bytes] = []
     sent: list[MutableMapping[str, Any]] = []
     waiting = asyncio.Event()
@@ -98,5 +98,47 @@ def test_a_stream_whose_end_went_out_gets_no_error_event_after_it_when_cut_off()
         await task
 
     asyncio.run(main())
-    assert written == [b"data: {}\n\n", b"data: [DONE]\n\n"]
-    assert sent[-1] == {"type": "http.response.body", "body": b""}  # the answer's end, once more
+    assert written == [b"data: {}\n\n"]
+    assert sent[-2] == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+    assert sent[-1] == {"type": "http.response.body", "body": b"data: [DONE]\n\n"}  # once more, whole
+
+
+def test_a_stream_cut_off_while_its_upstream_is_drained_after_the_answer_sends_nothing_more() -> None:
+    """The answer ended with its [DONE]; the relay still reads what the upstream sends after it when
+    the cut-off comes: the relay learns why, and nothing is sent after the complete answer."""
+    sent: list[MutableMapping[str, Any]] = []
+    draining = asyncio.Event()
+    thrown: list[BaseException] = []
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        yield b"data: {}\n\n"
+        yield b"data: [DONE]\n\n"
+        draining.set()
+        try:
+            await asyncio.sleep(3600)  # the upstream's body, which has not ended
+        except BaseException as exc:
+            thrown.append(exc)
+            raise
+
+    async def answer(head: object) -> Reply:
+        return Reply(200, [], events=events())
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    async def body_part(body: bytes) -> None:
+        sent.append({"part": body})
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_answer_until_disconnect(answer, receive, send, body_part))
+        await draining.wait()
+        task.cancel(msg=SHUTDOWN)
+        await task
+
+    asyncio.run(main())
+    assert sent[-1] == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+    assert len(thrown) == 1 and isinstance(thrown[0], asyncio.CancelledError)

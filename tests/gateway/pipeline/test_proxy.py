@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -647,3 +648,36 @@ def test_answers_without_usage_are_counted_with_a_tokenizer_and_marked_estimated
         assert row["completion_tokens"] == tokens.count(ids[row["id"]], "fast")
         assert row["prompt_tokens"] == tokens.count(ids[row["id"]].removeprefix("echo: "), "fast")
         assert int(row["cost_picousd"]) > 0
+
+
+def test_a_streams_answer_ends_with_its_done_not_when_the_upstreams_body_does(stack: Stack) -> None:
+    """The end of the chunked answer goes out with [DONE], in the same write: a client that stops
+    reading there (the official SDKs) finds its connection whole and sends its next request on it.
+    It used to wait for the upstream's own end (drained after [DONE]), here held 1.5 s."""
+    httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 1500})
+    body = {"model": "fast", "messages": [{"role": "user", "content": "end with the end"}], "stream": True}
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    try:
+        with socket.create_connection(("127.0.0.1", stack.gateway.port), timeout=10) as sock:
+            for _ in range(2):  # the second on the same connection, as soon as the first has its end
+                payload = json.dumps(body).encode()
+                head = (
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Authorization: {headers['Authorization']}\r\nContent-Length: {len(payload)}\r\n\r\n"
+                )
+                sock.sendall(head.encode() + payload)
+                got = b""
+                while b"data: [DONE]" not in got:
+                    part = sock.recv(65536)
+                    assert part, got
+                    got += part
+                done_at = time.monotonic()
+                while not got.endswith(b"0\r\n\r\n"):
+                    sock.settimeout(max(0.01, done_at + 1.0 - time.monotonic()))
+                    part = sock.recv(65536)
+                    assert part, got
+                    got += part
+                assert time.monotonic() - done_at < 0.5
+                assert got.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in got.lower()
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 0})
