@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -27,7 +28,7 @@ from engine.errors import ClientDisconnectedError, EngineError
 from engine.http.error_mapping import NOSNIFF, api_error
 from engine.http.h11_protocol import limited_h11_protocol
 from engine.http.limits import ConcurrencyLimit, HTTPLimits, RequestSizeMiddleware
-from engine.http.openai_format import dumps
+from engine.http.openai_format import SSE_DONE, dumps
 from engine.http.protocol import (
     INTERNAL_ERROR,
     APIError,
@@ -227,10 +228,30 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(dumps(body), status_code=status, media_type="application/json")
 
 
+class EventStreamResponse(StreamingResponse):
+    """starlette's streaming answer, but its `[DONE]` event goes out with the answer's end, in one
+    send: a client that stops reading at [DONE] (the official SDKs do, then close the response)
+    finds the answer complete and keeps its connection for the next request, where an end sent a
+    moment later, after the event generator had closed, lost the connection when it came after."""
+
+    async def stream_response(self, send: Send) -> None:
+        """The head, each event, and the end (with the [DONE] event, or alone if none came)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.body_iterator:
+            data = chunk if isinstance(chunk, bytes) else bytes(chunk, self.charset)
+            if ended:  # nothing follows [DONE] (the event stream ends there)
+                continue
+            ended = data.endswith(SSE_DONE)
+            await send({"type": "http.response.body", "body": data, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def _respond(result: dict[str, Any] | AsyncIterator[bytes]) -> Response:
     if isinstance(result, dict):
         return _json(result)
-    return StreamingResponse(
+    return EventStreamResponse(
         result,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

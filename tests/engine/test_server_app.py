@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.types import Message
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.http.server import create_app
+from engine.http.server import EventStreamResponse, create_app
 
 
 @pytest.fixture
@@ -67,3 +69,33 @@ def test_health_and_requests_are_503_while_the_model_loads(
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("events", "last"),
+    [
+        ([b"data: {}\n\n", b"data: [DONE]\n\n"], b"data: [DONE]\n\n"),  # the end goes with [DONE]
+        ([b"data: {}\n\n"], b""),  # a stream without one (an error event ended it) still ends
+    ],
+)
+def test_a_streams_done_goes_out_with_the_answers_end_in_one_send(events: list[bytes], last: bytes) -> None:
+    # was: starlette sent the end after the generator had closed, a moment after [DONE]; a client
+    # that stops reading at [DONE] (the official SDKs) found the answer incomplete and lost its connection
+    async def body() -> AsyncIterator[bytes]:
+        for event in events:
+            yield event
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    response = EventStreamResponse(body(), media_type="text/event-stream")
+    asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+    assert bodies[-1]["body"] == last
+    assert b"".join(m["body"] for m in bodies) == b"".join(events)
