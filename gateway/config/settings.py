@@ -49,6 +49,7 @@ class GatewaySettings(BaseSettings):
     # the spool (a folder of JSON-lines files, default data_dir/request-log-spool) up to its size;
     # a spool size of 0 turns the spool off (rows past the memory bound are then dropped)
     log_queue_max_rows: int = Field(default=50_000, ge=1)
+    log_flush_seconds: float = Field(default=0.5, ge=0.01, le=60.0)  # how long a row may wait for its batch
     log_spool_dir: Path | None = None
     log_spool_max_bytes: int = Field(default=1 << 30, ge=0)
     budget_fail_open: bool = False  # Redis unreachable: budgets answer 503 (False) or admit (True)

@@ -142,7 +142,9 @@ class RequestLogWriter:
             if settings.log_spool_max_bytes > 0
             else None
         )
-        return cls(db, registry, spool, max_queue=settings.log_queue_max_rows)
+        return cls(
+            db, registry, spool, max_queue=settings.log_queue_max_rows, interval=settings.log_flush_seconds
+        )
 
     def start(self) -> None:
         """Start the writer task (which first replays what the spool holds)."""

@@ -43,13 +43,15 @@ def start_gateway(
     policy: Path, env: dict[str, str], *serve_args: str, process_group: bool = False
 ) -> ManagedServer:
     """Migrate the configured database, then serve `policy` (`serve_args`: more `serve` options,
-    as `--workers 2`; `process_group`: in a group of its own); ready once /health answers."""
+    as `--workers 2`; `process_group`: in a group of its own); ready once /health answers. Its
+    request log writes every 0.05 s unless `env` says otherwise: the tests that wait for a row do
+    not wait for production's 0.5 s batch interval."""
     gateway_cli(env, "db", "upgrade")
     return ManagedServer(
         lambda port: [sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--port", str(port),
                       *serve_args],
         60,
-        env,
+        {"GATEWAY_LOG_FLUSH_SECONDS": "0.05", **env},
         process_group=process_group,
     )  # fmt: skip
 

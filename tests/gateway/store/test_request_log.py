@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 from sqlalchemy import func, select
 
+from gateway.config.settings import GatewaySettings
 from gateway.store.db import create_db, session_factory
 from gateway.store.log_retention import LogRetention
 from gateway.store.log_spool import LogSpool
@@ -78,6 +80,28 @@ def test_memory_is_bounded_while_nothing_can_take_the_rows(database_url: str) ->
         await db.dispose()
 
     asyncio.run(run())
+
+
+def test_the_batch_interval_is_gateway_log_flush_seconds(database_url: str, tmp_path: Path) -> None:
+    upgrade(database_url)
+
+    async def written_within(flush: float, wait: float) -> int:
+        settings = GatewaySettings(database_url=database_url, data_dir=tmp_path, log_flush_seconds=flush)
+        db = create_db(database_url)
+        writer = RequestLogWriter.from_settings(db, CollectorRegistry(), settings)
+        writer.start()
+        before = await _count(database_url)
+        writer.queue(_row(int(flush * 1000)))  # one row: it waits for the interval
+        await asyncio.sleep(wait)
+        n = await _count(database_url) - before
+        await writer.stop()
+        await db.dispose()
+        return n
+
+    assert asyncio.run(written_within(60.0, 1.0)) == 0
+    assert asyncio.run(written_within(0.05, 1.0)) == 1
+    with pytest.raises(ValidationError):
+        GatewaySettings(log_flush_seconds=0)
 
 
 def test_a_row_written_twice_is_stored_and_summed_once(database_url: str) -> None:
