@@ -230,9 +230,9 @@ def _json(body: Any, status: int = 200) -> Response:
 
 class EventStreamResponse(StreamingResponse):
     """starlette's streaming answer, but its `[DONE]` event goes out with the answer's end, in one
-    send: a client that stops reading at [DONE] (the official SDKs do, then close the response)
-    finds the answer complete and keeps its connection for the next request, where an end sent a
-    moment later, after the event generator had closed, lost the connection when it came after."""
+    send (starlette sends the end later, once the event generator has closed): a client reading
+    the answer to its end has it with [DONE], and one that stops reading at [DONE] (the official
+    SDKs) closes an answer already complete."""
 
     async def stream_response(self, send: Send) -> None:
         """The head, each event, and the end (with the [DONE] event, or alone if none came)."""

@@ -220,8 +220,9 @@ async def _send_stream(reply: Reply, send: Send, body_part: BodyPart, state: dic
         event = first
         while event is not None:
             if event.endswith(DONE_EVENT):  # (the end comes this way, never pumped) with the answer's
-                # end, in one write: a client that stops reading at [DONE] (the official SDKs) finds
-                # its connection whole for its next request, while the relay still drains the upstream
+                # end, in one write: a client reading to the answer's end has it with [DONE], not once
+                # the relay has drained the upstream (up to a second), and one that stops at [DONE]
+                # (the official SDKs) closes an answer already complete
                 state["ended"] = state["done"] = True
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 state["complete"] = True

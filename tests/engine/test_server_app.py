@@ -79,8 +79,7 @@ def test_health_and_requests_are_503_while_the_model_loads(
     ],
 )
 def test_a_streams_done_goes_out_with_the_answers_end_in_one_send(events: list[bytes], last: bytes) -> None:
-    # was: starlette sent the end after the generator had closed, a moment after [DONE]; a client
-    # that stops reading at [DONE] (the official SDKs) found the answer incomplete and lost its connection
+    # was: starlette sent the end after the generator had closed, in a later write than [DONE]
     async def body() -> AsyncIterator[bytes]:
         for event in events:
             yield event

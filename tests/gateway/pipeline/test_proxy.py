@@ -651,9 +651,9 @@ def test_answers_without_usage_are_counted_with_a_tokenizer_and_marked_estimated
 
 
 def test_a_streams_answer_ends_with_its_done_not_when_the_upstreams_body_does(stack: Stack) -> None:
-    """The end of the chunked answer goes out with [DONE], in the same write: a client that stops
-    reading there (the official SDKs) finds its connection whole and sends its next request on it.
-    It used to wait for the upstream's own end (drained after [DONE]), here held 1.5 s."""
+    """The end of the chunked answer goes out with [DONE], in the same write, and the connection
+    takes the next request at once. It used to wait for the upstream's own end (drained after
+    [DONE] for up to a second), here held 1.5 s."""
     httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 1500})
     body = {"model": "fast", "messages": [{"role": "user", "content": "end with the end"}], "stream": True}
     headers = {"Authorization": f"Bearer {stack.key}"}
