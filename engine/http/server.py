@@ -239,7 +239,9 @@ class EventStreamResponse(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         ended = False
         async for chunk in self.body_iterator:
-            data = chunk if isinstance(chunk, bytes) else bytes(chunk, self.charset)
+            if isinstance(chunk, str):
+                chunk = chunk.encode(self.charset)
+            data = bytes(chunk)  # (bytes as they are; a memoryview copied)
             if ended:  # nothing follows [DONE] (the event stream ends there)
                 continue
             ended = data.endswith(SSE_DONE)
