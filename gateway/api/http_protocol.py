@@ -115,6 +115,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             scope = cast(dict[str, Any], self.cycle.scope)
             scope[BODY_PART], scope[CLIENT_WRITER] = transport.body_part, transport
             scope[WHOLE_BODY] = transport.whole_body
+            if scope["http_version"] == "1.0":
+                _close_delimited(self.cycle)
 
     def on_response_complete(self) -> None:
         """An answer is out: a refusal that waited for it (and those before it) goes now."""
@@ -330,6 +332,39 @@ class _CycleTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+_UNBOUNDED = 1 << 62  # the length uvicorn counts down for an answer that the connection's close ends
+
+
+def _close_delimited(cycle: Any) -> None:
+    """An HTTP/1.0 client cannot read chunked transfer coding, and RFC 9112 (7.1) forbids sending it
+    one; uvicorn chunks every answer without a Content-Length, whatever the request's version. Here
+    such an answer (a stream) goes as its bytes, ended by closing the connection: uvicorn's own
+    framing with a length it never reaches, set to what is left when the last part comes (its
+    checks then pass, and without keep-alive it closes). The cycle's writer and `body_part` see
+    no chunked coding and go through this `send` as well."""
+    send = cycle.send
+    unbounded = False
+
+    async def close_delimited_send(message: Any) -> None:
+        nonlocal unbounded
+        if message["type"] == "http.response.start" and not cycle.response_started:
+            headers = message.get("headers", ())
+            if (
+                cycle.scope["method"] != "HEAD"
+                and message["status"] not in (204, 304)
+                and not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers)
+            ):
+                unbounded = True
+                cycle.chunked_encoding = False
+                cycle.expected_content_length = _UNBOUNDED
+                cycle.keep_alive = False  # (uvicorn then sends `connection: close` and closes at the end)
+        elif unbounded and message["type"] == "http.response.body" and not message.get("more_body", False):
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    cycle.send = close_delimited_send
 
 
 # RFC 9110's host [ ":" port ]: a reg-name (unreserved, sub-delims, %-escapes) or an IP literal

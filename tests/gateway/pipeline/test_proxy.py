@@ -681,3 +681,42 @@ def test_a_streams_answer_ends_with_its_done_not_when_the_upstreams_body_does(st
                 assert got.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in got.lower()
     finally:
         httpx.post(f"{stack.upstream.base_url}/control", json={"linger_after_done_ms": 0})
+
+
+def _exchange_http10(port: int, head: str, payload: bytes) -> bytes:
+    """One HTTP/1.0 request; everything the gateway sends until it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode() + payload)
+        got = b""
+        while part := sock.recv(65536):
+            got += part
+    return got
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_an_http_1_0_client_gets_no_chunked_encoding(stack: Stack, stream: bool) -> None:
+    """RFC 9112: chunked transfer coding must not be sent to an HTTP/1.0 client (it cannot read
+    it). A stream goes as its bytes, ended by the connection's close; a whole answer keeps its
+    Content-Length. (uvicorn chunked both, as to an HTTP/1.1 client.)"""
+    body = {"model": "fast", "messages": [{"role": "user", "content": "old client"}], "stream": stream}
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {stack.key}\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    got = _exchange_http10(stack.gateway.port, head, payload)
+    head_bytes, _, answer = got.partition(b"\r\n\r\n")
+    headers = head_bytes.lower().split(b"\r\n")
+    assert headers[0].startswith(b"http/1.1 200"), got[:200]
+    assert not any(h.startswith(b"transfer-encoding") for h in headers), head_bytes
+    assert b"connection: close" in headers or not stream
+    if stream:
+        events = [e for e in answer.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and all(e.startswith(b"data: ") for e in events), answer[-300:]
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == "echo: old client"
+    else:
+        (length,) = [int(h.split(b":")[1]) for h in headers if h.startswith(b"content-length")]
+        assert len(answer) == length
+        assert json.loads(answer)["choices"][0]["message"]["content"] == "echo: old client"
