@@ -12,7 +12,8 @@ from typing import Any
 
 import orjson
 
-from gateway.api.completions import CompletionsEndpoint, _answer_until_disconnect
+from gateway.api.asgi import Send
+from gateway.api.completions import BodyPart, CompletionsEndpoint, _answer_until_disconnect
 from gateway.errors import SHUTDOWN, GatewayError
 from gateway.pipeline.reply import Reply, error_reply
 from gateway.telemetry.trace import NO_TRACING
@@ -63,6 +64,29 @@ def test_a_request_whose_body_is_still_arriving_at_the_cut_off_is_answered_503_g
     assert proxy.refused == ["gateway_shutdown"]
 
 
+async def _never_receives() -> dict[str, Any]:
+    """A client that neither sends more nor leaves."""
+    await asyncio.sleep(3600)
+    raise AssertionError("unreachable")
+
+
+def _cut_off(
+    events: AsyncGenerator[bytes, None], send: Send, body_part: BodyPart, ready: asyncio.Event
+) -> None:
+    """`events` answered as a stream, cut off by the gateway's shutdown once `ready` is set."""
+
+    async def answer(head: object) -> Reply:
+        return Reply(200, [], events=events)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_answer_until_disconnect(answer, _never_receives, send, body_part))
+        await ready.wait()
+        task.cancel(msg=SHUTDOWN)
+        await task
+
+    asyncio.run(main())
+
+
 def test_a_stream_whose_end_waits_on_the_client_gets_its_done_not_an_error_event_when_cut_off() -> None:
     """A client that stopped reading holds the stream's [DONE], which goes out with the answer's end
     in one send, in uvicorn's flow control (nothing of it written); the cut-off sends that end again,
@@ -75,13 +99,6 @@ def test_a_stream_whose_end_waits_on_the_client_gets_its_done_not_an_error_event
         yield b"data: {}\n\n"
         yield b"data: [DONE]\n\n"
 
-    async def answer(head: object) -> Reply:
-        return Reply(200, [], events=events())
-
-    async def receive() -> dict[str, Any]:
-        await asyncio.sleep(3600)
-        raise AssertionError("unreachable")
-
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
         if message["type"] == "http.response.body" and not message.get("more_body") and not waiting.is_set():
@@ -91,13 +108,7 @@ def test_a_stream_whose_end_waits_on_the_client_gets_its_done_not_an_error_event
     async def body_part(body: bytes) -> None:
         written.append(body)
 
-    async def main() -> None:
-        task = asyncio.ensure_future(_answer_until_disconnect(answer, receive, send, body_part))
-        await waiting.wait()
-        task.cancel(msg=SHUTDOWN)
-        await task
-
-    asyncio.run(main())
+    _cut_off(events(), send, body_part, waiting)
     assert written == [b"data: {}\n\n"]
     assert sent[-2] == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
     assert sent[-1] == {"type": "http.response.body", "body": b"data: [DONE]\n\n"}  # once more, whole
@@ -120,25 +131,12 @@ def test_a_stream_cut_off_while_its_upstream_is_drained_after_the_answer_sends_n
             thrown.append(exc)
             raise
 
-    async def answer(head: object) -> Reply:
-        return Reply(200, [], events=events())
-
-    async def receive() -> dict[str, Any]:
-        await asyncio.sleep(3600)
-        raise AssertionError("unreachable")
-
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     async def body_part(body: bytes) -> None:
         sent.append({"part": body})
 
-    async def main() -> None:
-        task = asyncio.ensure_future(_answer_until_disconnect(answer, receive, send, body_part))
-        await draining.wait()
-        task.cancel(msg=SHUTDOWN)
-        await task
-
-    asyncio.run(main())
+    _cut_off(events(), send, body_part, draining)
     assert sent[-1] == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
     assert len(thrown) == 1 and isinstance(thrown[0], asyncio.CancelledError)
