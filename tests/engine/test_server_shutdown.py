@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +101,11 @@ def test_a_second_signal_aborts_the_requests_in_flight_and_stops_the_engine_with
 
 
 @pytest.mark.slow
-def test_two_signals_back_to_back_while_idle_exit_0_without_a_traceback(default_model_dir: Path) -> None:
+def test_two_signals_back_to_back_while_idle_exit_0_without_a_traceback(
+    tiny_model_factory: Callable[..., Path],
+) -> None:
     # the drain of an idle engine ends at once: the second signal lands in uvicorn's own shutdown
-    server = ServerProcess("default", "--max-model-len", "1024")
+    server = ServerProcess(tiny_model_factory("llama"))
     try:
         for gap in (0.0, 0.05):
             server.signal(signal.SIGTERM)
