@@ -39,6 +39,7 @@ from gateway.store.reports import DIMENSIONS, parse_day, render, spend
 from gateway.telemetry.access_log import log_config
 
 logger = logging.getLogger(__name__)
+_POLICY_HELP = "routing policy YAML (default: $GATEWAY_POLICY_PATH, else policies/default.yaml)"
 
 
 def _database_command(args: argparse.Namespace, settings: GatewaySettings) -> int:
@@ -164,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway", description="Switchboard AI gateway")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible endpoint, admin API)")
-    serve.add_argument(
-        "--policy", type=Path, default=None,
-        help="routing policy YAML (default: $GATEWAY_POLICY_PATH, else policies/default.yaml)",
-    )  # fmt: skip
+    serve.add_argument("--policy", type=Path, default=None, help=_POLICY_HELP)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1, help="worker processes")
@@ -270,11 +268,11 @@ def _routing_commands(sub: Any) -> None:
     route = sub.add_parser("route", help="complexity routing, offline")
     route_sub = route.add_subparsers(dest="route_command", required=True)
     evaluate = route_sub.add_parser("eval", help="accuracy of the tier choice on labelled JSONL rows")
-    evaluate.add_argument("--policy", type=Path, default=Path("policies/default.yaml"))
+    evaluate.add_argument("--policy", type=Path, default=None, help=_POLICY_HELP)
     evaluate.add_argument("--data", type=Path, required=True, help="JSONL: {label: simple|complex, messages}")
     evaluate.add_argument("--route", default=None, help="the tiered route (default: the first one)")
     explain = route_sub.add_parser("explain", help="features, score, tier and chain for one request")
-    explain.add_argument("--policy", type=Path, default=Path("policies/default.yaml"))
+    explain.add_argument("--policy", type=Path, default=None, help=_POLICY_HELP)
     explain.add_argument("prompt", nargs="?", default=None, help="a user message")
     explain.add_argument(
         "--messages", type=Path, default=None, help="a JSON file: messages or a request body"
@@ -288,8 +286,10 @@ def _routing(args: argparse.Namespace) -> int:
 
     if args.command == "policy":
         return cli_route.policy_check(args.file)
+    # the gateway's own policy unless --policy names another: what `serve` would route by
+    policy = args.policy if args.policy is not None else GatewaySettings().policy_path
     if args.route_command == "eval":
-        figures = cli_route.route_eval(args.policy, args.data, args.route)
+        figures = cli_route.route_eval(policy, args.data, args.route)
         print(f"n {figures['n']:.0f}  accuracy {figures['accuracy']:.3f}  precision(complex) "
               f"{figures['precision']:.3f}  recall(complex) {figures['recall']:.3f}  "
               f"sent to frontier {figures['frontier_share']:.3f}")  # fmt: skip
@@ -303,7 +303,7 @@ def _routing(args: argparse.Namespace) -> int:
         body = {"messages": [{"role": "user", "content": args.prompt}]}
     if args.route is not None:
         body["model"] = args.route
-    print(cli_route.route_explain(args.policy, body, args.route, args.team))
+    print(cli_route.route_explain(policy, body, args.route, args.team))
     return 0
 
 

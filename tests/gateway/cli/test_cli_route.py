@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,11 @@ import pytest
 DEV = Path(__file__).resolve().parents[4] / "shared" / "data" / "routing_dev.jsonl"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=120,
+        env=None if env is None else {**os.environ, **env},
+    )  # fmt: skip
 
 
 def test_policy_check_exits_0_for_a_valid_file_and_1_naming_the_path_for_a_broken_one(tmp_path: Path) -> None:
@@ -89,3 +91,19 @@ def test_route_explain_shows_the_capability_filter_and_the_refusal(tmp_path: Pat
         "refused 400 model_capability_missing (param tools): no model for 'small' can serve this request"
     )
     assert refused in done.stdout and done.stdout.rstrip().endswith("small: lacks tools")
+
+
+def test_route_explain_reads_the_gateways_own_policy_unless_policy_names_another(tmp_path: Path) -> None:
+    """As `serve`: --policy, else GATEWAY_POLICY_PATH, else policies/default.yaml."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(CAPABLE)
+    env = {"GATEWAY_POLICY_PATH": str(policy)}
+    done = _cli("route", "explain", "hi", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "chain   small" in done.stdout.splitlines()  # CAPABLE's simple tier, not the default policy's
+    done = _cli("route", "explain", "--policy", "policies/default.yaml", "hi", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "chain   small" not in done.stdout.splitlines()
+    env = {"GATEWAY_POLICY_PATH": str(tmp_path / "absent.yaml")}
+    done = _cli("route", "explain", "hi", env=env)
+    assert done.returncode != 0 and "absent.yaml" in done.stderr
