@@ -139,11 +139,13 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineConfig:
-        """Options from SWITCHBOARD_ENGINE_* environment variables, then explicit overrides."""
+        """Options from SWITCHBOARD_ENGINE_* environment variables, then explicit overrides. A variable
+        set empty (or blank) counts as unset, as the server's HTTP limits and GATEWAY_* settings do:
+        compose's `${VAR:-}` passes one through without the operator meaning a value."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = os.environ.get(f"SWITCHBOARD_ENGINE_{f.name.upper()}")
-            if raw is None:
+            if raw is None or not raw.strip():
                 continue
             values[f.name] = _parse_env_value(f.name, raw, str(f.type))
         values.update(overrides)

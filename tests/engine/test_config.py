@@ -48,6 +48,14 @@ def test_from_env_reads_prefixed_variables(monkeypatch: pytest.MonkeyPatch) -> N
         EngineConfig.from_env()
 
 
+def test_from_env_takes_an_empty_variable_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose's `${VAR:-}` sets a variable empty: the default holds, as for the HTTP limits."""
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_MAX_NUM_SEQS", "")
+    monkeypatch.setenv("SWITCHBOARD_ENGINE_DTYPE", "  ")
+    config = EngineConfig.from_env()
+    assert (config.max_num_seqs, config.dtype) == (EngineConfig().max_num_seqs, EngineConfig().dtype)
+
+
 def test_model_cache_dir_is_overridable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SWITCHBOARD_MODEL_CACHE", str(tmp_path / "models"))
     assert model_cache_dir() == tmp_path / "models"
