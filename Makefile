@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | sha1s
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
-# make run's engine: int4 weights (perplexity +0.21%, docs/quantization.md) without batch invariance,
+# make run's engine: int4 weights (perplexity +0.05%, docs/quantization.md) without batch invariance,
 # its fastest setting within the quality thresholds; `make run ENGINE_OPTIONS=` serves full precision
 ENGINE_OPTIONS ?= --quantization int4 --no-batch-invariant
 

@@ -1,8 +1,9 @@
 """Walking a route's chain: another replica, a retry after backoff, then the next model.
 
 The only place that decides whether an upstream failure is worth another try. Retryable: the
-upstream unreachable or timed out, 5xx answers, a stream that breaks or stalls before its first
-token. 429 moves on to the next model at once. Other 4xx answers are the client's and are
+upstream unreachable or timed out, a 500/502/503/504 answer, an upstream refusing the gateway itself
+(GATEWAY_FAULT_STATUSES: 401, 403, 404, 405, 407), a stream that breaks or stalls before its first
+token. 429 moves on to the next model at once. Other answers (another 4xx: the client's) are
 returned as they are. A stream is committed to the client only once its first token arrives:
 until then none of its events has been sent, so switching is invisible; after that, it is never
 switched. Its status and headers may go earlier, with the first event of the first upstream that
