@@ -45,14 +45,17 @@ class IncrementalDetokenizer:
             return None  # incomplete character (or a token with no text): wait for more
         return self._append(new_text[len(prefix_text) :], check_stop)
 
-    def flush(self) -> None:
-        """Emit whatever is pending (an incomplete character at the very end stays as U+FFFD)."""
+    def flush(self, check_stop: bool = True) -> str | None:
+        """Emit whatever is pending (an incomplete character at the very end stays as U+FFFD); returns
+        the stop string that text completes, if any (it is cut off, as any stop string: the caller
+        reports the sequence stopped on it, not on its length)."""
         if self.stopped_on is not None or self._read_offset >= len(self._ids):
-            return
+            return None
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) > len(prefix_text):
-            self._append(new_text[len(prefix_text) :])
+            return self._append(new_text[len(prefix_text) :], check_stop)
+        return None
 
     def _append(self, delta: str, check_stop: bool = True) -> str | None:
         self._prefix_offset = self._read_offset

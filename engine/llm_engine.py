@@ -376,23 +376,22 @@ class LLMEngine:
         token to sample.
         """
         params = seq.params
+        check = seq.num_output_tokens >= params.min_tokens
+        # the text flushed at the end (a last incomplete character, as U+FFFD) may complete a stop
+        # string: it is cut off then, and the sequence stopped on it, whatever else ended it
         if token in seq.stop_token_ids:  # the sampler masks them until min_tokens
-            if seq.detokenizer is not None:
-                seq.detokenizer.flush()
+            flushed = seq.detokenizer.flush(check) if seq.detokenizer is not None else None
             explicit = token in (params.stop_token_ids or ())
-            return "stop", token if explicit else None
+            return "stop", flushed if flushed is not None else token if explicit else None
         if seq.detokenizer is not None:
-            stop_string = seq.detokenizer.add_token(token, seq.num_output_tokens >= params.min_tokens)
+            stop_string = seq.detokenizer.add_token(token, check)
             if stop_string is not None:
                 return "stop", stop_string
         if seq.guided is not None and seq.guided.is_terminated():
-            if seq.detokenizer is not None:
-                seq.detokenizer.flush()
-            return "stop", None
+            return "stop", seq.detokenizer.flush(check) if seq.detokenizer is not None else None
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            if seq.detokenizer is not None:
-                seq.detokenizer.flush()
-            return "length", None
+            flushed = seq.detokenizer.flush(check) if seq.detokenizer is not None else None
+            return ("length", None) if flushed is None else ("stop", flushed)
         return None
 
     def _request_output(self, req: _Request, completions: list[CompletionOutput]) -> RequestOutput:

@@ -70,3 +70,26 @@ def test_held_back_text_that_turns_out_no_stop_string_is_sent_later(tokenizer: A
         assert detok.add_token(token) is None
         pieces.append(detok.take())
     assert "".join(pieces) == "abc EN and more"
+
+
+def test_a_stop_string_the_final_flush_completes_is_cut_and_reported(tokenizer: Any) -> None:
+    """A last incomplete character flushes as U+FFFD at the end; a stop string it completes cuts the
+    text as any other and is returned, so that the sequence ends "stop" on it (it used to keep
+    "length" with the text cut)."""
+    ids = tokenizer("Japanese: 日本語は", add_special_tokens=False).input_ids
+    cut = next(k for k in range(len(ids), 0, -1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    whole = tokenizer.decode(ids[:cut])
+    for stops, expected in ((["\ufffd"], "\ufffd"), ([whole[-2:]], whole[-2:]), (["zz"], None)):
+        detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], stops)
+        pieces = []
+        for token in ids[:cut]:
+            assert detok.add_token(token) is None
+            pieces.append(detok.take())
+        assert detok.flush() == expected
+        pieces.append(detok.take(final=True))
+        text = "".join(pieces)
+        assert text == (whole if expected is None else whole[: whole.index(expected)])
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["\ufffd"])
+    for token in ids[:cut]:
+        detok.add_token(token, check_stop=False)
+    assert detok.flush(check_stop=False) is None  # before min_tokens: no stop string counts
