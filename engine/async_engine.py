@@ -168,6 +168,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         try:
             prepared = await self._prepare(prompt, params, add_special_tokens, resume_token_ids)
+            stream.prompt_tokens = len(prepared.prompt_token_ids)
             done: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._commands.put(_Add(request_id, prepared, params, arrival, done))
             # A cancelled wait (the client left) cancels `done`; the engine thread then skips the add.

@@ -25,6 +25,7 @@ class RequestStream:
         self.finished = False  # the reader has seen the final output
         self.closed = False
         self.on_final: Callable[[RequestOutput], None] | None = None  # e.g. tracing's phase spans
+        self.prompt_tokens = 0  # the prompt's tokens once admitted (chat template applied)
 
     def put(self, delta: RequestOutput) -> None:
         """Queue a delta, folded into any not read yet (event-loop thread only)."""

@@ -38,6 +38,13 @@ SSE_DONE = b"data: [DONE]\n\n"
 _IDS_PER_LINE = 4096
 
 
+def prompt_tokens_line(count: int) -> bytes:
+    """The SSE comment line (`: prompt_tokens <count>`) a stream opens with under `stream_prompt_tokens`:
+    the prompt's tokens as the model read them (chat template, system prompt and all), which only the
+    engine knows; the gateway reads and strips it, and bills it when the stream ends without usage."""
+    return b": prompt_tokens %d\n\n" % count
+
+
 def token_ids_lines(index: int, token_ids: list[int]) -> list[bytes]:
     """SSE comment lines (`: token_ids <choice> <id>,<id>...`) with a delta's token ids.
 

@@ -99,6 +99,9 @@ class _SamplingFields(BaseModel):
     # line, and a completion resumed from another replica's tokens
     stream_token_ids: bool | None = False
     resume: ResumeRequest | None = None
+    # ours, for the gateway's request log: a stream opens with its prompt's token count (after the
+    # chat template) in an SSE comment line, so that one the client leaves is billed what it read
+    stream_prompt_tokens: bool | None = False
     # guided decoding: OpenAI's response_format, vLLM's structured_outputs (checked by guided_spec())
     response_format: Any = None
     structured_outputs: Any = None

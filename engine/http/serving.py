@@ -23,6 +23,7 @@ from engine.http.openai_format import (
     event_pieces,
     logprobs_text_length,
     marked,
+    prompt_tokens_line,
     raise_if_aborted,
     response_head,
     slice_completion_logprobs,
@@ -181,7 +182,9 @@ class OpenAIServing:
         request_id = identity.id if resume is None else f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._start(request_id, prompt, params, False, span, resume)
         if req.stream:
-            marks = _Marks(bool(req.stream_token_ids), params.n)
+            marks = _Marks(
+                bool(req.stream_token_ids), params.n, stream.prompt_tokens, req.stream_prompt_tokens
+            )
             events = self._chat_events(identity, stream, params, top, req.include_usage, tools, marks, resume)
             return EventStream(events, [stream])
         try:
@@ -214,6 +217,8 @@ class OpenAIServing:
         marks: _Marks,
         resume: list[int] | None,
     ) -> AsyncIterator[bytes]:
+        if marks.opening:
+            yield marks.opening
         head = {**response_head(identity), "object": "chat.completion.chunk"}
         calls = (
             StreamedChoices(params.n, tools.calls_only, tools.legacy)
@@ -312,7 +317,10 @@ class OpenAIServing:
             close_all(streams)
             raise
         if req.stream:
-            marks = _Marks(bool(req.stream_token_ids), len(prompts) * params.n)
+            prompt_tokens = sum(s.prompt_tokens for s in streams)
+            marks = _Marks(
+                bool(req.stream_token_ids), len(prompts) * params.n, prompt_tokens, req.stream_prompt_tokens
+            )
             return EventStream(
                 self._completion_events(identity, streams, params, echo, req.include_usage, marks), streams
             )
@@ -352,6 +360,8 @@ class OpenAIServing:
         include_usage: bool,
         marks: _Marks,
     ) -> AsyncIterator[bytes]:
+        if marks.opening:
+            yield marks.opening
         head = response_head(identity)
         extra = {"usage": None} if include_usage else {}
         n = params.n
@@ -411,11 +421,14 @@ def _identity(req: _SamplingFields, prefix: str, model: str, kind: str) -> Respo
 
 
 class _Marks:
-    """`stream_token_ids`: each choice's token ids, sent as comment lines before the data line that
-    completes their delta (ids of a delta that sends nothing wait for the next one that does)."""
+    """What the gateway asked a stream to tell it in SSE comment lines, which clients ignore.
+    `stream_token_ids`: each choice's token ids, before the data line that completes their delta
+    (ids of a delta that sends nothing wait for the next one that does). `stream_prompt_tokens`:
+    the prompt's token count, the stream's first line (`opening`)."""
 
-    def __init__(self, on: bool, choices: int) -> None:
+    def __init__(self, on: bool, choices: int, prompt_tokens: int = 0, announce: bool | None = False) -> None:
         self.on = on
+        self.opening = prompt_tokens_line(prompt_tokens) if announce else b""
         self._pending: list[list[int]] = [[] for _ in range(choices)] if on else []
 
     def mark(self, events: list[bytes], c: CompletionOutput, offset: int = 0) -> list[bytes]:

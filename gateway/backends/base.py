@@ -11,6 +11,9 @@ from gateway.config.policy import Capabilities, Timeouts
 
 UNREPORTED = Capabilities()  # a backend that says nothing about a capability
 MAX_REPLY_BYTES = 64 << 20  # a whole upstream answer (an engine's or a provider's): past it, a fault
+# an engine's comment line opening a stream (`stream_prompt_tokens`): the prompt's token count as
+# the model read it (chat template, default system prompt), which only the engine knows
+PROMPT_TOKENS = ": prompt_tokens "
 
 
 class UpstreamUnavailableError(Exception):

@@ -135,6 +135,21 @@ def prompt_text(body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
+# a chat's tokens beside its texts, as OpenAI counts them for its chat models: 3 per message (its
+# role and delimiters), 1 more for a `name`, 3 priming the reply. A model's own chat template may
+# spend more (a default system prompt): our engine says its exact count (`: prompt_tokens`).
+_PER_MESSAGE, _PER_NAME, _REPLY_PRIMING = 3, 1, 3
+
+
+def chat_overhead(body: dict[str, Any]) -> int:
+    """The tokens a chat request's template adds to its texts' (0 for a text completion)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    names = sum(1 for m in messages if isinstance(m, dict) and m.get("name"))
+    return _PER_MESSAGE * len(messages) + _PER_NAME * names + _REPLY_PRIMING
+
+
 def prompt_token_ids(body: dict[str, Any]) -> int:
     """The tokens a legacy completion sends as ids (a list of ids, or of id lists): no text to count."""
     prompt = body.get("prompt")

@@ -9,14 +9,17 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, NamedTuple
 
-from gateway.backends.base import Attempt
+from gateway.backends.base import PROMPT_TOKENS, Attempt
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
+from gateway.governance.usage import MAX_TOKENS
 from gateway.pipeline.admission import Ticket
 from gateway.pipeline.reply import Reply
 from gateway.routing.router import RouteDecision
 from gateway.store.record import LogRow, Resumption, blank_row, clip
 from gateway.telemetry.trace import NO_TRACE, Trace
+
+_MAX_PROMPT_DIGITS = 8  # the count bounded as reported usage is (MAX_TOKENS, 2^24: 8 digits)
 
 
 def request_id() -> str:
@@ -68,6 +71,7 @@ class Call:
     trace: Trace = NO_TRACE
     logged: bool = False  # the row is written (or being counted): exactly one per request
     committed: bool = False  # a stream's status and headers went to the client (its events may not)
+    told_prompt_tokens: int | None = None  # what an engine's stream said its prompt's tokens are
 
     def overhead_ms(self, at: float | None = None, upstream_seconds: float | None = None) -> float:
         """Milliseconds spent in the gateway up to `at` (perf_counter; default now): the time so far
@@ -75,6 +79,13 @@ class Call:
         end = time.perf_counter() if at is None else at
         waited = self.upstream_seconds if upstream_seconds is None else upstream_seconds
         return max(0.0, (end - self.started - waited) * 1e3)
+
+    def told_prompt(self, line: str) -> None:
+        """Take an engine's `: prompt_tokens N` line (the count a stream left without usage is billed
+        for); one that is not a plain bounded count is ignored, as any stray comment line is."""
+        digits = line[len(PROMPT_TOKENS) :].strip()
+        if digits.isascii() and digits.isdigit() and len(digits) <= _MAX_PROMPT_DIGITS:
+            self.told_prompt_tokens = min(int(digits), MAX_TOKENS)
 
     def ended(self) -> Ended:
         """The request's end, now (the deferred row is built from it: Finish)."""

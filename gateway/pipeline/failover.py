@@ -122,6 +122,8 @@ class Failover:
             spec = self.policy.backends[pool.name]
             upstream_body = self._upstream_body(body, model)
             plan = None
+            if stream and isinstance(spec, EngineBackend):  # its prompt's true count, should the client leave
+                upstream_body["stream_prompt_tokens"] = True
             if stream and isinstance(spec, EngineBackend) and self._resumes(decision, spec, body):
                 upstream_body["stream_token_ids"] = True  # the engine reports each delta's token ids
                 timeouts = decision.timeouts or pool.timeouts

@@ -172,7 +172,10 @@ def estimated_usage(call: Call, policy: Policy) -> dict[str, Any]:
             chunks.append(parsed)
     # bounded as reported usage is (governance/usage.py): a count past it would lock a key out
     body = call.body or {}
-    prompt = tokens.count(tokens.prompt_text(body), model or "", tokenizer) + tokens.prompt_token_ids(body)
-    prompt = min(prompt, MAX_TOKENS)
+    if call.told_prompt_tokens is not None:  # an engine's stream said: the templated prompt's count
+        prompt = call.told_prompt_tokens
+    else:
+        prompt = tokens.count(tokens.prompt_text(body), model or "", tokenizer)
+        prompt = min(prompt + tokens.prompt_token_ids(body) + tokens.chat_overhead(body), MAX_TOKENS)
     completion = min(tokens.count(tokens.completion_text(chunks), model or "", tokenizer), MAX_TOKENS)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -14,7 +14,7 @@ from gateway.pipeline.runtime import Runtime
 
 # Fields the gateway sends its engines for stream resumption (pipeline/resume.py): a client's
 # would make an engine report token ids to it, or go on from tokens it made up.
-_ENGINE_INTERNAL = ("stream_token_ids", "resume")
+_ENGINE_INTERNAL = ("stream_token_ids", "resume", "stream_prompt_tokens")
 
 
 def prepare(

@@ -28,7 +28,13 @@ from contextlib import aclosing
 
 import orjson
 
-from gateway.backends.base import Pump, UpstreamErrorEvent, UpstreamRequestErrorEvent, UpstreamStreamError
+from gateway.backends.base import (
+    PROMPT_TOKENS,
+    Pump,
+    UpstreamErrorEvent,
+    UpstreamRequestErrorEvent,
+    UpstreamStreamError,
+)
 from gateway.backends.upstream_errors import error_event, reduced_fields
 from gateway.errors import cancelled_outcome
 from gateway.governance.usage import checked_usage
@@ -267,6 +273,9 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     `tokens`: a resumable stream's, which takes the engine's token id lines (never the client's)
     and whose error event is a break to resume from, not an answer to pass on."""
     if not line:
+        return None
+    if line.startswith(PROMPT_TOKENS):  # the engine's count of the prompt, for the log: not the client's
+        call.told_prompt(line)
         return None
     if call.ttft is None:
         call.ttft = time.perf_counter() - call.started

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 
-from gateway.backends.base import UpstreamStreamError
+from gateway.backends.base import PROMPT_TOKENS, UpstreamStreamError
 from gateway.pipeline.resume import TOKEN_IDS
 
 
@@ -149,8 +149,8 @@ async def until_first_token(lines: AsyncIterator[str], first_event: FirstEvent |
                 return head
             if not sent and (opening is None or not opening <= opened):
                 head.append(line)
-        elif line.startswith(TOKEN_IDS):  # an engine's token ids (resumption): the relay's to read
-            head.append(line)
+        elif line.startswith((TOKEN_IDS, PROMPT_TOKENS)):  # an engine's token ids (resumption) or its
+            head.append(line)  # prompt's count (the log's): the relay's to read
         elif line.startswith(_SSE_FIELDS):
             continue
         else:

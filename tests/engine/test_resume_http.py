@@ -109,6 +109,31 @@ def test_without_stream_token_ids_no_id_lines_are_sent(tiny_chat_model: Path) ->
     _serve(tiny_chat_model, test)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [CHAT, TEXT, {**TEXT, "prompt": ["Once upon a time", "In a land far away"], "n": 2}],
+    ids=["chat", "completions", "two-prompts"],
+)
+def test_stream_prompt_tokens_opens_the_stream_with_the_prompt_count_its_usage_gives(
+    tiny_chat_model: Path, body: dict[str, Any]
+) -> None:
+    """The gateway bills a stream its client left with this count: the templated prompt's."""
+
+    async def test(serving: OpenAIServing) -> None:
+        stream = {"stream": True, "stream_options": {"include_usage": True}}
+        events = await _events(serving, {**body, **stream, "stream_prompt_tokens": True})
+        assert events[0].startswith(b": prompt_tokens ") and events[0].endswith(b"\n\n")
+        assert not any(e.startswith(b":") for e in events[1:])
+        usage = json.loads(events[-2].removeprefix(b"data: "))["usage"]
+        assert int(events[0][len(b": prompt_tokens ") :]) == usage["prompt_tokens"]
+        if "messages" in body:  # the template's tokens counted: more than the message's words
+            assert usage["prompt_tokens"] > len(body["messages"][0]["content"].split()) + 4
+        plain = await _events(serving, {**body, **stream})
+        assert not plain[0].startswith(b":")
+
+    _serve(tiny_chat_model, test)
+
+
 def test_a_resume_that_cannot_be_is_a_400_naming_the_field() -> None:
     for extra, param in (
         ({"resume": {"token_ids": [1]}}, "resume"),  # not a stream

@@ -14,7 +14,8 @@ latency wait or mid-stream, and streams resumed.
 Like the engine, it speaks stream resumption: with `stream_token_ids` each word's token id (its
 position) comes in a `: token_ids 0 <id>` line before its data line, and `resume: {token_ids, id,
 created}` goes on after those words under that id, without a role chunk (ids that are not the
-answer's own first words: 400).
+answer's own first words: 400); with `stream_prompt_tokens` a stream opens with `: prompt_tokens N`
+(its usage's prompt count).
 
 Run: python tests/fakes/openai_upstream.py --port 9001
 """
@@ -133,7 +134,7 @@ async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
             rid, created = str(resume.get("id") or rid), int(resume.get("created") or created)
             stats["resumed"] += 1
         stream = _Stream(rid, created, model, words, usage, include, chat, bool(body.get("stream_token_ids")),
-                         start, isinstance(resume, dict))  # fmt: skip
+                         start, isinstance(resume, dict), bool(body.get("stream_prompt_tokens")))  # fmt: skip
         return StreamingResponse(_events(stream, app), media_type="text/event-stream")
     # a whole answer with n choices: choice i drops its last i words and ends on "length" (i > 0)
     n = body.get("n") if type(body.get("n")) is int and body["n"] > 1 else 1
@@ -178,6 +179,7 @@ class _Stream:
     token_ids: bool  # stream_token_ids: each word's position before its data line
     start: int  # the word a resumed stream goes on from
     resumed: bool
+    prompt_line: bool = False  # stream_prompt_tokens: the prompt's count first
 
 
 async def _events(stream: _Stream, app: FastAPI) -> AsyncIterator[bytes]:
@@ -205,6 +207,8 @@ async def _chunks(s: _Stream, app: FastAPI) -> AsyncIterator[bytes]:
         return b"data: " + orjson.dumps({"id": s.rid, "object": obj, "created": s.created, "model": s.model,
                                         "choices": [choice], **extra}) + b"\n\n"  # fmt: skip
 
+    if s.prompt_line:
+        yield b": prompt_tokens %d\n\n" % s.usage["prompt_tokens"]
     if s.chat and not s.resumed:
         yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
     delay = float(control.get("chunk_delay_ms") or 0.0) / 1000

@@ -646,8 +646,33 @@ def test_answers_without_usage_are_counted_with_a_tokenizer_and_marked_estimated
     for row in rows:
         assert row["cost_estimated"] in (True, 1) and row["status"] == 200
         assert row["completion_tokens"] == tokens.count(ids[row["id"]], "fast")
-        assert row["prompt_tokens"] == tokens.count(ids[row["id"]].removeprefix("echo: "), "fast")
         assert int(row["cost_picousd"]) > 0
+    whole_row = next(row for row in rows if row["id"] == whole.headers["x-request-id"])
+    # the text, and a chat's tokens beside it as OpenAI counts them: 3 per message, 3 for the reply
+    assert whole_row["prompt_tokens"] == tokens.count("count these words please", "fast") + 3 + 3
+    streamed_row = next(row for row in rows if row["id"] == streamed.headers["x-request-id"])
+    assert streamed_row["prompt_tokens"] == 3  # what the (fake) engine's stream said: its own count
+
+
+def test_a_stream_without_usage_is_billed_the_prompt_count_its_engine_told(stack: Stack) -> None:
+    """An engine stream opens with its templated prompt's count (`stream_prompt_tokens`, asked by the
+    gateway, stripped from the client's events): a stream ending without usage (the client left, the
+    replica broke) is billed that count, not the message's words alone."""
+    httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": True})
+    words = "one two three four five six seven"
+    body = {"model": "fast", "messages": [{"role": "user", "content": words}], "stream": True,
+            "stream_prompt_tokens": False}  # fmt: skip
+    try:
+        with httpx.stream("POST", f"{stack.gateway.base_url}/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {stack.key}"}, timeout=30) as r:  # fmt: skip
+            lines = [line for line in r.iter_lines() if line]
+    finally:
+        httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": False})
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)  # the engine's count is the gateway's alone
+    row = next(row for row in _eventually_logged(stack, r) if row["id"] == r.headers["x-request-id"])
+    assert row["cost_estimated"] in (True, 1)
+    assert row["prompt_tokens"] == 7  # the fake engine's count; the estimate would say 7 + 3 + 3
 
 
 def test_a_streams_answer_ends_with_its_done_not_when_the_upstreams_body_does(stack: Stack) -> None:

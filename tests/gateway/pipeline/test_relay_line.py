@@ -25,3 +25,20 @@ def test_a_legacy_function_call_after_the_usage_is_answer_the_usage_does_not_cov
     chunk = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
     relay_line(call, "data: " + orjson.dumps(chunk).decode(), True)
     assert call.usage == {}
+
+
+def test_an_engines_prompt_count_is_kept_for_the_log_never_relayed_and_only_when_plain() -> None:
+    """`: prompt_tokens N` (the engine's templated prompt count) is the gateway's: not an event for the
+    client, not its first token; a count that is not plain digits within MAX_TOKENS is ignored, as any
+    stray comment line."""
+    key = KeyInfo(uuid.uuid4().hex, "k", "sk-test", None, None, {}, datetime.now(UTC), None, None, None)
+    call = Call("req-1", key, time.perf_counter(), datetime.now(UTC), model="m")
+    assert relay_line(call, ": prompt_tokens 37", False) is None
+    assert call.told_prompt_tokens == 37 and call.ttft is None
+    for hostile in ("-1", "1e9", "123456789", "", "abc", "٣٧", "37 38", "0x25", " 99999999999999999999"):
+        assert relay_line(call, ": prompt_tokens " + hostile, False) is None
+        assert call.told_prompt_tokens == 37, hostile
+    assert relay_line(call, ": prompt_tokens 16777216", False) is None  # 2^24: the bound itself
+    assert call.told_prompt_tokens == 1 << 24
+    assert relay_line(call, ": prompt_tokens 99999999", False) is None  # 8 digits, clamped to the bound
+    assert call.told_prompt_tokens == 1 << 24
