@@ -12,7 +12,8 @@ json.dumps' layout. Per
 `tool_choice`:
 - auto: free text (which can never contain the `<tool_call>` tag: an unconstrained call would slip
   past the schema), then optionally the calls, then the end;
-- required: only calls (one or more); a named function: only calls to it;
+- required: only calls (one or more); a named function: one call to it (as OpenAI and vLLM: a
+  forced call is one call, never a loop of them until max_tokens);
 - parallel_tool_calls false: at most one call.
 none is not constrained at all (the answer is text; tags in it are not parsed as calls).
 """
@@ -52,7 +53,8 @@ def tool_spec(tools: ToolRequest) -> GuidedSpec | None:
     for i, function in enumerate(functions):  # a call after its opening tag
         head = _lark_string(call_prefix(function.name)[len(CALL_BEGIN) :])
         rules.append(f"body_{i}: {head} {_arguments(function)} {_lark_string(_TAIL)}")
-    more = f" (SEP {begin} body)*" if tools.parallel else ""
+    named = tools.choice not in ("auto", "required")
+    more = f" (SEP {begin} body)*" if tools.parallel and not named else ""
     if tools.choice == "auto":
         # text alone (never holding the tag), or text up to the first tag (lazy: the lexeme ends at
         # the tag's first occurrence, so the call after it is always held to the grammar) and calls

@@ -67,6 +67,7 @@ def accepts(compiler: GuidedCompiler, tokenizer: Any, choice: Any, parallel: boo
         ("required", False, ADD, True),
         (NAMED_ADD, True, WEATHER, False),
         (NAMED_ADD, True, ADD, True),
+        (NAMED_ADD, True, ADD + "\n" + ADD, False),  # a forced call is one call, as OpenAI's and vLLM's
     ],
 )
 def test_the_grammar_takes_exactly_the_allowed_answers(
