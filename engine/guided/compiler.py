@@ -130,6 +130,8 @@ class GuidedCompiler:
         tokenizer = self._tokenizer.result()
         try:
             grammar = _grammar(spec, tokenizer)
+        except GuidedDecodingError:  # refused with its reason already (a GBNF grammar it cannot read)
+            raise
         except (ValueError, RecursionError) as exc:  # llguidance's converters raise plain errors
             raise _refusal(spec, str(exc) or type(exc).__name__) from None
         matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)

@@ -110,6 +110,7 @@ def test_a_regex_or_grammar_the_library_cannot_compile_is_a_400_that_says_why(
         compiler.compile(spec)
     assert info.value.code == "invalid_grammar" and reason in str(info.value)
     assert info.value.param == spec.param
+    assert str(info.value).count("cannot be used for guided decoding") == 1  # said once, not nested
 
 
 def test_a_cached_refusal_names_the_field_of_the_request_that_asked(compiler: GuidedCompiler) -> None:
