@@ -28,8 +28,10 @@ def api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineError):
         return APIError(exc.status, exc.public_message, exc.type, exc.param, exc.code, exc.headers)
-    if isinstance(exc, StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+    if isinstance(exc, StarletteHTTPException):  # a 405's Allow kept (RFC 9110 asks for it); nothing else
+        allow = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"}
+        code = _HTTP_CODES.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=allow)
     if isinstance(exc, asyncio.CancelledError):
         return api_error(ClientDisconnectedError())
     return INTERNAL_ERROR

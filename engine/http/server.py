@@ -175,7 +175,7 @@ def _add_routes(
         serving.served_model(model)
         return _json(next(m for m in serving.models()["data"] if m["id"] == model))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers that probe with it
     async def health() -> Response:
         """200 when loaded and the step loop is making progress; 503 otherwise."""
         state = engine.health()

@@ -55,7 +55,10 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 400:  # FastAPI's only 400: a body it could not decode (not UTF-8)
             return error_response(GatewayError(400, _NOT_JSON, code="invalid_value"))
-        return error_response(GatewayError(exc.status_code, str(exc.detail)))
+        # a 405's Allow kept (RFC 9110 asks for it); no other header of the framework's
+        given = (exc.headers or {}).items()
+        allow = [(b"allow", v.encode("latin-1")) for k, v in given if k.lower() == "allow"]
+        return error_response(GatewayError(exc.status_code, str(exc.detail), headers=allow))
 
     app.add_exception_handler(GatewayError, gateway_error)
     app.add_exception_handler(Exception, unexpected)  # last resort: OpenAI's format, no raw text

@@ -448,6 +448,9 @@ def test_unknown_route_and_method_use_the_error_format(server: ServerProcess) ->
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = httpx.get(f"{server.base_url}/v1/chat/completions", timeout=30)
     assert r.status_code == 405 and r.json()["error"]["message"]
+    assert r.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods the route takes
+    r = httpx.head(f"{server.base_url}/health", timeout=30)  # load balancers that probe with HEAD
+    assert r.status_code == 200 and not r.content
 
 
 def test_concurrent_streams_join_one_batch_and_match_offline(

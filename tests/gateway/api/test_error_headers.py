@@ -117,3 +117,17 @@ def test_every_refusal_of_the_http_layer_says_nosniff(
     assert answered == status, body
     assert "error" in orjson.loads(body)
     assert headers.get("x-content-type-options") == "nosniff", headers
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("DELETE", "/v1/models", "GET"), ("GET", "/v1/chat/completions", "POST"), ("POST", "/health", "GET")],
+)
+def test_a_405_names_the_methods_the_route_takes(
+    stack: HostileStack, method: str, path: str, allow: str
+) -> None:
+    """RFC 9110 asks a 405 for its Allow header, FastAPI's routes' as the completion endpoint's."""
+    headers = {"authorization": f"Bearer {stack.key}"}
+    r = httpx.request(method, f"{stack.url}{path}", headers=headers, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["message"]
+    assert r.headers.get("allow") == allow, r.headers
