@@ -67,6 +67,21 @@ class ResumeRequest(BaseModel):
     created: int | None = Field(None, ge=0, lt=2**40)
 
 
+# vLLM request extensions that would change the answer, each with the values that change nothing
+_UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None, []),
+    "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extensions)."""
 
@@ -105,6 +120,18 @@ class _SamplingFields(BaseModel):
     # guided decoding: OpenAI's response_format, vLLM's structured_outputs (checked by guided_spec())
     response_format: Any = None
     structured_outputs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_extensions(cls, data: Any) -> Any:
+        # vLLM's extensions that change the answer, not implemented here: ignored like other unknown
+        # fields, the client would get an answer that silently disregards them; their neutral values
+        # (absent, null, false, an empty list) pass, as a client that always sends them does
+        if isinstance(data, Mapping):
+            for key, neutral in _UNSUPPORTED_EXTENSIONS.items():
+                if key in data and data[key] not in neutral:
+                    raise ValueError(f"{key}: {key} is not supported by this server")
+        return data
 
     @model_validator(mode="before")
     @classmethod

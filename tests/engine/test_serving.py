@@ -57,3 +57,45 @@ def test_stop_accepts_a_string_or_a_list_and_rejects_anything_else() -> None:
 def test_completion_logprobs_become_the_engine_top_k() -> None:
     req = CompletionRequest.model_validate({"prompt": "x", "logprobs": 3})
     assert build_sampling_params(req, 4, req.logprobs, {}).logprobs == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("allowed_token_ids", [28, 29]),
+        ("allowed_token_ids", []),
+        ("bad_words", ["Paris"]),
+        ("include_stop_str_in_output", True),
+        ("prompt_logprobs", 1),
+        ("truncate_prompt_tokens", 2),
+        ("logits_processors", ["x"]),
+        ("continue_final_message", True),
+        ("add_generation_prompt", False),
+        ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": False}),
+    ],
+)
+def test_a_vllm_extension_that_would_change_the_answer_is_a_400_naming_it(field: str, value: object) -> None:
+    """Ignored like an unknown field, it would leave the client an answer that disregards it
+    (allowed_token_ids and bad_words constrain the output, as the removed guided_* fields did)."""
+    from engine.http.protocol import validation_error
+
+    for model in (ChatCompletionRequest, CompletionRequest):
+        base = (
+            {"messages": [{"role": "user", "content": "x"}]}
+            if model is ChatCompletionRequest
+            else {"prompt": "x"}
+        )
+        with pytest.raises(Exception) as err:
+            model.model_validate({**base, field: value})
+        error = validation_error(err.value)  # type: ignore[arg-type]
+        assert error.status == 400 and error.param == field and "not supported" in error.message
+
+
+def test_the_neutral_values_of_vllms_extensions_pass() -> None:
+    """A client (or a vLLM SDK wrapper) that always sends the defaults is not refused."""
+    neutral = {"allowed_token_ids": None, "bad_words": [], "include_stop_str_in_output": False,
+               "prompt_logprobs": None, "truncate_prompt_tokens": None, "logits_processors": None,
+               "continue_final_message": False, "add_generation_prompt": True, "chat_template": None,
+               "chat_template_kwargs": {}}  # fmt: skip
+    assert _chat(**neutral).messages
