@@ -14,7 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from gateway.api.services import Keys, app_services
 from gateway.errors import GatewayError
 from gateway.governance.budgets import Period
-from gateway.governance.keys import AuthError, KeyNotFoundError
+from gateway.governance.keys import AuthError, InvalidKeyUpdateError, KeyNotFoundError
 from gateway.store.row_sanitizer import MAX_JSON_LEVELS, clean_json
 
 router = APIRouter(prefix="/admin/keys")
@@ -215,6 +215,10 @@ admin = [Depends(require_master_key)]
 @router.post("", status_code=201, dependencies=admin)
 async def create_key(body: KeyCreate, keys: Keys) -> dict[str, Any]:
     """Create a key; the plaintext `key` is in this response only."""
+    if body.budget_usd is None and "budget_period" in body.model_fields_set:  # as PATCH answers it
+        raise InvalidKeyUpdateError(
+            "budget_period", "the key has no budget to give a period: set budget_usd as well"
+        )
     info, plaintext = await keys.create(
         body.name,
         body.team,

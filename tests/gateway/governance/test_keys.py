@@ -348,6 +348,24 @@ def test_patched_limits_and_budget_are_stored_and_admission_applies_them_at_once
 
 
 @pytest.mark.parametrize(
+    "body", [{"budget_period": "daily"}, {"budget_usd": None, "budget_period": "weekly"}]
+)
+def test_a_budget_period_without_a_budget_is_400_at_creation_as_in_a_patch(
+    admin: TestClient, body: dict[str, object]
+) -> None:
+    """It was created without the period (and without a word); PATCH refused it already."""
+    r = admin.post("/admin/keys", json={"name": "app", **body}, headers=ADMIN)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("budget_period", "invalid_value")
+    assert not [k for k in admin.get("/admin/keys", headers=ADMIN).json()["data"] if k["name"] == "app"]
+    r = admin.post(
+        "/admin/keys", json={"name": "app", "budget_usd": "5", "budget_period": "daily"}, headers=ADMIN
+    )
+    assert r.status_code == 201 and r.json()["budget_period"] == "daily"
+
+
+@pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"rpm_limit": 0}, "rpm_limit"),
