@@ -50,7 +50,10 @@ class EnginePool:
         auth = {"authorization": f"Bearer {key}"} if key else {}
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}
-        self._checker = HealthChecker(name, self.replicas, health, auth, self._cards_changed)
+        # a whole answer sends nothing until it is done: a replica that stopped answering its health
+        # checks for as long as a stream may be silent (timeouts.between_tokens) will not send it
+        self._checker = HealthChecker(name, self.replicas, health, auth, self._cards_changed,
+                                      self._silent, spec.timeouts.between_tokens)  # fmt: skip
         self._learned: dict[str, Learned] = {}  # served name -> what the replicas' cards say
         self._learned_version = 0
 
@@ -76,6 +79,16 @@ class EnginePool:
     def learned(self, model: str) -> Learned | None:
         """What the replicas' /v1/models say about `model` (None: no replica described it)."""
         return self._learned.get(model)
+
+    def _silent(self, replica: Replica) -> None:
+        """The replica failed every health check for `between_tokens` s: what it has in flight fails
+        as a timeout (tried on another replica, then the next model) instead of waiting for `total`."""
+        since = time.monotonic() - (replica.down_since or time.monotonic())
+        error = TimeoutError(f"the replica failed its health checks for {since:.0f} s")
+        failed = self._wires[replica.url].fail_lent(error)
+        if failed:
+            logger.warning("%s replica %s: down for %.0f s, %d request(s) in flight to it given up on",
+                           self.name, replica.url, since, failed)  # fmt: skip
 
     def _cards_changed(self) -> None:
         merged = merge_replicas(r.cards for r in self.replicas if r.cards is not None)

@@ -142,6 +142,7 @@ class Replica:
         self.kv_usage = 0.0
         self.in_flight = 0
         self.cards: dict[str, Learned] | None = None  # its /v1/models, once it answered
+        self.down_since: float | None = None  # monotonic time of the first check it failed in a row
 
     def usable(self) -> bool:
         """Up by the last check and let through by the breaker."""
@@ -182,12 +183,16 @@ class HealthChecker:
     def __init__(
         self, name: str, replicas: list[Replica], health: HealthSettings, headers: dict[str, str],
         on_cards: Callable[[], None] = lambda: None,
+        on_silent: Callable[[Replica], None] = lambda replica: None, silence: float | None = None,
     ) -> None:  # fmt: skip
         self.name = name
         self.replicas = replicas
         self.health = health
         self._headers = headers
         self._on_cards = on_cards  # a replica's model cards changed
+        # a replica that failed every check for `silence` s: its requests in flight are given up on
+        self._on_silent = on_silent
+        self._silence = silence
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -239,6 +244,14 @@ class HealthChecker:
                        f" ({error})" if error else "")  # fmt: skip
         came_up = ok and not replica.check_ok
         replica.check_ok, replica.last_error = ok, error
+        if ok:
+            replica.down_since = None
+        else:
+            now = time.monotonic()
+            if replica.down_since is None:
+                replica.down_since = now
+            elif self._silence is not None and now - replica.down_since >= self._silence:
+                self._on_silent(replica)  # each check while it stays down: nothing new goes to it
         if ok and (came_up or replica.cards is None):  # a restarted engine may serve another model
             await self._learn(replica)
         if ok and replica.breaker.state is BreakerState.HALF_OPEN and replica.breaker.claim():

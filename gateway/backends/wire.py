@@ -292,6 +292,7 @@ class WirePool:
         self._base = parts.path.rstrip("/")
         self._static = _header_block({"host": parts.netloc, **headers})
         self._idle: list[_Connection] = []  # most recently used last
+        self._lent: set[_Connection] = set()  # in an exchange now (fail_lent)
         self._open = 0
         self._limit = limit
         self._idle_seconds = idle_seconds
@@ -323,6 +324,7 @@ class WirePool:
         deadline = None if total is None else loop.time() + total
         for attempt in (0, 1):
             conn = await self._acquire(connect_timeout)
+            self._lent.add(conn)
             reused = conn.exchanges > 0
             conn.head = loop.create_future()
             timer = None if deadline is None else loop.call_at(deadline, conn.fail, TimeoutError())
@@ -385,6 +387,7 @@ class WirePool:
 
     def put_back(self, conn: _Connection) -> None:
         """Keep a connection whose exchange ended cleanly; close any other."""
+        self._lent.discard(conn)
         conn.head = conn.listener = None
         # freed now: the connection and its parser refer to each other, so a dropped one lives
         # until the cyclic GC runs, and a kept one would hold its last answer while idle
@@ -409,6 +412,14 @@ class WirePool:
             if not slot.done():
                 slot.set_result(None)
                 return
+
+    def fail_lent(self, error: BaseException) -> int:
+        """End every exchange in progress with `error` (its caller raises it) and drop its connection:
+        the replica went silent, and its answers will not come. Returns how many there were."""
+        lent = list(self._lent)
+        for conn in lent:
+            conn.fail(error)
+        return len(lent)
 
     def close(self) -> None:
         """Close every idle connection (lent ones close when their exchange ends)."""

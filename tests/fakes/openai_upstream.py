@@ -8,7 +8,8 @@ to its model's entry in `GET /v1/models`, e.g. `max_model_len` and `capabilities
 `break_after` / `break_mode` (a new stream breaks after that many words: `reset` the connection,
 send an `error_event` or a `request_error` (an `invalid_request_error` event), or `stall`),
 `linger_after_done_ms` (the body ends that long after a stream's `[DONE]`, as an engine's may);
-`GET /stats` reports requests served, the usage reported so far, how many callers left during the
+`GET /stats` reports completions arrived (before the latency wait) and served, the usage
+reported so far, how many callers left during the
 latency wait or mid-stream, and streams resumed.
 
 Like the engine, it speaks stream resumption: with `stream_token_ids` each word's token id (its
@@ -43,6 +44,7 @@ def create_app() -> FastAPI:
         "break_after": None, "break_mode": "reset", "linger_after_done_ms": 0.0,
     }  # fmt: skip
     app.state.stats = {
+        "arrived": 0,  # completions received, counted before the latency wait (`requests`: after it)
         "requests": 0,
         "prompt_tokens": 0,
         "completion_tokens": 0,
@@ -82,6 +84,7 @@ def create_app() -> FastAPI:
 
 async def _complete(app: FastAPI, request: Request, chat: bool) -> Response:
     raw = await request.body()
+    app.state.stats["arrived"] += 1
     control = app.state.control
     if control["latency_ms"]:  # waited in slices: a caller that leaves meanwhile is counted
         deadline = time.monotonic() + control["latency_ms"] / 1000

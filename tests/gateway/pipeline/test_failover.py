@@ -83,7 +83,7 @@ class Load:
 
 
 class Chaos:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, silence: float = 30.0) -> None:
         self.a, self.b, self.hosted = _fake(), _fake(), _fake()
         policy = root / "policy.yaml"
         policy.write_text(f"""
@@ -91,7 +91,7 @@ backends:
   pool:
     type: engine
     urls: ["{self.a.base_url}", "{self.b.base_url}"]
-    timeouts: {{connect: 0.5, first_token: 1.5, total: 10}}
+    timeouts: {{connect: 0.5, first_token: 1.5, total: 10, between_tokens: {silence}}}
   frontier: {{type: hosted, model: openai/fake-model, api_key_env: FAKE_PROVIDER_KEY,
              base_url: "{self.hosted.base_url}/v1"}}
 models:
@@ -202,6 +202,50 @@ def test_a_stream_whose_replica_dies_before_the_first_byte_is_served_elsewhere(c
     text = "".join(line for line in result["lines"] if "content" in line)
     assert "three" in text and result["lines"][-1] == "data: [DONE]"
     assert not any('"error"' in line for line in result["lines"])
+
+
+def test_a_whole_answer_waiting_on_a_replica_gone_silent_is_tried_on_another(tmp_path: Path) -> None:
+    """A frozen replica (SIGSTOP: its process alive, nothing answered) sends a whole answer never; a
+    stream notices the silence, a whole answer sends nothing until it is done. Once the replica has
+    failed its health checks for `between_tokens` s (2 here), what it has in flight is given up on
+    as a timeout and tried on the other replica: the client waits that long, not `total` (10)."""
+    chaos = Chaos(tmp_path, silence=2.0)
+    stopped: ManagedServer | None = None
+    try:
+        for replica in (chaos.a, chaos.b):
+            httpx.post(f"{replica.base_url}/control", json={"latency_ms": 60_000})
+        body = {"model": "local", "messages": [{"role": "user", "content": "are you there"}]}
+        headers = {"Authorization": f"Bearer {chaos.key}"}
+        answer: dict[str, Any] = {}
+
+        def ask() -> None:
+            r = httpx.post(chaos.url, json=body, headers=headers, timeout=30)
+            answer.update(status=r.status_code, headers=r.headers, at=time.monotonic())
+
+        asking = threading.Thread(target=ask)
+        started = time.monotonic()
+        asking.start()
+        deadline = started + 5
+        arrived = lambda r: httpx.get(f"{r.base_url}/stats").json()["arrived"]  # noqa: E731
+        while not (busy := [r for r in (chaos.a, chaos.b) if arrived(r)]):
+            assert time.monotonic() < deadline, "the request reached no replica"
+            time.sleep(0.05)
+        stopped = busy[0]
+        other = chaos.b if stopped is chaos.a else chaos.a
+        httpx.post(f"{other.base_url}/control", json={"latency_ms": 0})
+        stopped.proc.send_signal(signal.SIGSTOP)
+        asking.join(30)
+        assert answer["status"] == 200, answer
+        assert (
+            answer["headers"]["x-gateway-backend"] == "pool"
+            and "=timeout" in answer["headers"]["x-gateway-failover"]
+        )
+        assert 2.0 < answer["at"] - started < 6.0  # the silence (2 s, checks every 0.2 s), not total (10 s)
+        assert arrived(other) == 1 and chaos.requests_seen(other) == 1
+    finally:
+        if stopped is not None:
+            stopped.proc.send_signal(signal.SIGCONT)
+        chaos.close()
 
 
 def test_a_stalled_replica_is_left_before_the_first_token(chaos: Chaos) -> None:
