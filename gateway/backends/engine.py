@@ -50,7 +50,7 @@ class EnginePool:
         auth = {"authorization": f"Bearer {key}"} if key else {}
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}
-        # a whole answer sends nothing until it is done: a replica that stopped answering its health
+        # a whole answer sends nothing until it is done: a replica that has answered none of its health
         # checks for as long as a stream may be silent (timeouts.between_tokens) will not send it
         self._checker = HealthChecker(name, self.replicas, health, auth, self._cards_changed,
                                       self._silent, spec.timeouts.between_tokens)  # fmt: skip
@@ -81,13 +81,13 @@ class EnginePool:
         return self._learned.get(model)
 
     def _silent(self, replica: Replica) -> None:
-        """The replica failed every health check for `between_tokens` s: what it has in flight fails
-        as a timeout (tried on another replica, then the next model) instead of waiting for `total`."""
-        since = time.monotonic() - (replica.down_since or time.monotonic())
-        error = TimeoutError(f"the replica failed its health checks for {since:.0f} s")
+        """The replica answered no health check for `between_tokens` s: what it has in flight fails as
+        a timeout (tried on another replica, then the next model) instead of waiting for `total`."""
+        since = time.monotonic() - (replica.silent_since or time.monotonic())
+        error = TimeoutError(f"the replica answered no health check for {since:.0f} s")
         failed = self._wires[replica.url].fail_lent(error)
         if failed:
-            logger.warning("%s replica %s: down for %.0f s, %d request(s) in flight to it given up on",
+            logger.warning("%s replica %s: silent for %.0f s, %d request(s) in flight to it given up on",
                            self.name, replica.url, since, failed)  # fmt: skip
 
     def _cards_changed(self) -> None:

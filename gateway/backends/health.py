@@ -142,7 +142,9 @@ class Replica:
         self.kv_usage = 0.0
         self.in_flight = 0
         self.cards: dict[str, Learned] | None = None  # its /v1/models, once it answered
-        self.down_since: float | None = None  # monotonic time of the first check it failed in a row
+        # monotonic time of the first of the checks in a row it did not answer at all (frozen,
+        # partitioned); an answer, even a 503 (a draining engine finishing its requests), resets it
+        self.silent_since: float | None = None
 
     def usable(self) -> bool:
         """Up by the last check and let through by the breaker."""
@@ -190,7 +192,7 @@ class HealthChecker:
         self.health = health
         self._headers = headers
         self._on_cards = on_cards  # a replica's model cards changed
-        # a replica that failed every check for `silence` s: its requests in flight are given up on
+        # a replica that answered no check for `silence` s: its requests in flight are given up on
         self._on_silent = on_silent
         self._silence = silence
         self._task: asyncio.Task[None] | None = None
@@ -223,8 +225,10 @@ class HealthChecker:
     async def check(self, replica: Replica) -> None:
         """One check: /health must answer 200; /metrics (if served) gives queue depth and KV usage."""
         assert self._session is not None
+        answered = False  # /health gave an answer, whatever it was
         try:
             async with self._session.get(replica.url + "/health") as resp:
+                answered = True
                 ok = resp.status == 200
                 error = None if ok else f"/health answered {resp.status}"
             if ok:
@@ -244,14 +248,14 @@ class HealthChecker:
                        f" ({error})" if error else "")  # fmt: skip
         came_up = ok and not replica.check_ok
         replica.check_ok, replica.last_error = ok, error
-        if ok:
-            replica.down_since = None
+        if answered:
+            replica.silent_since = None
         else:
             now = time.monotonic()
-            if replica.down_since is None:
-                replica.down_since = now
-            elif self._silence is not None and now - replica.down_since >= self._silence:
-                self._on_silent(replica)  # each check while it stays down: nothing new goes to it
+            if replica.silent_since is None:
+                replica.silent_since = now
+            elif self._silence is not None and now - replica.silent_since >= self._silence:
+                self._on_silent(replica)  # each check while it stays silent: nothing new goes to it
         if ok and (came_up or replica.cards is None):  # a restarted engine may serve another model
             await self._learn(replica)
         if ok and replica.breaker.state is BreakerState.HALF_OPEN and replica.breaker.claim():

@@ -174,3 +174,53 @@ def test_a_check_that_fails_unexpectedly_marks_only_that_replica_down() -> None:
 
     asyncio.run(run())
     assert replica.check_ok is False and replica.last_error == "ValueError"
+
+
+def test_only_a_replica_that_answers_no_check_for_the_silence_is_reported_silent() -> None:
+    """No answer at all for `silence` s (frozen, partitioned): reported at each check from then on,
+    so that its requests in flight are given up on. A 503 (a draining engine finishing its requests)
+    is an answer: never silent, however long it lasts."""
+
+    async def serve(status: int) -> asyncio.Server:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 %d X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n" % status)
+            await writer.drain()
+            writer.close()
+
+        return await asyncio.start_server(answer, "127.0.0.1", 0)
+
+    async def run() -> None:
+        done = asyncio.Event()
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await done.wait()  # reads nothing, answers nothing
+            writer.close()
+
+        health = HealthSettings(interval=60, timeout=0.05)  # the loop's own first round, then ours
+        frozen = await asyncio.start_server(silent, "127.0.0.1", 0)
+        draining = await serve(503)
+        servers = [frozen, draining]
+        replicas = [Replica(f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}", health) for s in servers]
+        reported: list[str] = []
+        checker = HealthChecker("p", replicas, health, {}, on_silent=lambda r: reported.append(r.url),
+                                silence=0.3)  # fmt: skip
+        checker.start()
+        try:
+            for _ in range(3):
+                for replica in replicas:
+                    await checker.check(replica)
+            assert not reported  # silent for less than 0.3 s so far
+            await asyncio.sleep(0.35)
+            for replica in replicas:
+                await checker.check(replica)
+            assert reported == [replicas[0].url] and replicas[1].silent_since is None
+            assert not replicas[0].check_ok and not replicas[1].check_ok  # both down all the same
+        finally:
+            await checker.stop()
+            done.set()
+            for s in servers:
+                s.close()
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
