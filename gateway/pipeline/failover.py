@@ -375,7 +375,10 @@ class _State:
         )
         if not called and self.unavailable_reasons:
             models = ", ".join(dict.fromkeys(a.model for a in self.attempts if a.reason == "unavailable"))
-            message = f"no model can serve '{self.decision.alias}' now ({models}: unavailable)"
+            # the models skipped for the request itself (a capability, the context) say why, too
+            unfit = ", ".join(a.public() for a in self.attempts if a.reason != "unavailable")
+            why = f"{models}: unavailable" + (f"; {unfit}" if unfit else "")
+            message = f"no model can serve '{self.decision.alias}' now ({why})"
         else:
             message = f"every model for '{self.decision.alias}' failed; tried: {tried}"
         return ChainExhaustedError(

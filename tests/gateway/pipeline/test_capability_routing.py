@@ -37,10 +37,13 @@ class Stack:
 backends:
   plain: {{type: engine, urls: ["{self.plain.base_url}"]}}
   tooled: {{type: engine, urls: ["{self.tooled.base_url}"]}}
+  gone: {{type: engine, urls: ["http://127.0.0.1:9"]}}
 models:
   small: {{backend: plain, model: fake-model, capabilities: {{tools: false}}, context_length: 200}}
   big: {{backend: tooled, model: fake-model}}
   only-small: {{backend: plain, model: fake-model, capabilities: {{tools: false}}}}
+  gone-model: {{backend: gone}}
+  short: {{backend: plain, model: fake-model, context_length: 200, fallbacks: [gone-model]}}
 routes:
   auto:
     tiers:
@@ -134,6 +137,21 @@ def test_with_no_model_that_has_tools_the_answer_is_a_400_naming_it(stack: Stack
     row = stack.row(error.response.headers["x-request-id"])
     assert (row["status"], row["error_type"], row["attempts"]) == (400, "model_capability_missing", 0)
     assert row["failover"] == "only-small=lacks tools"
+
+
+def test_no_model_now_names_why_each_was_skipped_the_requests_own_reasons_too(stack: Stack) -> None:
+    """The fallback is down (503, it may come back), and the model asked for cannot take the prompt:
+    the message says both, not only "unavailable" (the reason was in x-gateway-failover alone)."""
+    deadline = time.monotonic() + 10  # until a health check finds `gone` down, it is called (502)
+    while True:
+        with pytest.raises(openai.APIStatusError) as info:
+            stack.client.chat.completions.create(model="short", messages=_ask("word " * 400))
+        if info.value.status_code != 502 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    error = info.value
+    assert error.status_code == 503 and error.code == "model_unavailable"
+    assert "(gone-model: unavailable; short=context_exceeded)" in error.message, error.message
 
 
 def test_a_prompt_longer_than_a_models_context_skips_it(stack: Stack) -> None:
