@@ -27,16 +27,10 @@ from llguidance.gbnf_to_lark import any_to_lark
 from engine.guided.bitmask import bitmask_width
 from engine.guided.errors import GuidedDecodingError, library_refusal
 from engine.guided.matcher import CompiledGrammar
-from engine.guided.spec import GuidedSpec
+from engine.guided.spec import BOUNDED_WHITESPACE, GuidedSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
-
-# Whitespace between two JSON tokens when a request allows any: up to 16 spaces or tabs, or one or
-# two line breaks and up to 48 of indentation (pretty-printed JSON 12 levels deep at 4 spaces).
-# llguidance's own default, [\x20\x0A\x0D\x09]+, has no bound, and a model can then spend every
-# token on whitespace: 8 of 8 seeded outputs of a small random model ran out of max_tokens so.
-BOUNDED_WHITESPACE = r"(?:[\x20\x09]{1,16}|[\x20\x09]{0,2}(?:\x0D?\x0A){1,2}[\x20\x09]{0,48})"
 
 
 class GuidedCompiler:

@@ -33,6 +33,13 @@ _OPTIONS = (
 )
 
 
+# Whitespace between two JSON tokens when a request allows any: up to 16 spaces or tabs, or one or
+# two line breaks and up to 48 of indentation (pretty-printed JSON 12 levels deep at 4 spaces).
+# llguidance's own default, [\x20\x0A\x0D\x09]+, has no bound, and a model can then spend every
+# token on whitespace: 8 of 8 seeded outputs of a small random model ran out of max_tokens so.
+BOUNDED_WHITESPACE = r"(?:[\x20\x09]{1,16}|[\x20\x09]{0,2}(?:\x0D?\x0A){1,2}[\x20\x09]{0,48})"
+
+
 @dataclass(frozen=True)
 class GuidedSpec:
     """One constraint: its kind, its canonical source text and the JSON layout options."""
@@ -144,6 +151,17 @@ class GuidedSpec:
                 raise GuidedDecodingError(f"{where}.begin starts with none of the triggers", param=param)
         tidy = {"structures": [{k: s[k] for k in ("begin", "schema", "end")} for s in structures]}
         return cls("structural_tag", _compact(tidy | {"triggers": triggers}, param), param=param)
+
+    def inline_json(self) -> str:
+        """A JSON kind's schema for a Lark grammar's `%json` (one rule of a larger grammar), with the
+        whitespace options the compiler gives it alone (llguidance reads them from `x-guidance`)."""
+        assert self.kind in ("json_schema", "json_object")
+        options: dict[str, Any] = {"whitespace_flexible": self.any_whitespace}
+        if self.whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.whitespace_pattern
+        elif self.any_whitespace:
+            options["whitespace_pattern"] = BOUNDED_WHITESPACE
+        return json.dumps({**json.loads(self.text), "x-guidance": options}, separators=(",", ":"))
 
     def trigger_of(self, begin: str) -> str:
         """The longest trigger `begin` starts with (structural tags only)."""

@@ -216,13 +216,16 @@ class ChatCompletionRequest(_SamplingFields):
         tools = self.tool_request()
         if tools is None or not tools.calls_allowed:
             return spec
-        if spec is not None:
-            raise GuidedDecodingError(
-                "response_format or structured_outputs cannot go with tools unless tool_choice is none",
-                code="invalid_value",
-                param="response_format" if self.response_format is not None else "structured_outputs",
-            )
-        return tool_spec(tools)
+        if spec is None or tools.calls_only:  # required or named: calls only, no text for a format
+            return tool_spec(tools)
+        if spec.kind in ("json_schema", "json_object"):  # auto: the answer in that format, or calls
+            return tool_spec(tools, spec)
+        raise GuidedDecodingError(
+            "with tools (tool_choice auto), the output can only be held to a JSON response_format "
+            f"(json_schema or json_object), not a {spec.kind.replace('_', ' ')}",
+            code="invalid_value",
+            param="response_format" if self.response_format is not None else "structured_outputs",
+        )
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -14,7 +14,8 @@ json.dumps' layout. Per
   past the schema), then optionally the calls, then the end;
 - required: only calls (one or more); a named function: one call to it (as OpenAI and vLLM: a
   forced call is one call, never a loop of them until max_tokens);
-- parallel_tool_calls false: at most one call.
+- parallel_tool_calls false: at most one call;
+- auto beside a JSON `response_format`: the answer in that format, or calls (no text before them).
 none is not constrained at all (the answer is text; tags in it are not parsed as calls).
 """
 
@@ -43,8 +44,10 @@ def call_text(name: str, arguments: str) -> str:
     return call_prefix(name) + arguments + _TAIL
 
 
-def tool_spec(tools: ToolRequest) -> GuidedSpec | None:
-    """The constraint for an answer to `tools` (None: tool_choice none, nothing to hold it to)."""
+def tool_spec(tools: ToolRequest, answer: GuidedSpec | None = None) -> GuidedSpec | None:
+    """The constraint for an answer to `tools` (None: tool_choice none, nothing to hold it to);
+    `answer`: a JSON format a text answer must take (tool_choice auto, a `response_format` beside the
+    tools, as agents send for their final answer)."""
     if not tools.calls_allowed:
         return None
     functions = tools.offered()
@@ -55,7 +58,10 @@ def tool_spec(tools: ToolRequest) -> GuidedSpec | None:
         rules.append(f"body_{i}: {head} {_arguments(function)} {_lark_string(_TAIL)}")
     named = tools.choice not in ("auto", "required")
     more = f" (SEP {begin} body)*" if tools.parallel and not named else ""
-    if tools.choice == "auto":
+    if tools.choice == "auto" and answer is not None:  # the answer in its format, or calls
+        start = f"start: answer | {begin} body{more}"
+        lexemes = [f"answer: %json {answer.inline_json()}"]
+    elif tools.choice == "auto":
         # text alone (never holding the tag), or text up to the first tag (lazy: the lexeme ends at
         # the tag's first occurrence, so the call after it is always held to the grammar) and calls
         start = f"start: TEXT? | lead body{more}"
@@ -76,7 +82,7 @@ def tool_spec(tools: ToolRequest) -> GuidedSpec | None:
         )
         for i, f in enumerate(tools.functions)
         if f in functions
-    )
+    ) + ((answer,) if answer is not None and tools.choice == "auto" else ())
     return dataclasses.replace(GuidedSpec.grammar(grammar, param="tools"), parts=parts)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from engine.guided import GuidedCompiler
+from engine.guided.spec import GuidedSpec
 from engine.tools.grammar import call_text, tool_spec
 from engine.tools.request import parse_tool_request
 
@@ -87,3 +88,33 @@ def test_a_legacy_functions_schema_is_named_where_the_client_wrote_it() -> None:
     spec = tool_spec(req)
     assert spec is not None
     assert [part.param for part in spec.parts] == ["functions[0].parameters", "functions[1].parameters"]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(
+    ("answer", "text", "allowed"),
+    [
+        (GuidedSpec.json_schema(CITY), '{"city": "Paris"}', True),
+        (GuidedSpec.json_schema(CITY), WEATHER, True),  # a call instead of the answer
+        (GuidedSpec.json_schema(CITY), WEATHER + "\n" + ADD, True),
+        (GuidedSpec.json_schema(CITY), '{"town": "Paris"}', False),  # the format's schema holds
+        (GuidedSpec.json_schema(CITY), "It is sunny.", False),  # no free text
+        (GuidedSpec.json_schema(CITY), '{"city": "Paris"}\n' + WEATHER, False),  # the answer, or calls
+        (GuidedSpec.json_object(), '{"anything": [1, 2]}', True),
+        (GuidedSpec.json_object(), "[1, 2]", False),
+    ],
+)
+def test_auto_beside_a_json_format_takes_the_answer_in_it_or_calls(
+    compiler: GuidedCompiler, hf_tokenizer: Any, answer: GuidedSpec, text: str, allowed: bool
+) -> None:
+    """tools with a response_format (agents' typed final answer): each answer is one or the other."""
+    tools = parse_tool_request({"tools": TOOLS, "tool_choice": "auto"})
+    assert tools is not None
+    spec = tool_spec(tools, answer)
+    assert spec is not None
+    matcher = compiler.compile(spec).matcher()
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    ok = all(matcher.accept_token(i) for i in ids) and matcher.accept_token(hf_tokenizer.eos_token_id)
+    assert ok is allowed

@@ -263,6 +263,37 @@ class TestTinyModel:
         assert max(counts[True]) >= 2
         assert max(counts[False]) == 1
 
+    def test_beside_a_json_response_format_each_answer_is_that_json_or_calls(
+        self, client: openai.OpenAI
+    ) -> None:
+        """tools (auto) and a json_schema response_format together, as agents send them for a typed
+        final answer (OpenAI takes both; this was a 400): every answer that ended is a content that
+        validates against the format or calls that fit their schemas, whole and streamed alike."""
+        answer = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}
+        response_format: Any = {"type": "json_schema", "json_schema": {"name": "unit", "schema": answer}}
+        kinds = set()
+        for seed in range(8):
+            ask: Any = {"model": "", "messages": QUESTION, "tools": SHORT_TOOLS, "tool_choice": "auto",
+                        "response_format": response_format, "temperature": 1.0, "seed": seed,
+                        "max_tokens": 60}  # fmt: skip
+            reply = client.chat.completions.create(**ask).choices[0]
+            if reply.finish_reason == "length":
+                continue
+            if reply.message.tool_calls:
+                assert reply.finish_reason == "tool_calls" and not (reply.message.content or "").strip()
+                _checked_calls(reply.message.tool_calls)
+                kinds.add("calls")
+            else:
+                assert reply.finish_reason == "stop"
+                jsonschema.validate(json.loads(reply.message.content or ""), answer)
+                kinds.add("answer")
+            content, calls, finish = _streamed(client, **ask)
+            assert finish == reply.finish_reason and content == (reply.message.content or "")
+            assert [c["arguments"] for c in calls] == [
+                c.function.arguments for c in reply.message.tool_calls or []
+            ]
+        assert kinds  # a random model ended at least one answer
+
     def test_parallel_calls_are_indexed_with_id_and_name_once_and_stream_as_they_answer_whole(
         self, client: openai.OpenAI, seeded: list[tuple[bool, int, Any]]
     ) -> None:
@@ -378,7 +409,8 @@ class TestTinyModel:
                 },
                 "tools[2].function.parameters",
             ),
-            ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+            # beside tools (auto), only a JSON format can hold the answer that is not a call
+            ({"tools": TOOLS, "extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs"),
         ]
         for extra, param in bad:
             with pytest.raises(openai.BadRequestError) as caught:
