@@ -35,7 +35,10 @@ def prepare(
     if not isinstance(body, dict):
         raise GatewayError(400, "The request body must be a JSON object", code="invalid_type")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):  # there, but not a name: as OpenAI answers it
+        message = f"Invalid type for 'model': expected a string, but got {_json_type(model)} instead."
+        raise GatewayError(400, message, param="model", code="invalid_type")
+    if not model:
         raise GatewayError(
             400, "you must provide a model parameter", param="model", code="missing_required_parameter"
         )
@@ -159,3 +162,18 @@ def _prompt_shape(prompt: Any) -> bool:
     if not isinstance(prompt, list) or not prompt:
         return False
     return all(isinstance(p, str) for p in prompt) or _token_ids(prompt) or all(_token_ids(p) for p in prompt)
+
+
+def _json_type(value: object) -> str:
+    """A JSON value's type as OpenAI's error messages name it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else "a string"

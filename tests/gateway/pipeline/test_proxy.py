@@ -179,6 +179,9 @@ def test_auth_matrix(stack: Stack) -> None:
         (b"{not json", 400, "invalid_json"),
         (b"[1]", 400, "invalid_type"),
         (b'{"messages": []}', 400, "missing_required_parameter"),
+        (b'{"model": "", "messages": []}', 400, "missing_required_parameter"),
+        (b'{"model": 5, "messages": []}', 400, "invalid_type"),  # there, but not a name
+        (b'{"model": ["fast"], "messages": []}', 400, "invalid_type"),
         (b'{"model": "nope", "messages": []}', 404, "model_not_found"),
         # the request's shape, checked before any backend is chosen (a hosted one took it for an outage)
         (b'{"model": "fast", "messages": "hi"}', 400, "invalid_type"),
