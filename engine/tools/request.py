@@ -102,6 +102,9 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
         choice_value, choice_param = body.get("function_call"), "function_call"
     else:
         choice_value, choice_param = body.get("tool_choice"), "tool_choice"
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):  # checked with tools or without
+        raise ToolRequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     if tools is None or tools == []:
         if choice_value not in (None, "none"):
             raise ToolRequestError(f"{choice_param} is only allowed when tools are given", param=choice_param)
@@ -109,13 +112,8 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     parsed = _functions(tools, legacy=functions is not None)
     if functions is not None:  # the legacy answer has room for one call: `message.function_call`
         return ToolRequest(parsed, _choice(choice_value, choice_param, {f.name for f in parsed}), False, True)
-    parallel = body.get("parallel_tool_calls", True)
-    if parallel is None:
-        parallel = True
-    if not isinstance(parallel, bool):
-        raise ToolRequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     choice = _choice(choice_value, choice_param, {f.name for f in parsed})
-    return ToolRequest(parsed, choice, parallel)
+    return ToolRequest(parsed, choice, True if parallel is None else parallel)
 
 
 def _functions(tools: Any, legacy: bool = False) -> tuple[Function, ...]:
@@ -146,6 +144,10 @@ def _functions(tools: Any, legacy: bool = False) -> tuple[Function, ...]:
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise ToolRequestError(f"{at}.description must be a string", param=f"{at}.description")
+        # strict or not, the arguments are held to the schema; a strict that is no boolean is a
+        # mistake, as in response_format.json_schema.strict
+        if function.get("strict") is not None and not isinstance(function.get("strict"), bool):
+            raise ToolRequestError(f"{at}.strict must be a boolean", param=f"{at}.strict")
         parameters = _parameters(function.get("parameters"), f"{at}.parameters")
         size += len(parameters)
         if size > MAX_SCHEMA_BYTES:

@@ -67,6 +67,14 @@ def test_legacy_functions_map_onto_tools() -> None:
         ({"functions": [{"name": "a", "parameters": [1]}]}, "functions[0].parameters", "JSON schema object"),
         ({"functions": [{"name": "a"}] * (MAX_TOOLS + 1)}, "functions", f"at most {MAX_TOOLS} functions"),
         ({"tools": [tool(f"t{i}") for i in range(MAX_TOOLS + 1)]}, "tools", f"at most {MAX_TOOLS}"),
+        # a strict that is not a boolean, as response_format's; parallel_tool_calls with tools or without
+        (
+            {"tools": [{"type": "function", "function": {"name": "a", "strict": "yes"}}]},
+            "tools[0].function.strict",
+            "boolean",
+        ),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "boolean"),
+        ({"tools": [tool("a")], "parallel_tool_calls": 0}, "parallel_tool_calls", "boolean"),
         (
             {"tools": [tool("a", {"type": "object", "x": "y" * 300_000})]},
             "tools[0].function.parameters",
