@@ -159,7 +159,7 @@ class AsyncLLMEngine:
         Raises EngineUnavailableError when not accepting, InvalidRequestError (and subclasses)
         when the engine rejects the request.
         """
-        self._check_accepting()
+        self.check_accepting()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, self._release)
@@ -222,7 +222,9 @@ class AsyncLLMEngine:
         if not self._streams:
             self._idle.set()
 
-    def _check_accepting(self) -> None:
+    def check_accepting(self) -> None:
+        """Raise EngineUnavailableError (a 503 with its reason: loading, draining, dead, stopped)
+        unless the engine takes requests now."""
         state = self._state
         if state is EngineState.READY:
             return

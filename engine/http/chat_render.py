@@ -14,7 +14,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from engine.errors import ContextLengthExceededError
-from engine.http.protocol import APIError
+from engine.http.protocol import OPEN_TURN, APIError, TemplateOptions
 from engine.http.special_text import Shielded, SpecialText
 from engine.prompt_length import tokens_at_least
 from engine.tools.prompt import OWN_MARKERS
@@ -37,13 +37,16 @@ class ChatRenderer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         max_model_len: int,
+        options: TemplateOptions = OPEN_TURN,
     ) -> str | list[int]:
         """The prompt: text (the engine tokenizes it in its tokenizer threads), or token ids."""
         special = self.special_text(tokenizer)
         if sum(len(m["content"]) + MESSAGE_CHARS for m in messages) <= INLINE_CHARS:
-            text, shielded = render_shielded(tokenizer, special, messages, tools)
+            text, shielded = render_shielded(tokenizer, special, messages, tools, options)
         else:
-            text, shielded = await asyncio.to_thread(render_shielded, tokenizer, special, messages, tools)
+            text, shielded = await asyncio.to_thread(
+                render_shielded, tokenizer, special, messages, tools, options
+            )
         if shielded is None:
             return text
         return await asyncio.to_thread(shielded_ids, tokenizer, shielded, text, max_model_len)
@@ -69,11 +72,15 @@ def render_prompt(
 
 
 def render_shielded(
-    tokenizer: Any, special: SpecialText, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    tokenizer: Any,
+    special: SpecialText,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    options: TemplateOptions = OPEN_TURN,
 ) -> tuple[str, Shielded | None]:
     """The conversation rendered with the special tokens its strings spell shielded, if any."""
     (messages, tools), shielded = special.shield((messages, tools))
-    return render_template(tokenizer, messages, tools), shielded
+    return render_template(tokenizer, messages, tools, options), shielded
 
 
 def shielded_ids(tokenizer: Any, shielded: Shielded, text: str, max_model_len: int) -> list[int]:
@@ -91,13 +98,22 @@ def shielded_ids(tokenizer: Any, shielded: Shielded, text: str, max_model_len: i
 
 
 def render_template(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    options: TemplateOptions = OPEN_TURN,
 ) -> str:
     """The chat template's text (its own refusals, e.g. of the roles' order, are the client's 400)."""
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
-        )
+            messages, tools=tools, add_generation_prompt=options.generation_prompt,
+            continue_final_message=options.continue_final, tokenize=False,
+        )  # fmt: skip
     except TemplateError as exc:  # the template's own checks (e.g. role order): the client's to fix
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    except ValueError as exc:  # transformers': a final message the template does not show as given
+        if not options.continue_final:
+            raise
+        message = f"the final message cannot be continued with this model's chat template: {exc}"
+        raise APIError(400, message, param="continue_final_message") from exc
     return str(text)

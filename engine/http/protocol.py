@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -67,6 +68,21 @@ class ResumeRequest(BaseModel):
     created: int | None = Field(None, ge=0, lt=2**40)
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """vLLM's chat-template switches: `generation_prompt` opens the assistant's turn after the
+    messages (the default); `continue_final` leaves the last (assistant) message open instead, for the
+    model to go on with it (a "prefilled" answer)."""
+
+    generation_prompt: bool = True
+    continue_final: bool = False
+
+
+OPEN_TURN = TemplateOptions()
+
+
+# vLLM's chat-template switches: a chat request's own fields; on a text completion, unsupported
+_TEMPLATE_SWITCHES = ("continue_final_message", "add_generation_prompt")
 # vLLM request extensions that would change the answer, each with the values that change nothing
 _UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
@@ -129,6 +145,8 @@ class _SamplingFields(BaseModel):
         # (absent, null, false, an empty list) pass, as a client that always sends them does
         if isinstance(data, Mapping):
             for key, neutral in _UNSUPPORTED_EXTENSIONS.items():
+                if key in _TEMPLATE_SWITCHES and "messages" in data:  # a chat's, read there
+                    continue
                 if key in data and data[key] not in neutral:
                     raise ValueError(f"{key}: {key} is not supported by this server")
         return data
@@ -204,6 +222,24 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
+    # vLLM's chat-template switches (checked by template_options())
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
+
+    def template_options(self) -> TemplateOptions:
+        """How the conversation goes through the chat template: the assistant's turn opened after it
+        (the default), the last message left open for the model to go on with
+        (`continue_final_message`, an assistant message), or neither (`add_generation_prompt: false`)."""
+        if not self.continue_final_message:
+            return TemplateOptions(self.add_generation_prompt is not False, False)
+        if self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           param="add_generation_prompt")  # fmt: skip
+        last = self.messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")  # fmt: skip
+        return TemplateOptions(False, True)
 
     def tool_request(self) -> ToolRequest | None:
         """The tools offered and how they may be used (None: no tools); a malformed field is a 400."""

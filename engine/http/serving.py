@@ -121,7 +121,10 @@ class OpenAIServing:
 
     def _tokenizer(self) -> Any:
         info = self.engine.model_info
-        tokenizer = info.tokenizer if info is not None else None
+        if info is None:  # still loading (or never loaded): a 503 that says so, not "no tokenizer"
+            self.engine.check_accepting()
+            raise APIError(503, "the model is not loaded", "api_error", code="engine_loading")
+        tokenizer = info.tokenizer
         if tokenizer is None:
             raise APIError(
                 400, "this model has no tokenizer: send token ids to /v1/completions", param="model"
@@ -162,7 +165,8 @@ class OpenAIServing:
         messages, listed = with_tools(chat_messages(req.messages), tools, template_takes_tools(tokenizer))
         info = self.engine.model_info
         assert info is not None  # a tokenizer was found in it
-        return await self._renderer.render(tokenizer, messages, listed, info.max_model_len)
+        options = req.template_options()
+        return await self._renderer.render(tokenizer, messages, listed, info.max_model_len, options)
 
     async def chat(
         self, req: ChatCompletionRequest, span: RequestSpan | None = None

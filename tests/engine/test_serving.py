@@ -80,7 +80,8 @@ def test_a_vllm_extension_that_would_change_the_answer_is_a_400_naming_it(field:
     (allowed_token_ids and bad_words constrain the output, as the removed guided_* fields did)."""
     from engine.http.protocol import validation_error
 
-    for model in (ChatCompletionRequest, CompletionRequest):
+    chat_reads_it = field in ("continue_final_message", "add_generation_prompt")  # a chat's own switches
+    for model in (CompletionRequest,) if chat_reads_it else (ChatCompletionRequest, CompletionRequest):
         base = (
             {"messages": [{"role": "user", "content": "x"}]}
             if model is ChatCompletionRequest
@@ -99,3 +100,42 @@ def test_the_neutral_values_of_vllms_extensions_pass() -> None:
                "continue_final_message": False, "add_generation_prompt": True, "chat_template": None,
                "chat_template_kwargs": {}}  # fmt: skip
     assert _chat(**neutral).messages
+
+
+def test_the_chat_template_switches_open_the_assistants_turn_leave_the_last_message_open_or_neither() -> None:
+    """vLLM's continue_final_message (an answer "prefilled" by the client) and add_generation_prompt."""
+    from engine.http.protocol import TemplateOptions
+
+    prefilled = [{"role": "user", "content": "x"}, {"role": "assistant", "content": '{"city": "'}]
+    assert _chat().template_options() == TemplateOptions(True, False)
+    assert _chat(add_generation_prompt=False).template_options() == TemplateOptions(False, False)
+    asked = ChatCompletionRequest.model_validate({"messages": prefilled, "continue_final_message": True})
+    assert asked.template_options() == TemplateOptions(False, True)
+    for fields, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # the last message is the user's
+        ({"messages": prefilled, "continue_final_message": True, "add_generation_prompt": True},
+         "add_generation_prompt"),
+    ):  # fmt: skip
+        with pytest.raises(APIError) as info:
+            ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields}
+                                                 ).template_options()  # fmt: skip
+        assert info.value.status == 400 and info.value.param == param
+
+
+def test_a_chat_before_the_model_has_loaded_is_a_503_that_says_so(tiny_chat_model: Path) -> None:
+    """Not a 400 "this model has no tokenizer": the client (or the gateway) retries a 503."""
+    import asyncio
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from engine.engine_state import EngineUnavailableError
+    from engine.http.error_mapping import api_error
+    from engine.http.serving import OpenAIServing
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_chat_model), kv_cache_memory=32 << 20), "tiny")
+    serving = OpenAIServing(engine, ["tiny"])  # not started: no model loaded
+    request = _chat(max_tokens=4)
+    with pytest.raises(EngineUnavailableError) as info:
+        asyncio.run(serving.chat(request))
+    error = api_error(info.value)
+    assert error.status == 503 and error.code in ("engine_loading", "engine_stopped")

@@ -115,3 +115,20 @@ def test_many_short_messages_render_off_the_event_loop(
     conversation = [{"role": "user", "content": ""}] * messages
     asyncio.run(ChatRenderer().render(tokenizer, conversation, None, 1 << 20))
     assert (threads == [threading.main_thread()]) is inline
+
+
+def test_the_template_switches_leave_the_last_message_open_or_the_turn_unopened(tokenizer: Any) -> None:
+    """continue_final_message: the model goes on with the client's prefilled answer (no end of turn
+    after it, no new turn); add_generation_prompt false: no assistant turn opened."""
+    from engine.http.protocol import TemplateOptions
+
+    messages = [{"role": "user", "content": "Where?"}, {"role": "assistant", "content": '{"city": "'}]
+    opened = render_template(tokenizer, messages)
+    kept_open = render_template(tokenizer, messages, None, TemplateOptions(False, True))
+    assert kept_open.endswith('{"city": "') and opened.startswith(kept_open)
+    assert opened.rstrip().endswith("assistant")  # SmolLM2's template: a new turn after the closed one
+    question = messages[:1]
+    plain = render_template(tokenizer, question)
+    unopened = render_template(tokenizer, question, None, TemplateOptions(False, False))
+    assert plain.startswith(unopened) and "assistant" in plain[len(unopened) :]  # only the opened turn
+    assert not unopened.rstrip().endswith("assistant")
