@@ -103,6 +103,16 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias"
             )
+        allowed = params.allowed_token_ids
+        if allowed is None:
+            return
+        bad = next((t for t in allowed if not 0 <= t < vocab), None)
+        if bad is not None:
+            message = f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})"
+            raise InvalidRequestError(message, param="allowed_token_ids")
+        if params.guided is not None:  # the grammar's tokens and these may have nothing in common
+            message = "allowed_token_ids cannot go with a structured output or tools"
+            raise InvalidRequestError(message, param="allowed_token_ids")
 
     def _check_stop_token_ids(self, params: SamplingParams) -> None:
         """Ids inside the vocabulary; and `min_tokens` that some token can meet: with every token a

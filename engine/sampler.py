@@ -111,7 +111,8 @@ def sampled_logprob(lp: torch.Tensor, token: int, num_top: int) -> tuple[float, 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (HF-style, prompt and output), OpenAI presence/frequency (output only),
     then OpenAI's logit_bias (its ids are checked against the vocabulary when the request comes in;
-    a token the grammar forbids stays forbidden: -inf plus a bias is -inf)."""
+    a token the grammar forbids stays forbidden: -inf plus a bias is -inf), then vLLM's
+    allowed_token_ids (all others -inf)."""
     vocab = logits.shape[1]
     for row, seq in enumerate(seqs):
         p = seq.params
@@ -136,6 +137,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             logits[row, ids] += bias
+        if p.allowed_token_ids is not None:  # every other token forbidden (the ids are in the vocabulary)
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=logits.device)
+            kept = logits[row, ids]
+            logits[row] = float("-inf")
+            logits[row, ids] = kept
     return logits
 
 
@@ -151,7 +157,7 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence]) -> t
             ids = [t for t in seq.stop_token_ids if t < vocab]
             if not ids:
                 continue
-            if seq.guided is not None:
+            if seq.guided is not None or seq.params.allowed_token_ids is not None:
                 masked = logits[row].clone()
                 masked[ids] = float("-inf")
                 if not bool(torch.isfinite(masked).any()):

@@ -10,6 +10,7 @@ from engine.guided.spec import GuidedSpec, from_structured_outputs
 
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 300  # entries in `logit_bias` (OpenAI's limit)
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # `allowed_token_ids` (vLLM's): past any vocabulary served today
 MAX_STOP_TOKEN_IDS = 1024  # entries in `stop_token_ids`: every sampled token is looked up in them
 
 
@@ -64,6 +65,8 @@ class SamplingParams:
     speculative: bool = True
     # OpenAI's logit_bias: added to these tokens' logits before sampling, each in [-100, 100]
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (every other logit is -inf)
+    allowed_token_ids: list[int] | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -118,6 +121,12 @@ class SamplingParams:
             raise ValueError("logit_bias keys must be non-negative token ids")
         if any(not isinstance(v, int | float) or not -100.0 <= v <= 100.0 for v in bias.values()):
             raise ValueError("logit_bias values must be numbers in [-100, 100]")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+            if any(type(t) is not int or t < 0 for t in allowed):
+                raise ValueError("allowed_token_ids must be non-negative token ids")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -142,4 +151,5 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
         )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.errors import EngineError
 from engine.guided import GuidedDecodingError, GuidedSpec, from_response_format, from_structured_outputs
-from engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.tools.grammar import tool_spec
 from engine.tools.request import ToolRequest, checked_tool_calls, parse_tool_request
 
@@ -85,7 +85,6 @@ OPEN_TURN = TemplateOptions()
 _TEMPLATE_SWITCHES = ("continue_final_message", "add_generation_prompt")
 # vLLM request extensions that would change the answer, each with the values that change nothing
 _UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "include_stop_str_in_output": (None, False),
     "prompt_logprobs": (None,),
@@ -114,6 +113,10 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # token id (as JSON keys are: decimal text) -> bias in [-100, 100], at most MAX_LOGIT_BIAS
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: only these tokens may be sampled (ids within the vocabulary, checked with the prompt)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -511,6 +514,7 @@ def build_sampling_params(
             guided=guided,
             speculative=req.speculative is not False,
             logit_bias=_logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

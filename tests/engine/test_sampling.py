@@ -201,3 +201,28 @@ def test_min_tokens_no_token_can_meet_is_refused_not_broken(tiny_model_factory: 
     one_left = SamplingParams(min_tokens=3, max_tokens=3, ignore_eos=True, stop_token_ids=all_but_0)
     out = tiny.generate([[1, 2, 3]], one_left, use_tqdm=False)[0].outputs[0]
     assert list(out.token_ids) == [0, 0, 0] and out.finish_reason == "length"
+
+
+def test_allowed_token_ids_hold_greedy_seeded_and_batched_choices_to_them(
+    llm: LLM, chat_prompt: list[int]
+) -> None:
+    """vLLM's allowed_token_ids: every sampled token is one of them (the rest -inf), whatever else
+    runs in the batch; with min_tokens and only stop tokens allowed, nothing is masked to a dead end."""
+    plain = llm.generate([chat_prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    allowed = sorted({plain[0] + 1, plain[0] + 2, 300, 301})  # greedy's own first choice not among them
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 5}):
+        params = SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=allowed, **kw)  # type: ignore[arg-type]
+        free = SamplingParams(max_tokens=6, ignore_eos=True, **kw)  # type: ignore[arg-type]
+        outs = llm.generate([chat_prompt, chat_prompt], [params, free], use_tqdm=False)
+        held, other = outs[0].outputs[0].token_ids, outs[1].outputs[0].token_ids
+        assert len(held) == 6 and set(held) <= set(allowed), held
+        assert not set(other) <= set(allowed)  # the batch's other request is not held to them
+    eos = llm.get_tokenizer().eos_token_id
+    only_stop = SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[eos])
+    out = llm.generate([chat_prompt], only_stop, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason in ("stop", "length")  # no row of -inf: it ends instead of crashing
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[-1])

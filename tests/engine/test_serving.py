@@ -62,8 +62,6 @@ def test_completion_logprobs_become_the_engine_top_k() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("allowed_token_ids", [28, 29]),
-        ("allowed_token_ids", []),
         ("bad_words", ["Paris"]),
         ("include_stop_str_in_output", True),
         ("prompt_logprobs", 1),
