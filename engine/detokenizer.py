@@ -22,7 +22,13 @@ class IncrementalDetokenizer:
     is kept, so a token costs O(its text), whatever the length of the output so far.
     """
 
-    def __init__(self, decode: DecodeFn, prompt_token_ids: list[int], stop_strings: list[str]) -> None:
+    def __init__(
+        self,
+        decode: DecodeFn,
+        prompt_token_ids: list[int],
+        stop_strings: list[str],
+        include_stop: bool = False,
+    ) -> None:
         self._decode = decode
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -30,6 +36,7 @@ class IncrementalDetokenizer:
         # stop strings are matched as text arrives: work per new character, not per text length
         self._stops = StopStringMatcher(stop_strings) if stop_strings else None
         self._pending = ""  # decoded text not taken yet (stop strings already cut off)
+        self._include_stop = include_stop  # vLLM's include_stop_str_in_output: cut after it, not before
         self.stopped_on: str | None = None
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
@@ -71,7 +78,7 @@ class IncrementalDetokenizer:
         # the match began at most `held` characters before `delta`: text `take()` kept back
         cut = before + start
         assert cut >= 0, "a stop string began in text already taken"
-        self._pending = self._pending[:cut]
+        self._pending = self._pending[: cut + len(stop) if self._include_stop else cut]
         self.stopped_on = stop
         return stop
 

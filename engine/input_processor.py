@@ -244,8 +244,9 @@ class InputProcessor:
         if self.tokenizer is not None:
             tok, skip = self.tokenizer, params.skip_special_tokens
             detok = IncrementalDetokenizer(
-                lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings
-            )
+                lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings,
+                params.include_stop_str_in_output,
+            )  # fmt: skip
         return Sequence(
             next(self._seq_ids),
             request_id,

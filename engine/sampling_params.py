@@ -65,6 +65,8 @@ class SamplingParams:
     speculative: bool = True
     # OpenAI's logit_bias: added to these tokens' logits before sampling, each in [-100, 100]
     logit_bias: dict[int, float] | None = None
+    # vLLM's: a stop string that ends the output is part of it (by default it is cut off)
+    include_stop_str_in_output: bool = False
     # vLLM's allowed_token_ids: only these tokens may be sampled (every other logit is -inf)
     allowed_token_ids: list[int] | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)

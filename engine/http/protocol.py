@@ -86,7 +86,6 @@ _TEMPLATE_SWITCHES = ("continue_final_message", "add_generation_prompt")
 # vLLM request extensions that would change the answer, each with the values that change nothing
 _UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
-    "include_stop_str_in_output": (None, False),
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
@@ -113,6 +112,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # token id (as JSON keys are: decimal text) -> bias in [-100, 100], at most MAX_LOGIT_BIAS
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    include_stop_str_in_output: bool | None = False  # vLLM's: the stop string that ended it stays
     # vLLM's: only these tokens may be sampled (ids within the vocabulary, checked with the prompt)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
@@ -515,6 +515,7 @@ def build_sampling_params(
             speculative=req.speculative is not False,
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

@@ -93,3 +93,17 @@ def test_a_stop_string_the_final_flush_completes_is_cut_and_reported(tokenizer: 
     for token in ids[:cut]:
         detok.add_token(token, check_stop=False)
     assert detok.flush(check_stop=False) is None  # before min_tokens: no stop string counts
+
+
+def test_include_stop_keeps_the_stop_string_at_the_end_of_the_text(tokenizer: Any) -> None:
+    """vLLM's include_stop_str_in_output: cut after the stop string, not before it."""
+    ids = tokenizer("The answer is forty-two, obviously.", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["y-tw", "never"], include_stop=True)
+    pieces = []
+    for token in ids:
+        hit = detok.add_token(token)
+        pieces.append(detok.take())
+        if hit:
+            break
+    pieces.append(detok.take(final=True))
+    assert hit == "y-tw" and "".join(pieces) == "The answer is forty-tw"

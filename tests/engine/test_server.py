@@ -619,3 +619,28 @@ def test_client_that_gives_up_on_a_whole_response_aborts_its_request(
         assert time.monotonic() < deadline, "the abandoned request kept running"
         time.sleep(0.02)
     assert server.metrics()["engine:num_requests_running"] == 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string(
+    client: openai.OpenAI, model: str, stream: bool
+) -> None:
+    """vLLM's extension: the stop string that ended the answer stays at its end, whole and streamed."""
+    ask: Any = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    plain = client.completions.create(**ask).choices[0].text
+    stop = plain.strip()[2:5]
+    assert len(stop) == 3 and stop in plain
+    expected = plain[: plain.index(stop) + len(stop)]
+    extra = {"stop": [stop], "extra_body": {"include_stop_str_in_output": True}}
+    if stream:
+        chunks = list(client.completions.create(stream=True, **ask, **extra))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = next(
+            c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason
+        )
+    else:
+        choice = client.completions.create(**ask, **extra).choices[0]
+        text, finish = choice.text, choice.finish_reason
+    assert (text, finish) == (expected, "stop")
+    cut = client.completions.create(**ask, stop=[stop]).choices[0].text  # by default it is cut off
+    assert cut == plain[: plain.index(stop)]

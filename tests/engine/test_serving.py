@@ -63,7 +63,6 @@ def test_completion_logprobs_become_the_engine_top_k() -> None:
     ("field", "value"),
     [
         ("bad_words", ["Paris"]),
-        ("include_stop_str_in_output", True),
         ("prompt_logprobs", 1),
         ("truncate_prompt_tokens", 2),
         ("logits_processors", ["x"]),
