@@ -113,6 +113,12 @@ CHAT_FIELDS = [
     "function_call",
     "best_of",
     "echo",
+    "allowed_token_ids",
+    "include_stop_str_in_output",
+    "continue_final_message",
+    "add_generation_prompt",
+    "stream_prompt_tokens",
+    "bad_words",
 ]
 TEXT_FIELDS = [
     "model",
@@ -137,6 +143,10 @@ TEXT_FIELDS = [
     "stream_token_ids",
     "resume",
     "ignore_eos",
+    "allowed_token_ids",
+    "include_stop_str_in_output",
+    "stream_prompt_tokens",
+    "truncate_prompt_tokens",
 ]
 
 
@@ -174,6 +184,9 @@ class _Gen:
                 ]
             ),
             "stop_token_ids": lambda: r.choice([[0], [-1], [10**10], list(range(1000)), self.value()]),
+            "allowed_token_ids": lambda: r.choice(
+                [[0], [1, 2, 3], [], [-1], [10**10], list(range(5000)), [True], self.value()]
+            ),
             "n": lambda: r.choice([1, 2, 8, 128, 129, 0, self.value()]),
             "max_tokens": lambda: r.choice([1, 4, 16, 10**9, 0, -1, self.value()]),
             "logprobs": lambda: r.choice([True, 5, 20, 21, self.value()]),
