@@ -89,7 +89,7 @@ class InputProcessor:
 
         `resume_token_ids`: the output so far of a completion to go on with (one sequence only).
         """
-        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens)
+        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens, params.truncate_prompt_tokens)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         self._check_logit_bias(params)
         self._check_stop_token_ids(params)
@@ -173,11 +173,16 @@ class InputProcessor:
         assert prepared.grammar is None or prepared.grammar.spec == params.guided
         return [self._new_sequence(request_id, i, prepared, params, arrival) for i in range(params.n)]
 
-    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: Prompt, add_special_tokens: bool, truncate: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text and ids; `truncate` (vLLM's truncate_prompt_tokens): only its last that
+        many tokens (-1: the context's length), the text then unknown."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
-            at_least = tokens_at_least(self.tokenizer, prompt, self.max_model_len)
+            # a text surely over the context is refused before it is tokenized, unless it is cut
+            at_least = None if truncate else tokens_at_least(self.tokenizer, prompt, self.max_model_len)
             if at_least is not None:
                 raise ContextLengthExceededError(
                     f"This model's maximum context length is {self.max_model_len} tokens, "
@@ -189,6 +194,10 @@ class InputProcessor:
             ids, text = list(prompt), None
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        if truncate:
+            keep = self.max_model_len if truncate == -1 else truncate
+            if len(ids) > keep:
+                ids, text = ids[-keep:], None
         if len(ids) >= self.max_model_len:
             return text, ids  # _check_lengths rejects it; no need to look at every id
         vocab = self.vocab_size

@@ -65,6 +65,8 @@ class SamplingParams:
     speculative: bool = True
     # OpenAI's logit_bias: added to these tokens' logits before sampling, each in [-100, 100]
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only the prompt's last that many tokens are read (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
     # vLLM's: a stop string that ends the output is part of it (by default it is cut off)
     include_stop_str_in_output: bool = False
     # vLLM's allowed_token_ids: only these tokens may be sampled (every other logit is -inf)
@@ -123,6 +125,9 @@ class SamplingParams:
             raise ValueError("logit_bias keys must be non-negative token ids")
         if any(not isinstance(v, int | float) or not -100.0 <= v <= 100.0 for v in bias.values()):
             raise ValueError("logit_bias values must be numbers in [-100, 100]")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (type(truncate) is not int or not (truncate == -1 or truncate >= 1)):
+            raise ValueError("truncate_prompt_tokens must be -1 (the context's length) or at least 1")
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS:

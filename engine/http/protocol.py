@@ -87,7 +87,6 @@ _TEMPLATE_SWITCHES = ("continue_final_message", "add_generation_prompt")
 _UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []),
     "prompt_logprobs": (None,),
-    "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
     "continue_final_message": (None, False),
     "add_generation_prompt": (None, True),
@@ -113,6 +112,8 @@ class _SamplingFields(BaseModel):
     # token id (as JSON keys are: decimal text) -> bias in [-100, 100], at most MAX_LOGIT_BIAS
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: bool | None = False  # vLLM's: the stop string that ended it stays
+    # vLLM's: only the prompt's last that many tokens are read (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's: only these tokens may be sampled (ids within the vocabulary, checked with the prompt)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
@@ -516,6 +517,7 @@ def build_sampling_params(
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

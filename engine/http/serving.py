@@ -166,7 +166,9 @@ class OpenAIServing:
         info = self.engine.model_info
         assert info is not None  # a tokenizer was found in it
         options = req.template_options()
-        return await self._renderer.render(tokenizer, messages, listed, info.max_model_len, options)
+        # a prompt to be cut to its last tokens may be longer than the context: the engine cuts it
+        bound = info.max_model_len if req.truncate_prompt_tokens is None else 1 << 40
+        return await self._renderer.render(tokenizer, messages, listed, bound, options)
 
     async def chat(
         self, req: ChatCompletionRequest, span: RequestSpan | None = None

@@ -226,3 +226,25 @@ def test_allowed_token_ids_hold_greedy_seeded_and_batched_choices_to_them(
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[-1])
+
+
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens_even_past_the_context(llm: LLM) -> None:
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context (2,048 here) is cut to its
+    last k tokens (left truncation) instead of refused; the answer is that of those tokens alone."""
+    text = " ".join(f"w{i}" for i in range(1500))  # ~3,000 tokens
+    ids = llm.get_tokenizer()(text).input_ids
+    assert len(ids) > 2048
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([text], params, use_tqdm=False)
+    cut = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, truncate_prompt_tokens=16)
+    out = llm.generate([text], cut, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-16:]
+    assert (
+        out.outputs[0].token_ids == llm.generate([ids[-16:]], params, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    short = llm.generate([ids[:10]], cut, use_tqdm=False)[0]  # shorter than k: as it is
+    assert short.prompt_token_ids == ids[:10]
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -644,3 +644,28 @@ def test_include_stop_str_in_output_keeps_the_stop_string(
     assert (text, finish) == (expected, "stop")
     cut = client.completions.create(**ask, stop=[stop]).choices[0].text  # by default it is cut off
     assert cut == plain[: plain.index(stop)]
+
+
+def test_truncate_prompt_tokens_cuts_a_conversation_longer_than_the_context(
+    client: openai.OpenAI, model: str
+) -> None:
+    """The chat template's whole text, cut to its last tokens, instead of a context_length_exceeded."""
+    long = [{"role": "user", "content": " ".join(f"w{i}" for i in range(6000))}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=long, max_tokens=2)  # type: ignore[arg-type]
+    assert info.value.code == "context_length_exceeded"
+    answer = client.chat.completions.create(
+        model=model,
+        messages=long,
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 32},  # type: ignore[arg-type]
+    )
+    assert answer.usage is not None and answer.usage.prompt_tokens == 32
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model,
+            messages=long,
+            max_tokens=2,
+            extra_body={"truncate_prompt_tokens": -5},  # type: ignore[arg-type]
+        )
+    assert info.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]

@@ -64,7 +64,6 @@ def test_completion_logprobs_become_the_engine_top_k() -> None:
     [
         ("bad_words", ["Paris"]),
         ("prompt_logprobs", 1),
-        ("truncate_prompt_tokens", 2),
         ("logits_processors", ["x"]),
         ("continue_final_message", True),
         ("add_generation_prompt", False),
