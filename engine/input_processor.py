@@ -41,6 +41,8 @@ class PreparedPrompt:
     grammar: CompiledGrammar | None = None
     # a resumed completion: the output tokens another replica already streamed (replayed, not sampled)
     resume_token_ids: tuple[int, ...] = ()
+    # bad_words' token sequences (each word alone and after a space, as vLLM tokenizes them)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
 
 class InputProcessor:
@@ -94,7 +96,24 @@ class InputProcessor:
         self._check_logit_bias(params)
         self._check_stop_token_ids(params)
         resumed = () if resume_token_ids is None else self._check_resume(resume_token_ids, params, max_tokens)
-        return PreparedPrompt(prompt_text, prompt_ids, max_tokens, resume_token_ids=resumed)
+        bad = self._bad_word_ids(params.bad_words) if params.bad_words else ()
+        return PreparedPrompt(prompt_text, prompt_ids, max_tokens, resume_token_ids=resumed, bad_word_ids=bad)
+
+    def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as it starts the text and as it follows a space (vLLM's way: the
+        second only where the space makes other tokens of the same count)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this model folder has no tokenizer, which bad_words needs", param="bad_words"
+            )
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out += [ids for ids in (alone,) if ids]
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return tuple(dict.fromkeys(out))
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         vocab = self.vocab_size
@@ -256,7 +275,7 @@ class InputProcessor:
                 lambda ids: tok.decode(ids, skip_special_tokens=skip), prompt_ids, params.stop_strings,
                 params.include_stop_str_in_output,
             )  # fmt: skip
-        return Sequence(
+        seq = Sequence(
             next(self._seq_ids),
             request_id,
             index,
@@ -270,3 +289,5 @@ class InputProcessor:
             None if prepared.grammar is None else prepared.grammar.matcher(),
             seed,
         )
+        seq.bad_word_ids = prepared.bad_word_ids
+        return seq

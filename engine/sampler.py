@@ -137,12 +137,29 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             logits[row, ids] += bias
+        if seq.bad_word_ids:
+            _forbid_bad_words(logits, row, seq)
         if p.allowed_token_ids is not None:  # every other token forbidden (the ids are in the vocabulary)
             ids = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=logits.device)
             kept = logits[row, ids]
             logits[row] = float("-inf")
             logits[row, ids] = kept
     return logits
+
+
+def _forbid_bad_words(logits: torch.Tensor, row: int, seq: Sequence) -> None:
+    """vLLM's bad_words: each word's last token is -inf where the output ends with the rest of it (a
+    one-token word: always). Not where that leaves nothing to sample (a grammar's only token)."""
+    out = seq.output_token_ids
+    banned = [ids[-1] for ids in seq.bad_word_ids if len(ids) == 1 or tuple(out[1 - len(ids) :]) == ids[:-1]]
+    banned = [t for t in banned if t < logits.shape[1]]
+    if not banned:
+        return
+    index = torch.tensor(banned, dtype=torch.int64, device=logits.device)
+    kept = logits[row, index].clone()
+    logits[row, index] = float("-inf")
+    if not bool(torch.isfinite(logits[row]).any()):
+        logits[row, index] = kept
 
 
 def mask_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

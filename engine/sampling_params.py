@@ -11,6 +11,7 @@ from engine.guided.spec import GuidedSpec, from_structured_outputs
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 300  # entries in `logit_bias` (OpenAI's limit)
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # `allowed_token_ids` (vLLM's): past any vocabulary served today
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256  # `bad_words` (vLLM's): how many, and how long each
 MAX_STOP_TOKEN_IDS = 1024  # entries in `stop_token_ids`: every sampled token is looked up in them
 
 
@@ -65,6 +66,8 @@ class SamplingParams:
     speculative: bool = True
     # OpenAI's logit_bias: added to these tokens' logits before sampling, each in [-100, 100]
     logit_bias: dict[int, float] | None = None
+    # vLLM's bad_words: the last token of each word's tokens is forbidden where it would complete it
+    bad_words: list[str] | None = None
     # vLLM's: only the prompt's last that many tokens are read (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
     # vLLM's: a stop string that ends the output is part of it (by default it is cut off)
@@ -125,6 +128,14 @@ class SamplingParams:
             raise ValueError("logit_bias keys must be non-negative token ids")
         if any(not isinstance(v, int | float) or not -100.0 <= v <= 100.0 for v in bias.values()):
             raise ValueError("logit_bias values must be numbers in [-100, 100]")
+        words = self.bad_words
+        if words is not None:
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words has {len(words)} entries, more than {MAX_BAD_WORDS}")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+                raise ValueError(
+                    f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters"
+                )
         truncate = self.truncate_prompt_tokens
         if truncate is not None and (type(truncate) is not int or not (truncate == -1 or truncate >= 1)):
             raise ValueError("truncate_prompt_tokens must be -1 (the context's length) or at least 1")
@@ -159,4 +170,5 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
+            or bool(self.bad_words)
         )

@@ -66,6 +66,7 @@ class Sequence:
             frozenset() if params.ignore_eos else eos_token_ids
         )
         self.detokenizer = detokenizer
+        self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # bad_words' tokens (the sampler's to forbid)
         self.generator = generator
         # with `generator`: the sequence's seed (`seeded_generator`); a generator given without one
         # keeps the seed it was given

@@ -10,7 +10,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.errors import EngineError
 from engine.guided import GuidedDecodingError, GuidedSpec, from_response_format, from_structured_outputs
-from engine.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+from engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from engine.tools.grammar import tool_spec
 from engine.tools.request import ToolRequest, checked_tool_calls, parse_tool_request
 
@@ -85,7 +92,6 @@ OPEN_TURN = TemplateOptions()
 _TEMPLATE_SWITCHES = ("continue_final_message", "add_generation_prompt")
 # vLLM request extensions that would change the answer, each with the values that change nothing
 _UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
-    "bad_words": (None, []),
     "prompt_logprobs": (None,),
     "logits_processors": (None, []),
     "continue_final_message": (None, False),
@@ -114,6 +120,10 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = False  # vLLM's: the stop string that ended it stays
     # vLLM's: only the prompt's last that many tokens are read (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's: words never completed
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS
+    )
     # vLLM's: only these tokens may be sampled (ids within the vocabulary, checked with the prompt)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
@@ -518,6 +528,7 @@ def build_sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            bad_words=req.bad_words or None,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

@@ -248,3 +248,20 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens_even_past_the_cont
     for bad in (0, -2):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_bad_words_are_never_completed_greedy_or_seeded(llm: LLM, chat_prompt: list[int]) -> None:
+    """vLLM's bad_words: a word the answer would say is never completed (its last token is forbidden
+    where the output ends with the rest of it), at the start or after a space alike."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0].text
+    words = [w.strip(".,;:!?\"'()") for w in plain.split()]
+    word = next(w for w in words if len(w) >= 4 and w.isalpha())
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}):
+        banned = SamplingParams(max_tokens=24, ignore_eos=True, bad_words=[word], **kw)  # type: ignore[arg-type]
+        text = llm.generate([chat_prompt], banned, use_tqdm=False)[0].outputs[0].text
+        assert word not in text, (word, text)
+    assert llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0].text == plain  # no leak
+    for bad in (["  "], ["x" * 257], ["a"] * 129):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)

@@ -373,6 +373,8 @@ BAD_CHAT_FIELDS = [
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": "Paris"}, "bad_words"),
+    ({"bad_words": ["ok", ""]}, "bad_words[1]"),
     ({"allowed_token_ids": [5, -1]}, "allowed_token_ids[1]"),
     ({"allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),  # past the vocabulary
     ({"allowed_token_ids": [5], "response_format": {"type": "json_object"}}, "allowed_token_ids"),

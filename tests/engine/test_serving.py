@@ -62,7 +62,6 @@ def test_completion_logprobs_become_the_engine_top_k() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("bad_words", ["Paris"]),
         ("prompt_logprobs", 1),
         ("logits_processors", ["x"]),
         ("continue_final_message", True),
