@@ -45,6 +45,10 @@ class PreparedPrompt:
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
 
+# a prompt to be cut to its last tokens (truncate_prompt_tokens) may be this many contexts long
+TRUNCATE_SLACK = 4
+
+
 class InputProcessor:
     """Tokenizes and checks prompts against the context and the KV pool; builds their sequences."""
 
@@ -91,7 +95,10 @@ class InputProcessor:
 
         `resume_token_ids`: the output so far of a completion to go on with (one sequence only).
         """
-        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens, params.truncate_prompt_tokens)
+        truncate = params.truncate_prompt_tokens
+        if truncate == -1:  # as many as the context holds beside the answer's tokens (at least one)
+            truncate = max(1, self.max_model_len - (params.max_tokens or 1))
+        prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens, truncate)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         self._check_logit_bias(params)
         self._check_stop_token_ids(params)
@@ -196,12 +203,16 @@ class InputProcessor:
         self, prompt: Prompt, add_special_tokens: bool, truncate: int | None = None
     ) -> tuple[str | None, list[int]]:
         """The prompt's text and ids; `truncate` (vLLM's truncate_prompt_tokens): only its last that
-        many tokens (-1: the context's length), the text then unknown."""
+        many tokens, the text then unknown. A text surely longer than TRUNCATE_SLACK contexts is
+        refused even so: one tokenizer call holds every other thread (the step loop's included)
+        ~1 s a megabyte (engine/prompt_length.py)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model folder has no tokenizer: pass token ids")
-            # a text surely over the context is refused before it is tokenized, unless it is cut
-            at_least = None if truncate else tokens_at_least(self.tokenizer, prompt, self.max_model_len)
+            # a text surely over the context is refused before it is tokenized (one to be cut: over
+            # TRUNCATE_SLACK contexts)
+            bound = self.max_model_len * (TRUNCATE_SLACK if truncate else 1)
+            at_least = tokens_at_least(self.tokenizer, prompt, bound)
             if at_least is not None:
                 raise ContextLengthExceededError(
                     f"This model's maximum context length is {self.max_model_len} tokens, "
@@ -213,10 +224,8 @@ class InputProcessor:
             ids, text = list(prompt), None
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        if truncate:
-            keep = self.max_model_len if truncate == -1 else truncate
-            if len(ids) > keep:
-                ids, text = ids[-keep:], None
+        if truncate and len(ids) > truncate:
+            ids, text = ids[-truncate:], None
         if len(ids) >= self.max_model_len:
             return text, ids  # _check_lengths rejects it; no need to look at every id
         vocab = self.vocab_size

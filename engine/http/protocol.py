@@ -159,7 +159,7 @@ class _SamplingFields(BaseModel):
         # (absent, null, false, an empty list) pass, as a client that always sends them does
         if isinstance(data, Mapping):
             for key, neutral in _UNSUPPORTED_EXTENSIONS.items():
-                if key in _TEMPLATE_SWITCHES and "messages" in data:  # a chat's, read there
+                if key in _TEMPLATE_SWITCHES and "messages" in cls.model_fields:  # a chat's, read there
                     continue
                 if key in data and data[key] not in neutral:
                     raise ValueError(f"{key}: {key} is not supported by this server")
@@ -266,16 +266,17 @@ class ChatCompletionRequest(_SamplingFields):
         tools = self.tool_request()
         if tools is None or not tools.calls_allowed:
             return spec
-        if spec is None or tools.calls_only:  # required or named: calls only, no text for a format
+        if spec is None:
             return tool_spec(tools)
-        if spec.kind in ("json_schema", "json_object"):  # auto: the answer in that format, or calls
-            return tool_spec(tools, spec)
-        raise GuidedDecodingError(
-            "with tools (tool_choice auto), the output can only be held to a JSON response_format "
-            f"(json_schema or json_object), not a {spec.kind.replace('_', ' ')}",
-            code="invalid_value",
-            param="response_format" if self.response_format is not None else "structured_outputs",
-        )
+        if spec.kind not in ("json_schema", "json_object"):
+            raise GuidedDecodingError(
+                "with tools, the output can only be held to a JSON response_format (json_schema or "
+                f"json_object), not a {spec.kind.replace('_', ' ')}",
+                code="invalid_value",
+                param="response_format" if self.response_format is not None else "structured_outputs",
+            )
+        # auto: the answer in that format, or calls; required or named: calls only (no text to hold)
+        return tool_spec(tools) if tools.calls_only else tool_spec(tools, spec)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

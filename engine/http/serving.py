@@ -42,6 +42,7 @@ from engine.http.protocol import (
     completion_prompts,
 )
 from engine.http.request_limits import check_guided_limits, check_request_limits
+from engine.input_processor import TRUNCATE_SLACK
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
@@ -167,7 +168,7 @@ class OpenAIServing:
         assert info is not None  # a tokenizer was found in it
         options = req.template_options()
         # a prompt to be cut to its last tokens may be longer than the context: the engine cuts it
-        bound = info.max_model_len if req.truncate_prompt_tokens is None else 1 << 40
+        bound = info.max_model_len * (1 if req.truncate_prompt_tokens is None else TRUNCATE_SLACK)
         return await self._renderer.render(tokenizer, messages, listed, bound, options)
 
     async def chat(

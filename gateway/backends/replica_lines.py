@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from gateway.backends.base import UpstreamStreamError
+from gateway.backends.base import PROMPT_TOKENS, UpstreamStreamError
 from gateway.backends.wire import More, WireError, WireResponse
 
 # Bounds on what a replica may send back. An honest engine's SSE event stays far below the line
@@ -53,7 +53,7 @@ class ReplicaLines:
             raise self._broke(exc) from exc
         if line is None:
             raise StopAsyncIteration
-        if self._taken < 2:
+        if self._taken < 2 and not line.startswith(PROMPT_TOKENS):  # the engine's count comes at once
             self._took()
         return line
 
@@ -74,7 +74,7 @@ class ReplicaLines:
                     line = resp.buffered_line(MAX_LINE_BYTES)
                     if line is More.MORE:
                         return
-                    if line is not None and self._taken < 2:
+                    if line is not None and self._taken < 2 and not line.startswith(PROMPT_TOKENS):
                         self._took()
                     if line is None or not take(line):
                         done.set_result(line)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from gateway.backends.base import PROMPT_TOKENS, Attempt
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
-from gateway.governance.usage import MAX_TOKENS
+from gateway.governance.usage import MAX_TOKENS, max_prompt
 from gateway.pipeline.admission import Ticket
 from gateway.pipeline.reply import Reply
 from gateway.routing.router import RouteDecision
@@ -84,8 +84,13 @@ class Call:
         """Take an engine's `: prompt_tokens N` line (the count a stream left without usage is billed
         for); one that is not a plain bounded count is ignored, as any stray comment line is."""
         digits = line[len(PROMPT_TOKENS) :].strip()
-        if digits.isascii() and digits.isdigit() and len(digits) <= _MAX_PROMPT_DIGITS:
-            self.told_prompt_tokens = min(int(digits), MAX_TOKENS)
+        if self.told_prompt_tokens is not None or not (
+            digits.isascii() and digits.isdigit() and len(digits) <= _MAX_PROMPT_DIGITS
+        ):  # the first one counts (a resumed stream's replica tells the same prompt again)
+            return
+        # bounded as a reported usage is: no more than the request's bytes could make
+        bound = max_prompt(self.body or {}, self.body_bytes) if self.body is not None else None
+        self.told_prompt_tokens = min(int(digits), MAX_TOKENS, bound if bound is not None else MAX_TOKENS)
 
     def ended(self) -> Ended:
         """The request's end, now (the deferred row is built from it: Finish)."""

@@ -245,6 +245,11 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens_even_past_the_cont
     )
     short = llm.generate([ids[:10]], cut, use_tqdm=False)[0]  # shorter than k: as it is
     assert short.prompt_token_ids == ids[:10]
+    whole = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, truncate_prompt_tokens=-1)
+    assert llm.generate([text], whole, use_tqdm=False)[0].prompt_token_ids == ids[-(2048 - 5) :]  # room for 5
+    huge = " ".join(f"w{i}" for i in range(8000))  # over 4 contexts: refused before it is tokenized
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([huge], cut, use_tqdm=False)
     for bad in (0, -2):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)

@@ -652,7 +652,7 @@ def test_truncate_prompt_tokens_cuts_a_conversation_longer_than_the_context(
     client: openai.OpenAI, model: str
 ) -> None:
     """The chat template's whole text, cut to its last tokens, instead of a context_length_exceeded."""
-    long = [{"role": "user", "content": " ".join(f"w{i}" for i in range(6000))}]
+    long = [{"role": "user", "content": " ".join(f"w{i}" for i in range(400))}]  # ~1,000 tokens: 2 contexts
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=long, max_tokens=2)  # type: ignore[arg-type]
     assert info.value.code == "context_length_exceeded"
@@ -663,6 +663,15 @@ def test_truncate_prompt_tokens_cuts_a_conversation_longer_than_the_context(
         extra_body={"truncate_prompt_tokens": 32},  # type: ignore[arg-type]
     )
     assert answer.usage is not None and answer.usage.prompt_tokens == 32
+    huge = [{"role": "user", "content": " ".join(f"w{i}" for i in range(6000))}]  # over 4 contexts: refused
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model,
+            messages=huge,
+            max_tokens=2,
+            extra_body={"truncate_prompt_tokens": 32},  # type: ignore[arg-type]
+        )
+    assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=model,

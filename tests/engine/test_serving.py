@@ -134,3 +134,24 @@ def test_a_chat_before_the_model_has_loaded_is_a_503_that_says_so(tiny_chat_mode
         asyncio.run(serving.chat(request))
     error = api_error(info.value)
     assert error.status == 503 and error.code in ("engine_loading", "engine_stopped")
+
+
+def test_a_text_completion_with_a_stray_messages_field_still_refuses_the_template_switches() -> None:
+    from engine.http.protocol import validation_error
+
+    with pytest.raises(Exception) as err:
+        CompletionRequest.model_validate({"prompt": "x", "messages": 1, "continue_final_message": True})
+    assert validation_error(err.value).param == "continue_final_message"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tools_beside_a_format_that_is_not_json_is_a_400_whatever_the_tool_choice(choice: str) -> None:
+    from engine.guided import GuidedDecodingError
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request = _chat(tools=tools, tool_choice=choice, structured_outputs={"regex": "a+"})
+    with pytest.raises(GuidedDecodingError) as info:
+        request.guided_spec()
+    assert info.value.param == "structured_outputs"
+    json_format = _chat(tools=tools, tool_choice=choice, response_format={"type": "json_object"})
+    assert json_format.guided_spec() is not None  # a JSON format goes with them

@@ -163,3 +163,29 @@ def test_a_line_longer_than_the_read_ahead_reaches_take_though_the_socket_paused
             assert taken == [7, len(big), 7]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("pumped", [False, True])
+def test_the_engines_prompt_count_line_is_not_the_first_token(pumped: bool) -> None:
+    """`: prompt_tokens N` comes the moment the engine admits the request, before prefill: the
+    first-token verdict (and the silence watch after it) wait for the stream's own first line."""
+    import time
+
+    writes = [_chunk(b": prompt_tokens 5\n\n"), _chunk(b"data: 1\n\n"), _chunk(b"data: 2\n\n")]
+
+    async def main() -> None:
+        async with serving(_paced(writes, gap=0.15)) as (url, _):
+            started = time.perf_counter()
+            resp = await WirePool(url, {}).post("/v1/x", b"{}", 1.0, 5.0)
+            verdicts: list[bool] = []
+            lines = ReplicaLines(resp, "pool (replica)", started, 0.2, verdicts.append, 30.0)
+            try:
+                if pumped:
+                    assert await lines.pump(lambda line: True) is None
+                else:
+                    assert [line async for line in lines] == [": prompt_tokens 5", "data: 1", "data: 2"]
+            finally:
+                resp.release()
+            assert verdicts == [False]  # the first data line came 0.3 s in: past the 0.2 s SLO
+
+    asyncio.run(main())

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import orjson
 
 from gateway.governance.keys import KeyInfo
+from gateway.governance.usage import max_prompt
 from gateway.pipeline.call import Call
 from gateway.pipeline.relay import relay_line
 
@@ -29,16 +30,29 @@ def test_a_legacy_function_call_after_the_usage_is_answer_the_usage_does_not_cov
 
 def test_an_engines_prompt_count_is_kept_for_the_log_never_relayed_and_only_when_plain() -> None:
     """`: prompt_tokens N` (the engine's templated prompt count) is the gateway's: not an event for the
-    client, not its first token; a count that is not plain digits within MAX_TOKENS is ignored, as any
-    stray comment line."""
+    client, not its first token; a count that is not plain digits is ignored, as any stray comment
+    line; the first counts (a resumed stream's replica tells the same again); and it is bounded as a
+    reported usage is, by what the request's bytes could make (max_prompt)."""
     key = KeyInfo(uuid.uuid4().hex, "k", "sk-test", None, None, {}, datetime.now(UTC), None, None, None)
     call = Call("req-1", key, time.perf_counter(), datetime.now(UTC), model="m")
     assert relay_line(call, ": prompt_tokens 37", False) is None
     assert call.told_prompt_tokens == 37 and call.ttft is None
-    for hostile in ("-1", "1e9", "123456789", "", "abc", "٣٧", "37 38", "0x25", " 99999999999999999999"):
+    for hostile in (
+        "-1",
+        "1e9",
+        "123456789",
+        "",
+        "abc",
+        "٣٧",
+        "37 38",
+        "0x25",
+        " 99999999999999999999",
+        "38",
+    ):
         assert relay_line(call, ": prompt_tokens " + hostile, False) is None
         assert call.told_prompt_tokens == 37, hostile
-    assert relay_line(call, ": prompt_tokens 16777216", False) is None  # 2^24: the bound itself
-    assert call.told_prompt_tokens == 1 << 24
-    assert relay_line(call, ": prompt_tokens 99999999", False) is None  # 8 digits, clamped to the bound
-    assert call.told_prompt_tokens == 1 << 24
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    bounded = Call("req-2", key, time.perf_counter(), datetime.now(UTC), model="m", body=body, body_bytes=60)
+    relay_line(bounded, ": prompt_tokens 16777216", False)  # a hostile upstream's count for a short prompt
+    limit = max_prompt(body, 60)
+    assert limit is not None and bounded.told_prompt_tokens == limit < 1 << 24
