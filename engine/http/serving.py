@@ -14,6 +14,7 @@ from engine.errors import InvalidRequestError
 from engine.http.chat_render import ChatRenderer
 from engine.http.chat_tools import StreamedChoices, reads_calls, whole_message
 from engine.http.event_stream import EventStream, close_all, merged, whole_output
+from engine.http.messages import chat_messages, completion_prompts
 from engine.http.openai_format import (
     SSE_DONE,
     ResponseIdentity,
@@ -38,8 +39,6 @@ from engine.http.protocol import (
     CompletionRequest,
     _SamplingFields,
     build_sampling_params,
-    chat_messages,
-    completion_prompts,
 )
 from engine.http.request_limits import check_guided_limits, check_request_limits
 from engine.input_processor import TRUNCATE_SLACK

@@ -6,7 +6,7 @@ import gc
 import time
 from typing import Any
 
-from engine.http.protocol import chat_messages
+from engine.http.messages import chat_messages
 from engine.tools.grammar import call_text
 from engine.tools.prompt import template_takes_tools, with_tools
 from engine.tools.request import parse_tool_request
