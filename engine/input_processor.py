@@ -101,6 +101,7 @@ class InputProcessor:
         prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens, truncate)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         self._check_logit_bias(params)
+        self._check_allowed_token_ids(params)
         self._check_stop_token_ids(params)
         resumed = () if resume_token_ids is None else self._check_resume(resume_token_ids, params, max_tokens)
         bad = self._bad_word_ids(params.bad_words) if params.bad_words else ()
@@ -117,7 +118,8 @@ class InputProcessor:
         for word in words:
             alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            out += [ids for ids in (alone,) if ids]
+            if alone:
+                out.append(alone)
             if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
                 out.append(spaced)
         return tuple(dict.fromkeys(out))
@@ -129,9 +131,12 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias"
             )
+
+    def _check_allowed_token_ids(self, params: SamplingParams) -> None:
         allowed = params.allowed_token_ids
         if allowed is None:
             return
+        vocab = self.vocab_size
         bad = next((t for t in allowed if not 0 <= t < vocab), None)
         if bad is not None:
             message = f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})"

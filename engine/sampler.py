@@ -150,8 +150,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def _forbid_bad_words(logits: torch.Tensor, row: int, seq: Sequence) -> None:
     """vLLM's bad_words: each word's last token is -inf where the output ends with the rest of it (a
     one-token word: always). Not where that leaves nothing to sample (a grammar's only token)."""
-    out = seq.output_token_ids
-    banned = [ids[-1] for ids in seq.bad_word_ids if len(ids) == 1 or tuple(out[1 - len(ids) :]) == ids[:-1]]
+    tokens, made = seq.token_ids, seq.num_output_tokens  # the output's tail read in place, not copied
+    banned = [
+        ids[-1]
+        for ids in seq.bad_word_ids
+        if len(ids) == 1 or (made >= len(ids) - 1 and tuple(tokens[1 - len(ids) :]) == ids[:-1])
+    ]
     banned = [t for t in banned if t < logits.shape[1]]
     if not banned:
         return
