@@ -89,7 +89,7 @@ class Call:
         ):  # the first one counts (a resumed stream's replica tells the same prompt again)
             return
         # bounded as a reported usage is: no more than the request's bytes could make
-        bound = max_prompt(self.body or {}, self.body_bytes) if self.body is not None else None
+        bound = max_prompt(self.body, self.body_bytes) if self.body is not None else None
         self.told_prompt_tokens = min(int(digits), MAX_TOKENS, bound if bound is not None else MAX_TOKENS)
 
     def ended(self) -> Ended:

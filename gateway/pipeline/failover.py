@@ -124,10 +124,10 @@ class Failover:
             plan = None
             if stream and isinstance(spec, EngineBackend):  # its prompt's true count, should the client leave
                 upstream_body["stream_prompt_tokens"] = True
-            if stream and isinstance(spec, EngineBackend) and self._resumes(decision, spec, body):
-                upstream_body["stream_token_ids"] = True  # the engine reports each delta's token ids
-                timeouts = decision.timeouts or pool.timeouts
-                plan = ResumePlan(pool, spec, model, path, upstream_body, timeouts)
+                if self._resumes(decision, spec, body):
+                    upstream_body["stream_token_ids"] = True  # the engine reports each delta's token ids
+                    timeouts = decision.timeouts or pool.timeouts
+                    plan = ResumePlan(pool, spec, model, path, upstream_body, timeouts)
             payload = orjson.dumps(upstream_body)
             state.plan = plan
             state.affinity = None

@@ -274,10 +274,12 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
     and whose error event is a break to resume from, not an answer to pass on."""
     if not line:
         return None
-    if line.startswith(PROMPT_TOKENS):  # the engine's count of the prompt, for the log: not the client's
-        call.told_prompt(line)
-        return None
     if call.ttft is None:
+        # an engine stream opens with its prompt's count, for the log: not the client's, nor its first
+        # token (a resumed stream's replica tells it again later: dropped below, as any comment line)
+        if line.startswith(PROMPT_TOKENS):
+            call.told_prompt(line)
+            return None
         call.ttft = time.perf_counter() - call.started
     if line == _DONE:
         return DONE_EVENT
