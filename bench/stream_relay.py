@@ -12,11 +12,13 @@ write, GAP ms apart, a role-only first chunk and then TOKENS chunks of one word 
   relayed chunk, and that CPU less what the same number of whole (non-streamed) requests costs;
   for ours also the slope between streams of TOKENS and TOKENS/4 words through the same process,
   the relay's own cost per further chunk (what a stream costs once cancels out).
-LiteLLM proxy can run beside ours (`--litellm`: bench/gateway_overhead.py installs it). With
+LiteLLM proxy can run beside ours (`--litellm`: bench/gateway_overhead.py installs it), and a bare
+byte relay (`--bare`: bench/bare_relay.py, no HTTP, no parsing) whose CPU per chunk is the floor
+of any relay in Python on uvloop on the machine. With
 `--sdk`, the concurrency-1 streams are read with the official OpenAI SDK (each event parsed into
 its objects, as an application does) instead of httpx lines.
 
-Usage: python bench/stream_relay.py [--gap-ms 5] [--tokens 20] [--requests 200] [--litellm] [--sdk]
+Usage: python bench/stream_relay.py [--gap-ms 5] [--tokens 20] [--requests 200] [--litellm] [--bare] [--sdk]
 """
 
 from __future__ import annotations
@@ -236,6 +238,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="clients for the CPU measurement")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each CPU measurement")
     parser.add_argument("--litellm", action="store_true", help="measure LiteLLM proxy beside ours")
+    parser.add_argument("--bare", action="store_true", help="measure a bare byte relay beside ours")
     parser.add_argument(
         "--sdk", action="store_true", help="read the c=1 streams with the official OpenAI SDK"
     )
@@ -265,6 +268,13 @@ def main() -> None:
             servers.append(litellm)
             auth = {"authorization": f"Bearer {LITELLM_MASTER}"}
             targets.append(Target("litellm", litellm.base_url + PATH, auth, litellm))
+        if args.bare:
+            bare = ManagedServer(
+                lambda port: [sys.executable, "bench/bare_relay.py", "--port", str(port),
+                              "--upstream-port", str(upstream.port)]
+            )  # fmt: skip
+            servers.append(bare)
+            targets.append(Target("bare", bare.base_url + PATH, {}, bare))
         print(f"upstream: {args.tokens} text chunks {args.gap_ms:g} ms apart; {os.cpu_count()} CPUs")
         auth = {"authorization": f"Bearer {key}"}
         short = Target("gateway", gateway.base_url + PATH, auth, gateway, "short")
