@@ -1,6 +1,7 @@
 """A hosted provider's whole answer read at most MAX_REPLY_BYTES, as an engine's is: httpx event
 hooks that refuse a longer Content-Length at once and cut a body that runs past it, so a provider
-(or a hostile base_url) answering gigabytes is never held in memory. The bytes counted are the
+(or a hostile base_url) answering gigabytes is never held in memory; nor does the client follow a
+redirect (the prompt would go on to whatever host a 307 names). The bytes counted are the
 bytes decoded: the request asks for no compression, and a compressed answer is refused (64 MiB of
 gzip can decode to gigabytes).
 
@@ -127,6 +128,10 @@ def bounded_client(
     bound = bound_stream if stream else bound_body
     hooks: dict[str, list[Callable[..., Any]]] = {"request": [uncompressed], "response": [bound]}
     handler = AsyncHTTPHandler(event_hooks=hooks)
+    # litellm's client follows redirects, and so would the SDKs given it: a provider (or a hostile
+    # base_url) answering 307 would have the client's prompt sent on to any host it names. A
+    # redirect is an answer like any other non-2xx: the call fails (and fails over)
+    handler.client.follow_redirects = False
     if provider in _HANDLER_CLIENT:
         return handler, handler
     # litellm's transport, our hooks; an httpx (not httpx2) client, as litellm gives the SDK

@@ -48,6 +48,7 @@ class EnginePool:
         self.affinity_counts: dict[str, int] | None = {"hit": 0, "spill": 0} if self.homes else None
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         auth = {"authorization": f"Bearer {key}"} if key else {}
+        self._key = key.encode() if key else None  # masked in what a replica's error may echo
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}
         # a whole answer sends nothing until it is done: a replica that has answered none of its health
@@ -148,6 +149,8 @@ class EnginePool:
                 resp = await self._wires[replica.url].post(path, body, t.connect, t.total, headers)
                 try:
                     body = await resp.read(MAX_REPLY_BYTES)
+                    if resp.status != 200:
+                        body = self._masked(body)
                     reply = UpstreamReply(resp.status, body, replica.url, _retry_after(resp))
                 finally:
                     resp.release()
@@ -190,7 +193,7 @@ class EnginePool:
             error = b""
             if resp.status != 200:  # its body is due as soon as a first token would be
                 async with self._translated(replica), asyncio.timeout(t.first_token):
-                    error = await resp.read(MAX_REPLY_BYTES)
+                    error = self._masked(await resp.read(MAX_REPLY_BYTES))
                 verdict(resp.status < 500)
             slo, name = self.health.first_token_slo, f"{self.name} ({replica.url})"
             lines = ReplicaLines(resp, name, started, slo, verdict, t.between_tokens)
@@ -200,6 +203,12 @@ class EnginePool:
             replica.in_flight -= 1
             verdict.settle()
             resp.release()  # read to the end: back to the pool; abandoned: closed, so the engine aborts
+
+    def _masked(self, error: bytes) -> bytes:
+        """A replica's error answer without the pool's key: an engine that echoes the Authorization
+        header it refused must not hand the key to the client (a stream's error events are masked
+        where they are reduced: upstream_errors.reduced_fields)."""
+        return error.replace(self._key, b"[hidden]") if self._key and self._key in error else error
 
     def _translated(self, replica: Replica) -> _Translated:
         """Connection failures and timeouts become UpstreamUnavailableError (502/504)."""

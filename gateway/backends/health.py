@@ -223,16 +223,17 @@ class HealthChecker:
             await asyncio.sleep(self.health.interval)
 
     async def check(self, replica: Replica) -> None:
-        """One check: /health must answer 200; /metrics (if served) gives queue depth and KV usage."""
+        """One check: /health must answer 200 (itself: a redirect is not followed, to any host it names);
+        /metrics (if served) gives queue depth and KV usage."""
         assert self._session is not None
         answered = False  # /health gave an answer, whatever it was
         try:
-            async with self._session.get(replica.url + "/health") as resp:
+            async with self._session.get(replica.url + "/health", allow_redirects=False) as resp:
                 answered = True
                 ok = resp.status == 200
                 error = None if ok else f"/health answered {resp.status}"
             if ok:
-                async with self._session.get(replica.url + "/metrics") as resp:
+                async with self._session.get(replica.url + "/metrics", allow_redirects=False) as resp:
                     if resp.status == 200:
                         self._read_gauges(replica, await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -266,7 +267,7 @@ class HealthChecker:
         at its next check, and is no less healthy for it."""
         assert self._session is not None
         try:
-            async with self._session.get(replica.url + "/v1/models") as resp:
+            async with self._session.get(replica.url + "/v1/models", allow_redirects=False) as resp:
                 raw = await resp.content.read(MAX_CARDS_BYTES + 1) if resp.status == 200 else b""
         except (aiohttp.ClientError, TimeoutError) as exc:
             logger.debug("%s replica %s: no model cards (%s)", self.name, replica.url, exc)

@@ -92,10 +92,25 @@ def reduced_fields(
     }
 
 
+# what reads as a credential in any upstream's message: an Authorization header's value, an
+# `sk-`-style key, a `key=`/`token:` assignment (an engine that echoes the header it refused names the
+# pool's key; a provider's message may name one we never configured, e.g. a proxy's in between)
+_CREDENTIAL = re.compile(
+    r"(?i)\b(?:bearer|basic)\s+[\w.~+/=-]{4,}|\bsk-[\w-]{8,}|\b(api[_-]?key|token|secret|password)"
+    r"([\"']?\s*[=:]\s*[\"']?)[^\s\"',;]{4,}"
+)
+
+
 def _masked(text: str, hidden: Collection[str]) -> str:
-    """`text` with every string of `hidden` replaced, in any case; one shorter than 4 characters
-    (a one-letter service name) is left: masking it would garble the message, not protect it."""
+    """`text` with every string of `hidden` replaced, in any case, and whatever reads as a credential;
+    one of `hidden` shorter than 4 characters (a one-letter service name) is left: masking it would
+    garble the message, not protect it."""
     for secret in hidden:
         if len(secret) >= 4:
             text = re.sub(re.escape(secret), "[hidden]", text, flags=re.IGNORECASE)
-    return text
+    return _CREDENTIAL.sub(_credential_hidden, text)
+
+
+def _credential_hidden(match: re.Match[str]) -> str:
+    """A credential's value replaced; an assignment keeps its name (`token=[hidden]`)."""
+    return f"{match.group(1)}{match.group(2)}[hidden]" if match.group(1) else "[hidden]"

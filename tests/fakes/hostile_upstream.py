@@ -39,6 +39,10 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   rate_limited:WAIT  429 with an OpenAI rate_limit_error and `Retry-After: WAIT` (`date`: an
                      HTTP-date, `none`: no header; anything else as it is)
   overloaded:WAIT    likewise, a 503 `server_overloaded` (an engine at its request limit)
+  redirect:CODE_PORT that redirect status (301, 302, 307, 308) to http://127.0.0.1:PORT (an attacker's
+                     server, which must never receive the request)
+  echo_auth          400 with an OpenAI error whose message echoes the request's Authorization header
+                     (a stream: its second event is that error, as an `invalid_request_error` event)
 
 `GET /stats` lists every request received (method, path, headers, body as text) and how many
 connections the fake cut itself; `GET /seen/TOKEN` says whether a received body held TOKEN;
@@ -169,7 +173,7 @@ class HostileUpstream:
         body = body if isinstance(body, dict) else {}
         chat = request.path.endswith("chat/completions")
         name, arg = _mode(body, chat, self.mode)
-        answer = Answer(body, chat, name, arg)
+        answer = Answer(body, chat, name, arg, request.headers.get("authorization", ""))
         if name in ("stall", "stall_first"):
             self.stalls += 1
         if body.get("stream") is True:
@@ -178,8 +182,10 @@ class HostileUpstream:
 
     async def _whole(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
-        if mode in ("huge_head", "error_leak", "rate_limited", "overloaded"):
+        if mode in ("huge_head", "error_leak", "rate_limited", "overloaded", "redirect"):
             return await _hostile_head(writer, mode, arg)
+        if mode == "echo_auth":
+            return await _send(writer, 400, orjson.dumps({"error": a.echoed_auth()}))
         if mode == "status":
             return await _send(writer, int(arg or 500), b"<html>upstream exploded</html>", "text/html")
         if mode == "not_json":
@@ -227,7 +233,7 @@ class HostileUpstream:
 
     async def _stream(self, a: Answer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         mode, arg = a.mode, a.arg
-        if mode in ("huge_head", "error_leak", "rate_limited", "overloaded"):
+        if mode in ("huge_head", "error_leak", "rate_limited", "overloaded", "redirect"):
             return await _hostile_head(writer, mode, arg)
         if mode == "html":
             page = b"<html><body>Internal upstream http://10.9.8.7:9999 db=secret</body></html>\n"
@@ -293,8 +299,8 @@ class HostileUpstream:
 class Answer:
     """The completion one request gets: its text, the whole body and the SSE events, per mode."""
 
-    def __init__(self, body: dict[str, Any], chat: bool, mode: str, arg: str | None) -> None:
-        self.chat, self.mode, self.arg = chat, mode, arg
+    def __init__(self, body: dict[str, Any], chat: bool, mode: str, arg: str | None, auth: str = "") -> None:
+        self.chat, self.mode, self.arg, self.auth = chat, mode, arg, auth
         model = body.get("model")
         self.model = model if isinstance(model, str) else "fake-model"
         self.text = "echo: hostile"
@@ -311,6 +317,11 @@ class Answer:
             choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}
         return {"id": "hostile-1", "object": "chat.completion" if self.chat else "text_completion",
                 "created": 0, "model": self.model, "choices": [choice], "usage": self.usage}  # fmt: skip
+
+    def echoed_auth(self) -> dict[str, Any]:
+        """An OpenAI error that tells the caller the Authorization header it sent (a careless engine's)."""
+        return {"message": f"invalid key presented: {self.auth} (expected another)",
+                "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}  # fmt: skip
 
     def _event(self, delta: str | None, finish: str | None = None) -> bytes:
         if self.chat:
@@ -359,6 +370,8 @@ class Answer:
         elif mode == "error_event":
             error = {"error": {"message": "upstream failed mid-way", "type": "api_error", "code": None}}
             out.append(b"data: " + orjson.dumps(error) + b"\n\n")
+        elif mode == "echo_auth":
+            out.append(b"data: " + orjson.dumps({"error": self.echoed_auth()}) + b"\n\n")
         out.append(self._event(" hostile"))
         out.append(self._event(None, "stop"))
         usage = {"id": "hostile-1", "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -437,6 +450,12 @@ async def _hostile_head(writer: asyncio.StreamWriter, mode: str, arg: str | None
         extra = "" if wait is None else f"retry-after: {wait}\r\n"
         head = _head(status, "application/json", len(body)).removesuffix(b"\r\n")
         writer.write(head + extra.encode() + b"\r\n" + body)
+        await writer.drain()
+        return True
+    if mode == "redirect":
+        code, _, port = (arg or "307_9").partition("_")
+        location = f"location: http://127.0.0.1:{port}/v1/chat/completions\r\n"
+        writer.write(_head(int(code), "text/plain", 0).removesuffix(b"\r\n") + location.encode() + b"\r\n")
         await writer.drain()
         return True
     if mode == "huge_head":

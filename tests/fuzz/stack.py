@@ -18,6 +18,7 @@ from tests.gateway.processes import read_log_rows, start_gateway
 
 MASTER = "sk-master-hostile"
 PROVIDER_KEY = "sk-provider-secret-hostile"
+ENGINE_KEY = "engine-pool-secret-hostile"  # the engine pool's key (no sk- prefix: masked as itself)
 # Prices that make a reservation worth noticing: max_tokens=4000 reserves $0.008 of a $0.02 budget,
 # so three requests whose reservations leaked would lock the key out.
 PRICE = "{input_per_mtok: 1.0, output_per_mtok: 2.0}"
@@ -49,7 +50,8 @@ class HostileStack:
         self.policy = root / "policy.yaml"
         self.policy.write_text(f"""
 backends:
-  engine: {{type: engine, urls: ["{self.upstream.base_url}"], timeouts: {timeouts}, price: {PRICE}}}
+  engine: {{type: engine, urls: ["{self.upstream.base_url}"], timeouts: {timeouts}, price: {PRICE},
+           api_key_env: HOSTILE_ENGINE_KEY}}
   hosted: {{type: hosted, model: openai/fake-model, api_key_env: HOSTILE_PROVIDER_KEY,
            base_url: "{self.upstream.base_url}/v1", timeouts: {timeouts}, price: {PRICE}}}
 models:
@@ -65,6 +67,7 @@ health:
             "GATEWAY_KEY_SECRET": "hostile-secret",
             "GATEWAY_DATABASE_URL": self.database_url,
             "HOSTILE_PROVIDER_KEY": PROVIDER_KEY,
+            "HOSTILE_ENGINE_KEY": ENGINE_KEY,
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         }
         try:

@@ -224,3 +224,42 @@ def test_only_a_replica_that_answers_no_check_for_the_silence_is_reported_silent
             await asyncio.sleep(0.01)
 
     asyncio.run(run())
+
+
+def test_a_health_check_never_follows_a_redirect() -> None:
+    # was: /health answering 302 to another host had the checker call that host, and its 200 marked
+    # the replica healthy
+    async def run() -> None:
+        called: list[bytes] = []
+
+        async def elsewhere(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            called.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        target = await asyncio.start_server(elsewhere, "127.0.0.1", 0)
+        port = target.sockets[0].getsockname()[1]
+
+        async def redirecting(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 302 Found\r\nlocation: http://127.0.0.1:%d/health\r\n"
+                         b"content-length: 0\r\nconnection: close\r\n\r\n" % port)  # fmt: skip
+            await writer.drain()
+            writer.close()
+
+        replica_server = await asyncio.start_server(redirecting, "127.0.0.1", 0)
+        health = HealthSettings(interval=60, timeout=1)
+        replica = Replica(f"http://127.0.0.1:{replica_server.sockets[0].getsockname()[1]}", health)
+        checker = HealthChecker("p", [replica], health, {})
+        checker.start()
+        try:
+            await checker.check(replica)
+        finally:
+            await checker.stop()
+            replica_server.close()
+            target.close()
+        assert called == [] and replica.check_ok is False
+        assert replica.last_error == "/health answered 302"
+
+    asyncio.run(run())

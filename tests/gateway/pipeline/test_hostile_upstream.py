@@ -21,7 +21,7 @@ import pytest
 from gateway.governance.usage import checked_usage
 from tests.fuzz.answers import Answer, problems, row_problems, stream_error
 from tests.fuzz.client import chat, post
-from tests.fuzz.stack import PROVIDER_KEY, HostileStack
+from tests.fuzz.stack import ENGINE_KEY, PROVIDER_KEY, HostileStack
 
 BAD_USAGE = ["negative", "huge", "int32", "string", "lots", "float", "null", "mismatch", "cached", "bool",
              "list"]  # fmt: skip
@@ -397,6 +397,35 @@ def test_an_engines_error_reaches_the_client_as_its_four_fields_without_urls(sta
     assert server_error.status == 503
     error = orjson.loads(server_error.body)["error"]
     assert "internal" not in error["message"] and error["message"].startswith("the upstream for 'eng'")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("model", ["eng", "host"])
+def test_an_upstream_that_echoes_our_key_in_its_error_never_hands_it_to_the_client(
+    stack: HostileStack, model: str, stream: bool
+) -> None:
+    # was: an engine answering 400 "invalid key presented: Bearer <the pool's key>" had the key relayed
+    # (whole, and as a mid-stream invalid_request_error event); only the hosted backend masked its own
+    answer = asyncio.run(_one(stack, stack.key, chat(model, "mode=echo_auth", stream)))
+    assert problems(answer) == []
+    assert ENGINE_KEY not in answer.body.decode() and PROVIDER_KEY not in answer.body.decode()
+    if (model, stream) != ("host", True):  # (litellm's stream error is never relayed: a generic one)
+        assert "invalid key presented: " in answer.body.decode() and "[hidden]" in answer.body.decode()
+    if not stream:
+        assert answer.status == 400
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("code", [301, 302, 307, 308])
+def test_a_hosted_providers_redirect_is_never_followed(stack: HostileStack, code: int, stream: bool) -> None:
+    # was: litellm's client (and the SDK's on it) followed a 307 to any host with the client's prompt,
+    # and relayed that host's answer as a 200
+    port = httpx.URL(stack.attacker.base_url).port
+    secret = f"redirected-prompt-{code}-{stream}"
+    answer = asyncio.run(_one(stack, stack.key, chat("host", f"mode=redirect:{code}_{port} {secret}", stream)))
+    assert stack.received(stack.attacker) == [], "the redirect was followed"
+    assert answer.status == 502 and problems(answer) == []
+    assert str(port) not in answer.body.decode()
 
 
 def test_a_stream_past_64_mib_ends_with_an_error_and_a_bounded_estimate(stack: HostileStack) -> None:
