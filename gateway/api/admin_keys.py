@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import unicodedata
 from datetime import UTC, datetime, timedelta
@@ -11,12 +12,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from gateway.api.services import Keys, app_services
+from gateway.api.services import Keys, ServicesDep, app_services
 from gateway.errors import GatewayError
 from gateway.governance.budgets import Period
 from gateway.governance.keys import AuthError, InvalidKeyUpdateError, KeyNotFoundError
 from gateway.store.row_sanitizer import MAX_JSON_LEVELS, clean_json
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/admin/keys")
 
 
@@ -267,10 +269,22 @@ async def get_key(key_id: str, keys: Keys) -> dict[str, Any]:
 
 
 @router.patch("/{key_id}", dependencies=admin)
-async def update_key(key_id: str, body: KeyUpdate, keys: Keys) -> dict[str, Any]:
+async def update_key(key_id: str, body: KeyUpdate, keys: Keys, services: ServicesDep) -> dict[str, Any]:
     """Change name, team, allowed models, expiry, metadata, rate limits or budget."""
     fields = body.model_dump(exclude_unset=True)
-    return (await keys.update(key_id, **fields)).public()
+    before = await keys.get(key_id) if {"budget_usd", "budget_period"} & set(fields) else None
+    updated = await keys.update(key_id, **fields)
+    if (
+        before is not None
+        and updated.budget_usd is not None
+        and (before.budget_usd is None or before.budget_period != updated.budget_period)
+    ):  # a budget back, or over another period: its counter starts from what the log says was spent
+        budgets = services.proxy.admission.budgets
+        try:
+            await budgets.forget("key", key_id)
+        except Exception:  # the change stands; the old counter is counted on until it expires
+            logger.exception("key %s: its budget counters could not be reset", key_id)
+    return updated.public()
 
 
 @router.post("/{key_id}/revoke", dependencies=admin)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -190,6 +191,13 @@ class BudgetStore(Protocol):
         settled again later."""
         ...
 
+    async def forget(self, scope: Literal["key", "team"], subject: str) -> None:
+        """Drop the subject's counters, of every period: the next admission seeds them again from the
+        request log (a budget added back, or given another period: its counter was left as it was
+        when the budget went, not charged since). Reservations in flight settle what they owe on
+        the new counter."""
+        ...
+
     async def close(self) -> None:
         """Release connections."""
         ...
@@ -202,6 +210,8 @@ class LocalBudgetStore:
         self._spent: dict[str, int] = {}
         self.fail_open = fail_open  # the database cannot seed a counter: admit (True) or refuse
         self._seeding: SingleFlight[str, int] = SingleFlight()  # a cold burst: one query per counter
+        self._held: dict[str, set[str]] = {}  # counter -> the requests (tokens) whose reservation it holds
+        self._orphans: set[tuple[str, str]] = set()  # (counter, token): reservations of a forgotten counter
 
     async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
         for charge in charges:
@@ -219,13 +229,32 @@ class LocalBudgetStore:
                 raise BudgetExceededError(charge.budget, charge.reset, charge.amount)
         for charge in charges:
             self._spent[charge.counter] += charge.amount
+            self._held.setdefault(charge.counter, set()).add(charge.token)
         return True
 
     async def settle(self, charge: Charge, actual: int, final: bool = True) -> None:
         """As in Redis: on a counter that exists. One that does not (the database could not seed it
-        while budgets failed open) is seeded later from the request log, which has this request."""
+        while budgets failed open) is seeded later from the request log, which has this request. A
+        reservation whose counter was forgotten adds what it owes, once, to the counter seeded since."""
+        orphan = (charge.counter, charge.token)
+        if orphan in self._orphans:
+            if final:
+                self._orphans.discard(orphan)
+                if charge.counter in self._spent:
+                    self._spent[charge.counter] += actual
+            return
         if charge.counter in self._spent:
             self._spent[charge.counter] += actual - charge.amount
+        if final and (held := self._held.get(charge.counter)) is not None:
+            held.discard(charge.token)
+            if not held:
+                del self._held[charge.counter]
+
+    async def forget(self, scope: Literal["key", "team"], subject: str) -> None:
+        prefix = f"budget:{scope}:{subject}:"
+        for counter in [c for c in self._spent if c.startswith(prefix)]:
+            del self._spent[counter]
+            self._orphans.update((counter, token) for token in self._held.pop(counter, ()))
 
     async def close(self) -> None:
         return None
@@ -347,6 +376,19 @@ class RedisBudgetStore:
         """What an unreachable Redis raises."""
         return self._errors
 
+    async def forget(self, scope: Literal["key", "team"], subject: str) -> None:
+        """The counters and their seeds go (not the markers: a reservation in flight finds a new seed
+        token on the counter seeded next and settles all it owes there, budget_scripts.py)."""
+        head = f"{self._prefix}budget:{scope}:{subject}:"
+        pattern = f"{_glob_escaped(head)}*"
+        doomed = []
+        async for key in self._redis.scan_iter(match=pattern, count=500):
+            name = key.decode() if isinstance(key, bytes) else str(key)
+            if _COUNTER_TAIL.fullmatch(name[len(head) :]):  # a period's counter or its seed
+                doomed.append(key)
+        for start in range(0, len(doomed), 500):
+            await self._redis.delete(*doomed[start : start + 500])
+
     async def settle(self, charge: Charge, actual: int, final: bool = True) -> None:
         """The reservation becomes the real cost. One Redis did not confirm (it was away, or its
         answer was lost) is kept and written again by a later settle or reservation: dropping it
@@ -397,6 +439,14 @@ class RedisBudgetStore:
                 logger.error("budgets: %d settles not written, their counters keep what they held: %s",
                              len(self._unsettled), self._unsettled)  # fmt: skip
         await self._redis.aclose()
+
+
+_COUNTER_TAIL = re.compile(r"(?:daily|weekly|monthly|total):\d{4}-\d{2}-\d{2}(?::seed)?")
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` matched literally in a Redis SCAN pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
 _WRITTEN_SECONDS = 5.0  # how long a seed waits for the request log to write what it holds

@@ -135,23 +135,28 @@ class PriceBook:
         """USD per token on `backend` (None: unpriced)."""
         return self._prices.get(backend)
 
+    def output_cap(self, chain: Sequence[str], context: Callable[[str], int | None] | None = None) -> int:
+        """The output tokens one answer may take on `chain` when the request names no max_tokens:
+        the largest output cap on the chain, a hosted model's from litellm's map, a self-hosted
+        one's its context (`context(model)`: an engine answers up to the rest of it), else
+        DEFAULT_OUTPUT_CAP. Both what a request reserves and what its usage may say (usage.py
+        checked_usage) are held to it."""
+        caps = [self._caps.get(m) for m in chain]
+        if context is not None:
+            caps += [context(m) for m in chain if self._backend_of.get(m) in self.self_hosted]
+        return max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
+
     def worst_case(self, chain: Sequence[str], body: dict[str, Any], body_bytes: int,
                    context: Callable[[str], int | None] | None = None) -> Decimal:  # fmt: skip
         """The most a request may cost anywhere on its chain: a prompt token per body byte (a token
         is at least a byte; bytes / 4, an average, let concurrent requests overspend a budget by
-        more than one reservation), plus n x max_tokens per prompt at the dearest prices (a prompt
-        token's, fresh or cached). Without max_tokens: the largest output cap on the chain, a hosted
-        model's from litellm's map, a self-hosted one's its context (`context(model)`: an engine
-        answers up to the rest of it), else DEFAULT_OUTPUT_CAP."""
+        more than one reservation), plus n x max_tokens per prompt (else output_cap) at the dearest
+        prices (a prompt token's, fresh or cached). A usage that would cost more is not believed
+        (pipeline/finish.py): the request is counted, as one without usage is."""
         prices = [p for p in (self._prices.get(self._backend_of.get(m, "")) for m in chain) if p is not None]
         if not prices:
             return Decimal(0)
-        out = max_output(body)
-        if out is None:
-            caps = [self._caps.get(m) for m in chain]
-            if context is not None:
-                caps += [context(m) for m in chain if self._backend_of.get(m) in self.self_hosted]
-            out = max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
+        out = max_output(body) or self.output_cap(chain, context)
         out *= choices(body)  # every one of n answers is billed
         # a cached prompt token may be priced above a fresh one (a policy's price is not checked for it)
         prompt = max(max(p.input, p.cached_input) for p in prices)

@@ -24,19 +24,20 @@ def _count(value: Any) -> int | None:
 
 
 def checked_usage(
-    raw: Any, body: dict[str, Any] | None = None, size: int | None = None
+    raw: Any, body: dict[str, Any] | None = None, size: int | None = None, output_cap: int | None = None
 ) -> dict[str, Any] | None:
     """The usage fields we bill from, normalised; None when `raw` is missing or not believable: a
     count past MAX_TOKENS, parts that disagree with the total, or (given the request's `body`, of
     `size` bytes as received) more completion tokens than its max_tokens allows each of its answers
-    (a one-word answer billed as millions of tokens locked its key out) or more prompt tokens than
-    it can hold (max_prompt)."""
+    (else `output_cap`, what its budget reservation took for one answer when it names none: a
+    one-word answer billed as millions of tokens locked its key out) or more prompt tokens than it
+    can hold (max_prompt)."""
     if not isinstance(raw, dict):
         return None
     prompt, completion = _count(raw.get("prompt_tokens")), _count(raw.get("completion_tokens"))
     if prompt is None or completion is None:
         return None
-    limit = max_output(body) if body is not None else None
+    limit = (max_output(body) or output_cap) if body is not None else None
     if limit is not None and body is not None and completion > limit * choices(body):
         return None
     most = max_prompt(body, size) if body is not None else None
@@ -60,18 +61,20 @@ def checked_usage(
 
 
 # prompt tokens a request may be billed for beyond its own bytes: chat templates and default system
-# prompts, a provider's tool-use preamble (Anthropic's: a few hundred)
+# prompts, a provider's tool-use preamble (Anthropic's: a few hundred). A budgeted request's usage is
+# also held to what it reserved (pipeline/finish.py), which takes a token a byte.
 PROMPT_SLACK = 4096
 
 
 def max_prompt(body: dict[str, Any], size: int | None = None) -> int | None:
     """The most prompt tokens a request can be billed for: its size in bytes (byte-level tokenizers,
     and SentencePiece with byte fallback, make at most one token of a byte; `size` as received,
-    else its encoding's, a pass over megabytes that the callers on the loop avoid) for each of
-    its answers (an engine counts the prompt once per choice), plus PROMPT_SLACK. None when a
-    message holds more than text (an image, audio, a file id: many tokens in a few bytes) or the
-    provider may add to the prompt itself (`web_search_options`, or a tool it runs: the pages it
-    read, a code run's output)."""
+    else its encoding's, a pass over megabytes that the callers on the loop avoid), once (OpenAI,
+    vLLM and our engine count a prompt once however many answers it gets, and a legacy
+    completion's prompts are parts of its bytes), plus PROMPT_SLACK. None when a message holds more
+    than text (an image, audio, a file id: many tokens in a few bytes) or the provider may add to
+    the prompt itself (`web_search_options`, or a tool it runs: the pages it read, a code run's
+    output)."""
     if body.get("web_search_options") is not None or _provider_tools(body.get("tools")):
         return None
     messages = body.get("messages")
@@ -82,7 +85,7 @@ def max_prompt(body: dict[str, Any], size: int | None = None) -> int | None:
         ):
             return None
     given = len(orjson.dumps(body)) if size is None else size
-    return given * choices(body) + PROMPT_SLACK
+    return given + PROMPT_SLACK
 
 
 def _provider_tools(tools: object) -> bool:

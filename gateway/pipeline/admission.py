@@ -171,9 +171,9 @@ class Admission:
             budgets.append(Budget("team", key.team, Decimal(str(team.budget.usd)), team.budget.period))
         if not budgets:
             return []
-        capabilities = rt.router.capabilities
-        amount = to_picousd(rt.prices.worst_case(decision.chain, body, body_bytes,
-                                                 lambda m: capabilities.of(m).context_length))  # fmt: skip
+        amount = to_picousd(
+            rt.prices.worst_case(decision.chain, body, body_bytes, rt.router.capabilities.context_length)
+        )
         now = datetime.now(UTC)
         token = os.urandom(12).hex()  # names this request's reservations (their markers in Redis)
         charges = []

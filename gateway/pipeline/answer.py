@@ -57,17 +57,19 @@ def whole(call: Call, reply: UpstreamReply, log_bodies: bool) -> tuple[Reply, st
     success). Usage the gateway does not believe is neither logged nor relayed."""
     if reply.status != 200:
         return passed_on(call, reply.status, reply.body, reply.retry_after)
-    try:
-        answer = orjson.loads(reply.body)
-    except orjson.JSONDecodeError:
-        answer = None
+    answer = reply.answer  # parsed and checked where it was served (failover.py)
+    if answer is None:
+        try:
+            answer = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            answer = None
     if not isinstance(answer, dict):
         logger.warning("request %s: %s answered 200 with a body that is not a JSON object",
                        call.id, call.backend)  # fmt: skip
         message = f"the upstream ({call.backend}) sent an answer that is not a JSON object"
         exc = GatewayError(502, message, "api_error", code="upstream_invalid_response")
         return error_reply(exc), exc.code
-    call.usage = checked_usage(answer.get("usage"), call.body, call.body_bytes) or {}
+    call.usage = checked_usage(answer.get("usage"), call.body, call.body_bytes, call.output_cap) or {}
     model = answer.get("model")
     call.response_model = model if isinstance(model, str) else None
     relayed = reply.body

@@ -19,10 +19,11 @@ import orjson
 
 from gateway.config.policy import EngineBackend, Policy
 from gateway.governance import tokens
-from gateway.governance.usage import MAX_TOKENS, ZERO_COUNTS, says_zero
+from gateway.governance.usage import MAX_TOKENS, ZERO_COUNTS, choices, max_output, says_zero
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.call import Call, Ended
 from gateway.pipeline.runtime import RuntimeHolder
+from gateway.store.models import to_picousd
 from gateway.store.record import RecordSink, RequestRecord
 from gateway.telemetry.trace import Trace
 
@@ -52,6 +53,10 @@ class Finish:
             status in (200, 499) or error == "gateway_shutdown" or (status in (400, 502) and bool(call.lines))
         )
         ended = call.ended()  # a count after it is not the request's time
+        if served and call.usage and _past_reservation(call):
+            logger.warning("request %s: %s reported a usage that costs more than the request reserved: "
+                           "counted instead", call.id, call.backend)  # fmt: skip
+            call.usage = {}
         if not served or (call.usage and not says_zero(call.usage)):
             self._finish(call, status, error, False, ended)
             return
@@ -157,6 +162,19 @@ def _logged(work: Callable[..., None], args: tuple[Any, ...]) -> None:
         logger.exception("recording a finished request failed")
 
 
+def _past_reservation(call: Call) -> bool:
+    """Whether a request's usage would cost more than it reserved on its budgets (its worst case:
+    a prompt token per body byte, max_tokens per answer, at the dearest prices on its chain). An
+    upstream may say 4,200 prompt tokens for a 200-byte question, within what a template could add:
+    believed, three such requests on a $1 budget spent $12.63; concurrent requests may overspend a
+    budget by at most one reservation only if none is billed past its own."""
+    ticket = call.ticket
+    if ticket is None or not ticket.charges or call.prices is None or call.backend is None:
+        return False
+    cost, _ = call.prices.costs(call.backend, call.usage)
+    return cost is not None and to_picousd(cost) > max(charge.amount for charge in ticket.charges)
+
+
 def estimated_usage(call: Call, policy: Policy) -> dict[str, Any]:
     """No usage came back (an answer without it, a stream the client left): count it ourselves."""
     model = call.deployment if call.deployment and not call.deployment.startswith("http") else call.model
@@ -178,4 +196,11 @@ def estimated_usage(call: Call, policy: Policy) -> dict[str, Any]:
         prompt = tokens.count(tokens.prompt_text(body), model or "", tokenizer)
         prompt = min(prompt + tokens.prompt_token_ids(body) + tokens.chat_overhead(body), MAX_TOKENS)
     completion = min(tokens.count(tokens.completion_text(chunks), model or "", tokenizer), MAX_TOKENS)
+    # within what the request reserved: a prompt token a byte (a told count past it is an engine's
+    # word against the bytes), no more answer than it asked for (text an upstream sent past it)
+    if call.body_bytes:
+        prompt = min(prompt, call.body_bytes)
+    most = max_output(body) or call.output_cap
+    if most is not None:
+        completion = min(completion, most * choices(body))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

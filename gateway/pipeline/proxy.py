@@ -18,6 +18,7 @@ from gateway.backends.base import Attempt
 from gateway.config.policy import Policy
 from gateway.errors import GatewayError, cancelled_outcome
 from gateway.governance.keys import KeyInfo
+from gateway.governance.usage import max_output
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.answer import passed_on, whole
 from gateway.pipeline.call import Call, request_id
@@ -95,7 +96,12 @@ class Proxy:
                 needs = await rt.router.capabilities.counted(needs, body)
             call.decision = rt.router.decide(model, body, key, needs)
             trace.routed(call.decision)
+            if max_output(body) is None:  # what one answer may take: its usage is held to it, as its budget
+                call.output_cap = rt.prices.output_cap(
+                    call.decision.chain, rt.router.capabilities.context_length
+                )
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
+            _raise_if_cancelled()
             progress = Progress()
             if call.stream:
                 early, commit = None, None
@@ -213,3 +219,13 @@ class Proxy:
 
     def _failed(self, call: Call, exc: GatewayError) -> Reply:
         return self._answered(call, error_reply(exc), exc.code)
+
+
+def _raise_if_cancelled() -> None:
+    """A cancel asked for but lost on its way: raised now, before the upstream is called. Python
+    3.11's wait_for (redis-py's, under its socket timeout) drops one that lands as the call it waits
+    on finishes, leaving the task's `cancelling()` count up: a client that left during its admission
+    had the upstream called for it, and was billed (15 of 20 such requests)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -167,6 +167,10 @@ class CapabilityTable:
         self._sync()
         return self._resolved[model]
 
+    def context_length(self, model: str) -> int | None:
+        """The model's context in tokens, as declared or learned (None: unknown)."""
+        return self.of(model).context_length
+
     def needs(self, name: str, body: Mapping[str, Any], body_bytes: int) -> Needs:
         """What a request for `name` needs (NO_NEEDS, the common case, when nothing is to check)."""
         capabilities = needed(body)

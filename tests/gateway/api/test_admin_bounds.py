@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from gateway.config.settings import GatewaySettings
-from gateway.main import create_app
+from gateway.governance.budgets import Budget, LocalBudgetStore
+from gateway.main import GatewayApp, create_app
 from gateway.store.migrate import upgrade
 
 MASTER = "sk-master-test"
@@ -130,3 +133,31 @@ def test_a_stored_row_with_metadata_nested_too_deep_does_not_break_listing(
     while isinstance(level, dict):
         level, depth = level["a"], depth + 1
     assert level == "\ufffd" and depth == 33  # cut below 32 levels, marked as unreadable text is
+
+
+def test_a_budget_added_back_or_moved_to_another_period_starts_from_the_log_not_a_stale_counter(
+    admin: TestClient,
+) -> None:
+    """Removed, then added back: the key's counter had not been charged meanwhile ($2.61 spent on a
+    $1 budget, the counter at $0.81). A budget raised within its period keeps its counter."""
+    key_id = admin.post("/admin/keys", json={"name": "b", "budget_usd": "1", "budget_period": "daily"},
+                        headers=ADMIN).json()["id"]  # fmt: skip
+    app = admin.app
+    assert isinstance(app, GatewayApp)
+    store = app.services.proxy.admission.budgets
+    assert isinstance(store, LocalBudgetStore)
+    daily = Budget("key", key_id, Decimal(1), "daily").counter(datetime.now(UTC))[0]
+
+    def patched(**fields: object) -> None:
+        assert admin.patch(f"/admin/keys/{key_id}", json=fields, headers=ADMIN).status_code == 200
+
+    store._spent[daily] = 810_000_000_000
+    patched(budget_usd=None)
+    assert daily in store._spent  # (no budget: nothing charges it, nothing reads it)
+    patched(budget_usd="1", budget_period="daily")
+    assert daily not in store._spent  # seeded again from the log at the next admission
+    store._spent[daily] = 810_000_000_000
+    patched(budget_usd="2")
+    assert store._spent[daily] == 810_000_000_000
+    patched(budget_period="weekly")
+    assert daily not in store._spent

@@ -25,7 +25,7 @@ from gateway.config.policy import HostedBackend, parse_policy
 from gateway.errors import GatewayError
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
-from gateway.governance.usage import MAX_TOKENS, checked_usage
+from gateway.governance.usage import MAX_TOKENS, PROMPT_SLACK, checked_usage, choices, max_output, max_prompt
 from gateway.pipeline.admission import Admission, Ticket
 from gateway.pipeline.failover import Failover
 from gateway.pipeline.reply import Reply, error_reply
@@ -145,7 +145,7 @@ def test_more_prompt_tokens_than_the_request_holds_are_not_billed() -> None:
     for templates and a provider's preamble; an image, audio or a file is worth more than its bytes."""
     body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "two plus two?"}]}
     assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, body) is None
-    assert checked_usage({"prompt_tokens": 3_000, "completion_tokens": 2}, body) is not None
+    assert checked_usage({"prompt_tokens": 1_000, "completion_tokens": 2}, body) is not None
     # the size as received bounds it when given (the body re-encoded is a pass over it on the loop)
     assert checked_usage({"prompt_tokens": 9_000, "completion_tokens": 2}, body, 10_000) is not None
     assert checked_usage({"prompt_tokens": 9_000, "completion_tokens": 2}, body, 100) is None
@@ -159,9 +159,13 @@ def test_more_prompt_tokens_than_the_request_holds_are_not_billed() -> None:
     assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, image) is not None
     searched = {**body, "web_search_options": {}}  # the pages the provider read are its input too
     assert checked_usage({"prompt_tokens": 900_000, "completion_tokens": 2}, searched) is not None
-    # an engine counts the prompt once per choice
-    long = {"messages": [{"role": "user", "content": "word " * 20_000}], "n": 4}
-    assert checked_usage({"prompt_tokens": 4 * 20_001, "completion_tokens": 8}, long) is not None
+    # a prompt is counted once however many answers it gets (OpenAI, vLLM, our engine): n does not
+    # multiply what a prompt may hold (it let a 2 KB request with n=8 be billed 16,000 prompt tokens)
+    long = {"messages": [{"role": "user", "content": "word " * 20_000}], "n": 8}
+    size = len(orjson.dumps(long))
+    at_most = {"prompt_tokens": size + PROMPT_SLACK, "completion_tokens": 8}
+    assert checked_usage(at_most, long, size) is not None
+    assert checked_usage({"prompt_tokens": 2 * size, "completion_tokens": 8}, long, size) is None
 
 
 def test_a_provider_run_tool_may_bill_more_prompt_than_the_request_holds() -> None:
@@ -308,6 +312,47 @@ def test_usage_past_what_max_tokens_allows_every_answer_is_not_believed() -> Non
     assert checked_usage(fits, {"max_completion_tokens": 4, "prompt": ["a", "b"]}) is not None
     assert checked_usage(fits, {"max_tokens": 3, "n": 2}) is None
     assert checked_usage(fits, {}) is not None  # no max_tokens: the model's own cap applies
+    # ... the one the request's reservation took (was: none, and an answer of five words was billed
+    # as 10,000,000 tokens, $20,000 on a $100 budget)
+    assert checked_usage(usage, {}, output_cap=4096) is None
+    at_cap = {"prompt_tokens": 5, "completion_tokens": 2 * 4096, "total_tokens": 5 + 2 * 4096}
+    assert checked_usage(at_cap, {"n": 2}, output_cap=4096) == at_cap
+    assert checked_usage(at_cap, {"n": 2, "max_tokens": 10}, output_cap=4096) is None  # max_tokens first
+
+
+BODIES: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 3},
+    {"messages": [{"role": "user", "content": "hi " * 500}], "max_completion_tokens": 40},
+    {"prompt": ["a", "b", "c"], "max_tokens": 5, "n": 2},
+    {"prompt": "one", "best_of": 4},
+    {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "ab"}}],
+    },
+]
+
+
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("context", [None, 8192])
+def test_usage_is_believed_up_to_the_requests_own_bounds_and_not_a_token_past_them(
+    body: dict[str, Any], context: int | None
+) -> None:
+    """The prompt: its bytes once plus the templates' slack, whatever n; the answers: max_tokens
+    each, else the output cap its reservation took (costs.output_cap: the chain's, the context's)."""
+    prices = PriceBook(parse_policy(POLICY))
+    size = len(orjson.dumps(body))
+    cap = prices.output_cap(("fast",), (lambda m: context) if context else None)
+    assert cap == (context or 4096)
+    prompt = max_prompt(body, size)
+    assert prompt == size + PROMPT_SLACK
+    completion = (max_output(body) or cap) * choices(body)
+    most = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    assert checked_usage(most, body, size, cap) == most
+    total = prompt + completion + 1
+    for more in ({**most, "prompt_tokens": prompt + 1, "total_tokens": total},
+                 {**most, "completion_tokens": completion + 1, "total_tokens": total}):  # fmt: skip
+        assert checked_usage(more, body, size, cap) is None
 
 
 def test_reservations_cover_the_larger_of_max_tokens_and_max_completion_tokens() -> None:

@@ -582,3 +582,46 @@ async def store_cleanup(counter: str) -> None:
         await cleaner.delete(counter, *[k async for k in cleaner.scan_iter(counter + ":held:*")])
     finally:
         await cleaner.aclose()
+
+
+@pytest.mark.parametrize("kind", ["local", "redis"])
+def test_a_forgotten_counter_is_seeded_again_and_takes_what_the_requests_in_flight_owe(kind: str) -> None:
+    """A budget removed and added back (PATCH) found its old counter, not charged meanwhile: $2.61
+    spent on a $1 budget with the counter at $0.81. Forgotten, the counter is seeded from the log
+    (what was really spent); a request in flight at the time settles all it owes on the new one."""
+    budget = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "daily")
+    other = Budget("key", uuid.uuid4().hex, Decimal("1.00"), "daily")
+    now = datetime.now(UTC)
+
+    async def spent_in_the_log(b: Budget, start: datetime) -> int:
+        return to_picousd(Decimal("0.70")) if b == budget else 0
+
+    async def run() -> tuple[int, int]:
+        store = LocalBudgetStore() if kind == "local" else RedisBudgetStore(REDIS)
+        try:
+            flying = _charge(budget, now, "0.20")
+            await store.reserve([flying, _charge(other, now, "0.30")], _nothing_spent)
+            await store.forget("key", budget.subject)
+            await store.reserve([_charge(budget, now, "0.01")], spent_in_the_log)  # seeded: 0.70 + 0.01
+            await store.settle(flying, to_picousd(Decimal("0.05")))  # owes 5 cents, all of it here
+            with pytest.raises(BudgetExceededError):  # 0.76 + 0.25 > 1: the log's spend counts
+                await store.reserve([_charge(budget, now, "0.25")], _nothing_spent)
+            with pytest.raises(BudgetExceededError):  # the other key's counter was left alone
+                await store.reserve([_charge(other, now, "0.71")], _nothing_spent)
+            return await _counted(store, budget, now), await _counted(store, other, now)
+        finally:
+            if isinstance(store, RedisBudgetStore):
+                for b in (budget, other):
+                    counter = "switchboard:" + b.counter(now)[0]
+                    await store._redis.delete(counter, counter + ":seed")
+            await store.close()
+
+    counted, untouched = asyncio.run(run())
+    assert counted == to_picousd(Decimal("0.76")) and untouched == to_picousd(Decimal("0.30"))
+
+
+async def _counted(store: LocalBudgetStore | RedisBudgetStore, budget: Budget, now: datetime) -> int:
+    counter = budget.counter(now)[0]
+    if isinstance(store, LocalBudgetStore):
+        return store._spent[counter]
+    return int(await store._redis.get("switchboard:" + counter))

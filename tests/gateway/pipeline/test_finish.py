@@ -4,6 +4,7 @@ when the request ended), and a sink that fails costs its record, never the answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -11,17 +12,21 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.config.policy import parse_policy
+from gateway.governance.budgets import Budget, Charge
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
 from gateway.pipeline.admission import Admission, Ticket
 from gateway.pipeline.call import Call
 from gateway.pipeline.failover import Failover
-from gateway.pipeline.finish import Finish
+from gateway.pipeline.finish import Finish, estimated_usage
+from gateway.pipeline.proxy import Proxy
 from gateway.pipeline.runtime import Runtime, RuntimeHolder
 from gateway.routing.router import Router
+from gateway.store.models import to_picousd
 from gateway.store.record import RequestRecord
 
 POLICY = """
@@ -157,3 +162,95 @@ def test_a_row_waiting_for_its_token_count_is_stamped_when_the_request_ended(
         assert row["latency_ms"] < 50 and row["overhead_ms"] < 50
 
     asyncio.run(main())
+
+
+def _budgeted(finish: Finish, usage: dict[str, Any], body: dict[str, Any]) -> Call:
+    """A served call whose ticket reserved what its body may cost (admission's worst case)."""
+    call = _served_call(finish)
+    call.usage = usage
+    call.body, call.body_bytes = body, len(orjson.dumps(body))
+    worst = finish.holder.runtime.prices.worst_case(("small",), body, call.body_bytes)
+    budget = Budget("key", call.key.id, Decimal(100), "daily")
+    assert call.ticket is not None
+    call.ticket.charges = [Charge(budget, "c", datetime.now(UTC), None, to_picousd(worst))]
+    return call
+
+
+def test_a_usage_that_costs_more_than_the_request_reserved_is_counted_instead() -> None:
+    """Believable as counts (4,200 prompt tokens for a 200-byte question is within what a template
+    could add), but past the reservation: three such requests on a $1 budget spent $12.63, when
+    concurrent requests may overspend by at most one reservation."""
+    body = {"model": "small", "messages": [{"role": "user", "content": "count me " * 20}], "max_tokens": 10}
+
+    async def main() -> None:
+        log = Sink()
+        finish, admission = _finish(log, [])
+        over = _budgeted(finish, {"prompt_tokens": 4200, "completion_tokens": 10, "total_tokens": 4210}, body)
+        within = _budgeted(finish, {"prompt_tokens": 50, "completion_tokens": 10, "total_tokens": 60}, body)
+        over.id, within.id = "req-over", "req-within"
+        for call in (over, within):
+            call.reply_body = orjson.dumps({"choices": [{"message": {"content": "one two three"}}]})
+            finish(call, 200, None)
+        await finish.drain()
+        await asyncio.sleep(0)
+        rows = {rec.row["id"]: rec.row for _, rec in log.records}
+        assert rows["req-over"]["cost_estimated"] and rows["req-over"]["prompt_tokens"] < 200
+        assert not rows["req-within"]["cost_estimated"] and rows["req-within"]["prompt_tokens"] == 50
+        assert len(admission.released) == 2 and all(cost is not None for _, cost in admission.released)
+
+    asyncio.run(main())
+
+
+def test_a_counted_answer_is_never_billed_past_what_the_request_could_hold_or_ask_for() -> None:
+    """An upstream that sends more text than max_tokens, or an engine telling a prompt count past the
+    request's bytes: the count stays within the request's own bounds (its reservation's)."""
+    finish, _ = _finish(Sink(), [])
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2}
+    call = _served_call(finish)
+    call.usage = {}
+    call.body, call.body_bytes = body, len(orjson.dumps(body))
+    call.reply_body = orjson.dumps({"choices": [{"message": {"content": "word " * 500}}]})
+    call.told_prompt_tokens = 5000
+    counted = estimated_usage(call, finish.holder.runtime.policy)
+    assert counted["completion_tokens"] == 6 and counted["prompt_tokens"] == call.body_bytes
+    body.pop("max_tokens")  # no max_tokens: the cap the reservation took
+    call.output_cap = 100
+    assert estimated_usage(call, finish.holder.runtime.policy)["completion_tokens"] == 200
+
+
+class _Swallowing(Released):
+    """An admission whose store loses a cancel that lands as its call finishes (Python 3.11's
+    wait_for under redis-py's socket timeout): the cancel is caught and the admission returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+
+    async def admit(self, *args: Any, **kwargs: Any) -> Ticket:
+        self.entered.set()
+        with contextlib.suppress(asyncio.CancelledError):  # lost, as wait_for loses it: the task's
+            await asyncio.sleep(3600)  # cancelling() count stays up
+        return Ticket()
+
+
+def test_a_cancel_lost_in_the_admission_still_stops_the_request_before_its_upstream() -> None:
+    """A client that left while its admission talked to Redis had the upstream called for it and
+    was billed (15 of 20 such requests, redis-py on Python 3.11)."""
+    log = Sink()
+    finish, _ = _finish(log, [])
+    admission = _Swallowing()
+    proxy = Proxy(finish.holder, log, admission)
+    key = KeyInfo(uuid.uuid4().hex, "k", "sk-test", None, None, {}, datetime.now(UTC), None, None, None)
+    body = orjson.dumps({"model": "small", "messages": [{"role": "user", "content": "hi"}]})
+
+    async def main() -> None:
+        task = asyncio.ensure_future(proxy.handle("/v1/chat/completions", body, key))
+        await admission.entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    (row,) = [rec.row for _, rec in log.records]
+    assert row["status"] == 499 and row["backend"] is None  # no upstream was called
