@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import orjson
 
 from gateway.config.policy import Capabilities, Timeouts
 
@@ -56,6 +58,43 @@ class UpstreamReply:
     body: bytes
     url: str
     retry_after: int | None = None  # a 429's wait, sanitized (upstream_errors.retry_after_seconds)
+    answer: dict[str, Any] | None = None  # a 200's body, parsed once it was found well formed
+
+
+def answer_object(body: bytes) -> dict[str, Any] | None:
+    """A whole answer's JSON as a client's SDK reads it, or None when it is not one: an object whose
+    `choices` is a non-empty list of objects, each with a `message` object (its `content`, if any, a
+    string or null; its `tool_calls`, if any, a list) or a `text` string. A 200 of another shape
+    (`{}`, `choices: "nope"`, `content: 12345`) was relayed and billed, and the SDK handed the
+    application `choices=None` or raised later."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(answer, dict):
+        return None
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return None
+    for choice in choices:  # a loop, not all(generator): once per whole answer
+        if not isinstance(choice, dict):
+            return None
+        message = choice.get("message")
+        if message is None:
+            if not isinstance(choice.get("text"), str):
+                return None
+        elif not _message_shaped(message):
+            return None
+    return answer
+
+
+def _message_shaped(message: object) -> bool:
+    """Whether a choice's `message` is an object whose content is text or null, its calls a list."""
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("content"), str | None)
+        and isinstance(message.get("tool_calls"), list | None)
+    )
 
 
 # An open stream's lines fed to `take` as they arrive, from the connection's own callbacks (no task

@@ -22,6 +22,7 @@ from gateway.backends.base import (
     UpstreamReply,
     UpstreamStream,
     UpstreamUnavailableError,
+    answer_object,
 )
 from gateway.backends.health import HealthChecker, Replica, pick
 from gateway.backends.model_cards import merge_replicas
@@ -154,7 +155,11 @@ class EnginePool:
                     reply = UpstreamReply(resp.status, body, replica.url, _retry_after(resp))
                 finally:
                     resp.release()
-            verdict = reply.status < 500
+            if reply.status == 200:  # parsed here, once: an answer of the wrong shape is the replica's fault
+                reply.answer = answer_object(reply.body)
+                verdict = reply.answer is not None
+            else:
+                verdict = reply.status < 500
             return reply
         except UpstreamUnavailableError:
             verdict = False
@@ -252,16 +257,21 @@ def _settle(replica: Replica, verdict: bool | None) -> None:
 
 
 class _Verdict:
-    """One stream's outcome for its replica's breaker: the first verdict counts, later ones are ignored."""
+    """One stream's outcome for its replica's breaker: the first verdict counts (its first token's:
+    a half-open probe is decided then); a break after a success amends it, once."""
 
     def __init__(self, replica: Replica) -> None:
         self._replica = replica
         self._given = False
+        self._ok = False
 
     def __call__(self, ok: bool) -> None:
         if not self._given:
-            self._given = True
+            self._given, self._ok = True, ok
             self._replica.breaker.record(ok)
+        elif self._ok and not ok:
+            self._ok = False
+            self._replica.breaker.amend()
 
     def settle(self) -> None:
         """At the end: no verdict given (the client left first) frees the probe slot."""

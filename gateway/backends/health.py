@@ -48,6 +48,7 @@ class CircuitBreaker:
         self._clock = clock
         self._state = BreakerState.CLOSED
         self._consecutive = 0
+        self._run_before = 0  # the run of failures the last success cut (amend goes on from it)
         self._opened_at = 0.0
         self._probing = False
         # outcomes within the window, bucketed by whole second: [second, requests, failures]
@@ -94,9 +95,28 @@ class CircuitBreaker:
                 self._open(now)
             return
         self._count(now, ok)
-        self._consecutive = 0 if ok else self._consecutive + 1
-        if ok or state is not BreakerState.CLOSED:
-            return  # only a failure can trip a closed breaker
+        if ok:
+            self._run_before, self._consecutive = self._consecutive, 0
+            return
+        self._consecutive += 1
+        if state is BreakerState.CLOSED:  # only a failure can trip a closed breaker
+            self._trip_if_due(now)
+
+    def amend(self) -> None:
+        """A success turned failure: a stream whose first token was its verdict broke mid-answer. One
+        more failure in the window (its request counted once), and the run of failures goes on from
+        where that success had cut it: a replica whose every stream breaks after its first token
+        opened nothing before (each stream a success, then its break ignored)."""
+        now = self._clock()
+        if self.state is not BreakerState.CLOSED:
+            return
+        self._count(now, False)
+        self._buckets[-1][1] -= 1  # the request was counted with its success
+        self._requests -= 1
+        self._consecutive = self._run_before = self._run_before + 1
+        self._trip_if_due(now)
+
+    def _trip_if_due(self, now: float) -> None:
         rate_tripped = (
             self._requests >= self.settings.min_requests
             and self._failures / self._requests >= self.settings.error_rate
@@ -124,7 +144,7 @@ class CircuitBreaker:
         self._state, self._opened_at, self._probing = BreakerState.OPEN, now, False
 
     def _close(self) -> None:
-        self._state, self._consecutive = BreakerState.CLOSED, 0
+        self._state, self._consecutive, self._run_before = BreakerState.CLOSED, 0, 0
         self._buckets.clear()
         self._requests = self._failures = 0
 

@@ -80,7 +80,9 @@ class ReplicaLines:
                         done.set_result(line)
                         return
             except (WireError, TimeoutError) as exc:
-                done.set_exception(self._broke(exc))
+                broke = self._broke(exc)
+                broke.__cause__ = exc  # as `raise ... from exc` in __anext__: a silence reads as a timeout
+                done.set_exception(broke)
             except Exception as exc:  # take's: raised in the reader's task, as if it had read the line
                 done.set_exception(exc)
 

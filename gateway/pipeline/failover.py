@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -31,9 +32,10 @@ from gateway.backends.base import (
     UpstreamStream,
     UpstreamStreamError,
     UpstreamUnavailableError,
+    answer_object,
 )
 from gateway.backends.upstream_errors import GATEWAY_FAULT_STATUSES
-from gateway.config.policy import EngineBackend, Policy, Retries
+from gateway.config.policy import EngineBackend, Policy, Retries, Timeouts
 from gateway.errors import GatewayError
 from gateway.pipeline.prefix_keys import PrefixKeys
 from gateway.pipeline.resume import ResumePlan, resumable_body
@@ -53,13 +55,16 @@ class ChainExhaustedError(GatewayError):
     self-hosted-only request found no self-hosted model), 504 on a timeout, 502 otherwise."""
 
     def __init__(self, message: str, attempts: list[Attempt], last: UpstreamReply | None, timeout: bool,
-                 unavailable: bool, self_hosted_only: bool = False) -> None:  # fmt: skip
+                 unavailable: bool, self_hosted_only: bool = False,
+                 invalid: bool = False) -> None:  # fmt: skip
         if unavailable:
             status, param, code = 503, "model", "model_unavailable"
         elif self_hosted_only:  # never "try hosted": say so
             status, param, code = 503, "model", "self_hosted_unavailable"
         elif timeout:
             status, param, code = 504, None, "upstream_timeout"
+        elif invalid:  # the last upstream answered 200 with what is not an answer
+            status, param, code = 502, None, "upstream_invalid_response"
         else:
             status, param, code = 502, None, "upstream_unavailable"
         super().__init__(status, message, "api_error", param, code)  # `detail()` is the operator's
@@ -137,7 +142,11 @@ class Failover:
                 if round_:
                     await asyncio.sleep(backoff(decision.retries, round_, self._rng))
                 one = self._stream_round if stream else self._whole_round
-                outcome = await one(state, model, pool, path, payload)
+                try:
+                    outcome = await one(state, model, pool, path, payload)
+                except _OutOfTimeError:  # the request's `total` is spent: no attempt is left to make
+                    state.last, state.last_timeout = None, True
+                    raise state.exhausted() from None
                 if isinstance(outcome, Served):
                     return outcome
                 if outcome == _NEXT or not state.budget():
@@ -149,10 +158,11 @@ class Failover:
         """Each replica of the pool once (another replica costs no backoff)."""
         avoid: set[str] = set()
         while state.budget():
+            timeouts = state.timeouts(pool)
             headers = self._begin(state, model, pool, stream=False)
             try:
                 reply = await pool.send(
-                    path, payload, state.decision.timeouts, frozenset(avoid), headers, **state.affinity_arg()
+                    path, payload, timeouts, frozenset(avoid), headers, **state.affinity_arg()
                 )
             except UpstreamUnavailableError as exc:
                 if exc.deployment is None:  # nothing (left) to offer this round: not a call
@@ -168,6 +178,12 @@ class Failover:
                 state.failed(model, pool.name, reply.url, f"status {reply.status}", reply)
                 avoid.add(reply.url)
                 continue
+            if reply.status == 200 and reply.answer is None:  # (an engine pool's is parsed already)
+                reply.answer = answer_object(reply.body)
+                if reply.answer is None:  # not an answer a client's SDK can read: another replica
+                    state.failed(model, pool.name, reply.url, "invalid answer", None, invalid=True)
+                    avoid.add(reply.url)
+                    continue
             state.trace.end_attempt(reply.url, reply.status)
             return Served(model, pool.name, reply.url, state.attempts, reply=reply)
         return _NEXT
@@ -176,20 +192,17 @@ class Failover:
                             payload: bytes) -> Served | str:  # fmt: skip
         """Like `_whole_round`, but a stream counts only once its first token is in."""
         avoid: set[str] = set()
-        first_token = (state.decision.timeouts or pool.timeouts).first_token
+        loop = asyncio.get_running_loop()
         while state.budget():
+            timeouts = state.timeouts(pool)
+            # one first_token window from the call: its head and its first token together (the head's
+            # wait was bounded by it, then the first token's by it again, so twice it in all)
+            first_token_by = loop.time() + (timeouts or pool.timeouts).first_token
             headers = self._begin(state, model, pool, stream=True)
             owner = AsyncExitStack()  # holds the upstream open: closed here, or handed over in Served
             try:
                 upstream = await owner.enter_async_context(
-                    pool.stream(
-                        path,
-                        payload,
-                        state.decision.timeouts,
-                        frozenset(avoid),
-                        headers,
-                        **state.affinity_arg(),
-                    )
+                    pool.stream(path, payload, timeouts, frozenset(avoid), headers, **state.affinity_arg())
                 )
             except UpstreamUnavailableError as exc:
                 if exc.deployment is None:
@@ -211,7 +224,7 @@ class Failover:
                 avoid.add(upstream.url)
                 continue
             try:
-                async with asyncio.timeout(first_token):
+                async with asyncio.timeout_at(first_token_by):
                     head = await until_first_token(
                         upstream.lines, self._on_first_event(state, pool, upstream), state.opened
                     )
@@ -311,7 +324,9 @@ class _State:
         self.unavailable_reasons: list[str] = []
         self.last: UpstreamReply | None = None
         self.last_timeout = False
+        self.last_invalid = False  # the last call answered 200 with what is not an answer
         self.calls = 0
+        self.started = time.monotonic()  # the request's `total` runs from here, across its attempts
         # models the router skipped (capabilities), by where they sat in the chain: noted when reached
         at = decision.skipped_at or (0,) * len(decision.skipped)
         self._router_skipped = sorted(zip(at, range(len(at)), decision.skipped, strict=True))
@@ -331,6 +346,22 @@ class _State:
     def budget(self) -> bool:
         return self.calls < _ATTEMPT_CAP
 
+    def timeouts(self, pool: Upstream) -> Timeouts | None:
+        """An attempt's timeouts: the route's (None: the pool's own) for the first call; for a later
+        one, within what is left of the request's `total` since its walk began (a second replica, a
+        retry or the next model does not start its clock again: two replicas that accepted and
+        never answered took twice `total`). _OutOfTimeError when nothing is left."""
+        if self.calls == 0 and not self.attempts:
+            return self.decision.timeouts
+        t = self.decision.timeouts or pool.timeouts
+        left = t.total - (time.monotonic() - self.started)
+        if left <= _LEAST_ATTEMPT_SECONDS:
+            raise _OutOfTimeError
+        if left >= t.total:
+            return self.decision.timeouts
+        return Timeouts(connect=min(t.connect, left), first_token=min(t.first_token, left), total=left,
+                        between_tokens=t.between_tokens)  # fmt: skip
+
     def failed(
         self,
         model: str,
@@ -339,8 +370,10 @@ class _State:
         outcome: str,
         cause: UpstreamReply | UpstreamUnavailableError | None,
         timeout: bool = False,
+        invalid: bool = False,
     ) -> None:
         self.calls += 1
+        self.last_invalid = invalid
         attempt = Attempt(model, backend, deployment, outcome)
         self.attempts.append(attempt)
         status = cause.status if isinstance(cause, UpstreamReply) else None
@@ -388,7 +421,15 @@ class _State:
             self.last_timeout,
             not called,
             self.decision.self_hosted_only,
+            self.last_invalid,
         )
+
+
+class _OutOfTimeError(Exception):
+    """The request's `total` is spent before its next attempt."""
+
+
+_LEAST_ATTEMPT_SECONDS = 0.01  # less left than this for a call is none left
 
 
 def _unavailable(exc: UpstreamUnavailableError) -> str:

@@ -192,6 +192,7 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                     done(call, status, error)
                     yield DONE_EVENT
                     continue
+                upstream.verdict(False)  # its first token's success, amended: the replica's breaker counts it
                 mark = perf_counter()
                 try:
                     oversized = isinstance(exc, StreamTooLongError)  # another replica would send as much
@@ -319,8 +320,8 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
             return None
     call.lines.append(line)  # kept for the token count if the stream ends without usage
     usage = chunk.get("usage")
-    if isinstance(usage, dict):
-        checked = checked_usage(usage, call.body, call.body_bytes)
+    if usage is not None:  # an object, or a string, a number, a list: none of those is believable
+        checked = checked_usage(usage, call.body, call.body_bytes, call.output_cap)
         if checked:  # one not believable leaves a believable one before it in place
             call.usage = checked
             model = chunk.get("model")

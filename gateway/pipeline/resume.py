@@ -173,7 +173,10 @@ class ResumePlan:
         """The stream opened on another replica, going on after `tokens` (None: none could)."""
         remaining = self._remaining(started)
         t = self.timeouts
-        timeouts = Timeouts(connect=t.connect, first_token=min(t.first_token, remaining), total=remaining)
+        # the pool's silence bound holds on the new replica too (was: dropped, so a second stall was
+        # waited out to `total`, the default 30 s or the whole request's, not `between_tokens`)
+        timeouts = Timeouts(connect=t.connect, first_token=min(t.first_token, remaining), total=remaining,
+                            between_tokens=min(t.between_tokens, remaining))  # fmt: skip
         resume: dict[str, Any] = {"token_ids": tokens.token_ids, "id": tokens.id}
         if tokens.created is not None:
             resume["created"] = tokens.created

@@ -41,6 +41,8 @@ choose their own; otherwise the mode set by `POST /control {"mode": "NAME[:ARG]"
   overloaded:WAIT    likewise, a 503 `server_overloaded` (an engine at its request limit)
   redirect:CODE_PORT that redirect status (301, 302, 307, 308) to http://127.0.0.1:PORT (an attacker's
                      server, which must never receive the request)
+  shape:KIND         a whole 200 JSON object of the wrong shape (SHAPES: no choices, choices a string,
+                     a null choice, a null message, a number as content, {})
   echo_auth          400 with an OpenAI error whose message echoes the request's Authorization header
                      (a stream: its second event is that error, as an `invalid_request_error` event)
 
@@ -67,6 +69,22 @@ import orjson
 MODE = re.compile(r"mode=([a-z_0-9]+)(?::([0-9a-z_]+))?")
 BAD_UTF8 = b"\xff\xfe\xc3(\xed\xa0\x80"  # a stray byte, a broken sequence, an encoded surrogate
 RECORDED_BODY_BYTES = 1 << 20  # what /stats keeps of each request body
+
+SHAPES: dict[str, Any] = {
+    "no_choices": {
+        "id": "x",
+        "object": "chat.completion",
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3},
+    },
+    "choices_string": {"id": "x", "choices": "nope"},
+    "choice_null": {"id": "x", "choices": [None]},
+    "message_null": {"id": "x", "choices": [{"index": 0, "message": None, "finish_reason": "stop"}]},
+    "content_number": {
+        "id": "x",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": 12345}}],
+    },
+    "empty": {},
+}
 
 USAGE: dict[str, Any] = {
     "negative": {"prompt_tokens": -1_000_000, "completion_tokens": -5, "total_tokens": -1_000_005},
@@ -186,6 +204,8 @@ class HostileUpstream:
             return await _hostile_head(writer, mode, arg)
         if mode == "echo_auth":
             return await _send(writer, 400, orjson.dumps({"error": a.echoed_auth()}))
+        if mode == "shape":
+            return await _send(writer, 200, orjson.dumps(SHAPES.get(arg or "empty", {})))
         if mode == "status":
             return await _send(writer, int(arg or 500), b"<html>upstream exploded</html>", "text/html")
         if mode == "not_json":

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.backends.base import UpstreamStreamError
 from gateway.backends.replica_lines import ReplicaLines
-from gateway.backends.wire import WirePool, WireResponse
+from gateway.backends.wire import WireError, WirePool, WireResponse
 from tests.gateway.backends.test_wire import SSE_HEAD, read_request, serving
 
 Writes = list[bytes]
@@ -112,10 +112,15 @@ def test_what_take_raises_and_a_connection_that_breaks_are_raised_in_the_reader(
         async with serving(cut) as (url, _):
             resp, lines, verdicts = await _opened(url)
             try:
-                with pytest.raises(UpstreamStreamError, match=r"pool \(replica\): the upstream closed"):
+                with pytest.raises(
+                    UpstreamStreamError, match=r"pool \(replica\): the upstream closed"
+                ) as broke:
                     await lines.pump(lambda line: True)
             finally:
                 resp.release()
+            # its cause, as when awaited: what the break is labelled by (a silence's TimeoutError: "timeout",
+            # was "reset" when pumped)
+            assert isinstance(broke.value.__cause__, WireError)
             assert verdicts == [True, False]  # the first line's, then the break's (the pool keeps the first)
 
     asyncio.run(main())

@@ -43,11 +43,12 @@ class ScriptedPool:
     def __init__(self, name: str, replicas: list[str], script: dict[str, list[Any]]) -> None:
         self.name, self.replicas, self.script = name, replicas, script
         self.calls: list[str] = []
+        self.given: list[Timeouts | None] = []  # the timeouts each call was given
         self.reason: str | None = None
 
     @property
     def timeouts(self) -> Timeouts:
-        return Timeouts(first_token=0.2)
+        return Timeouts(first_token=0.2, total=0.5)
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -65,10 +66,18 @@ class ScriptedPool:
     async def send(self, path: str, body: bytes, timeouts: Timeouts | None = None,
                    avoid: frozenset[str] = frozenset(), headers: Any = None) -> UpstreamReply:  # fmt: skip
         replica, outcome = self._next(avoid)
+        self.given.append(timeouts)
+        if outcome == "hang":  # accepts, never answers: the call's own total runs out
+            await asyncio.sleep((timeouts or self.timeouts).total)
+            outcome = "timeout"
         if outcome in ("refused", "timeout"):
             raise UpstreamUnavailableError(
                 f"{replica} {outcome}", timeout=outcome == "timeout", deployment=replica
             )
+        if outcome == "garbage":  # a 200 no client's SDK can read
+            return UpstreamReply(200, b'{"choices": "nope"}', replica)
+        if outcome == 200:
+            return UpstreamReply(200, b'{"choices": [{"message": {"content": "hi"}}]}', replica)
         return UpstreamReply(int(outcome), b'{"status": %d}' % int(outcome), replica)
 
     @asynccontextmanager
@@ -78,6 +87,8 @@ class ScriptedPool:
         replica, outcome = self._next(avoid)
         if outcome == "refused":
             raise UpstreamUnavailableError(f"{replica} refused", timeout=False, deployment=replica)
+        if outcome == "slow":  # its head takes most of first_token, its first token the rest and more
+            await asyncio.sleep(0.12)
 
         async def lines() -> AsyncIterator[str]:
             yield ROLE_IDS if outcome == "ids" else ROLE
@@ -85,6 +96,8 @@ class ScriptedPool:
                 yield ROLE_1
             if outcome in ("stall", "two_stall"):
                 await asyncio.sleep(10)
+            if outcome == "slow":
+                await asyncio.sleep(0.12)
             if outcome == "extras":  # before the first token: an empty role delta, then one with logprobs
                 yield EMPTY
                 yield LOGPROBS
@@ -205,6 +218,47 @@ def test_a_stream_stalled_after_its_role_chunk_fails_over_before_anything_is_sen
     assert served.deployment == "http://r2"
     assert served.attempts[0].outcome == "first token timeout"
     assert served.head[-1].endswith('"content":"hi"}}]}') and len(served.head) == 2
+
+
+def test_total_bounds_the_whole_request_not_each_of_its_attempts() -> None:
+    """Two replicas that accept and never answer, then the next model: `total` (0.5 s) is the whole
+    request's (was: each call's, 504 after 2 x total on a two-replica pool, and more with retries)."""
+    for script in (
+        {"http://r1": ["hang"], "http://r2": ["hang"]},
+        {"http://r1": ["refused"], "http://r2": ["hang"]},
+    ):
+        failover, pool, frontier = _setup(script, hosted=["hang"])
+        loop = asyncio.new_event_loop()
+        start = loop.time()
+        with pytest.raises(ChainExhaustedError) as exhausted:
+            loop.run_until_complete(failover.send(_decision(count=2), "/v1/chat/completions", {}))
+        took = loop.time() - start
+        loop.close()
+        assert exhausted.value.status == 504 and 0.45 < took < 0.8, took
+        assert pool.given[0] is None  # the first call: the pool's own timeouts
+        for given in pool.given[1:] + frontier.given:  # a later one: what is left of them
+            assert given is not None and given.total < 0.5
+
+
+def test_a_200_that_is_no_answer_is_tried_on_another_replica_and_at_last_a_502() -> None:
+    failover, pool, _ = _setup({"http://r1": ["garbage"], "http://r2": [200]})
+    served = asyncio.run(failover.send(_decision(("local",)), "/v1/chat/completions", {}))
+    assert served.deployment == "http://r2" and served.reply is not None and served.reply.answer is not None
+    assert [a.describe() for a in served.attempts] == ["local@http://r1=invalid answer"]
+    failover, pool, _ = _setup({"http://r1": ["garbage"], "http://r2": ["garbage"]})
+    with pytest.raises(ChainExhaustedError) as exhausted:
+        asyncio.run(failover.send(_decision(("local",)), "/v1/chat/completions", {}))
+    assert (exhausted.value.status, exhausted.value.code) == (502, "upstream_invalid_response")
+    assert pool.calls == ["http://r1", "http://r2"]
+
+
+def test_first_token_bounds_a_streams_head_and_its_first_token_together() -> None:
+    """A head after 0.12 s and a first token 0.12 s later: 0.24 s, past first_token (0.2 s), fails
+    over (was: each wait bounded by it on its own, so up to twice it)."""
+    failover, _, _ = _setup({"http://r1": ["slow"], "http://r2": ["ok"]})
+    served = asyncio.run(failover.stream(_decision(), "/v1/chat/completions", {}))
+    assert served.deployment == "http://r2"
+    assert served.attempts[0].outcome == "first token timeout"
 
 
 @pytest.mark.parametrize("sent", [True, False], ids=["opening sent", "opening kept"])

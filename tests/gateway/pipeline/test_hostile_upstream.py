@@ -28,7 +28,8 @@ BAD_USAGE = ["negative", "huge", "int32", "string", "lots", "float", "null", "mi
 MODES = [
     "ok", "bad_utf8", "long_line:2", "truncate", "cut", "reset", "not_json", "json_list", "slow:2",
     "slow:100", "stall", "stall_first", "content_type", "status:500", "status:400", "status:418",
-    "status:503", "error_event", "odd_chunk", *(f"usage:{kind}" for kind in BAD_USAGE),
+    "status:503", "error_event", "odd_chunk", "shape:no_choices", "shape:content_number",
+    *(f"usage:{kind}" for kind in BAD_USAGE),
 ]  # fmt: skip
 ENGINE_ONLY = ["long_line:16", "huge:70"]  # past the engine pool's 8 MiB line and 64 MiB reply bounds
 CASES = [(model, mode, stream) for model in ("eng", "host") for mode in MODES for stream in (False, True)]
@@ -421,8 +422,8 @@ def test_a_hosted_providers_redirect_is_never_followed(stack: HostileStack, code
     # was: litellm's client (and the SDK's on it) followed a 307 to any host with the client's prompt,
     # and relayed that host's answer as a 200
     port = httpx.URL(stack.attacker.base_url).port
-    secret = f"redirected-prompt-{code}-{stream}"
-    answer = asyncio.run(_one(stack, stack.key, chat("host", f"mode=redirect:{code}_{port} {secret}", stream)))
+    content = f"mode=redirect:{code}_{port} redirected-prompt-{code}-{stream}"
+    answer = asyncio.run(_one(stack, stack.key, chat("host", content, stream)))
     assert stack.received(stack.attacker) == [], "the redirect was followed"
     assert answer.status == 502 and problems(answer) == []
     assert str(port) not in answer.body.decode()

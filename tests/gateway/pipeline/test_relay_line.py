@@ -7,6 +7,7 @@ import uuid
 from datetime import UTC, datetime
 
 import orjson
+import pytest
 
 from gateway.governance.keys import KeyInfo
 from gateway.governance.usage import max_prompt
@@ -56,3 +57,19 @@ def test_an_engines_prompt_count_is_kept_for_the_log_never_relayed_and_only_when
     relay_line(bounded, ": prompt_tokens 16777216", False)  # a hostile upstream's count for a short prompt
     limit = max_prompt(body, 60)
     assert limit is not None and bounded.told_prompt_tokens == limit < 1 << 24
+
+
+@pytest.mark.parametrize("usage", ["lots", [1, 2], 7, True])
+@pytest.mark.parametrize("wants_usage", [False, True])
+def test_a_usage_that_is_not_an_object_never_reaches_the_client(usage: object, wants_usage: bool) -> None:
+    # was: only an object was checked, so `"usage": "lots"` was relayed, even to a client that never
+    # asked for usage
+    key = KeyInfo(uuid.uuid4().hex, "k", "sk-test", None, None, {}, datetime.now(UTC), None, None, None)
+    call = Call("req-1", key, time.perf_counter(), datetime.now(UTC), model="m")
+    alone = "data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}).decode()
+    assert relay_line(call, alone, wants_usage) is None
+    beside = "data: " + orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}}],
+                                      "usage": usage}).decode()  # fmt: skip
+    event = relay_line(call, beside, wants_usage)
+    assert event is not None and b"usage" not in event and b'"hi"' in event
+    assert call.usage == {}

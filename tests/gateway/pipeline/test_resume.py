@@ -42,7 +42,12 @@ models:
   local: {{backend: pool, model: fake-model}}
 routes:
   steady: {{candidates: [local], resume_streams: off}}
-health: {{interval: 0.2, timeout: 0.5}}
+health:
+  interval: 0.2
+  timeout: 0.5
+  # replica a breaks its streams on purpose, one test after another: its breaker (which counts a
+  # break after the first token) would send the next tests' streams to b, with nothing to resume
+  breaker: {{consecutive_failures: 1000000, error_rate: 1.0, min_requests: 1000000}}
 """)  # fmt: skip
         self.database_url = f"sqlite+aiosqlite:///{root / 'gateway.db'}"
         env = {"GATEWAY_MASTER_KEY": MASTER, "GATEWAY_KEY_SECRET": "resume-secret",

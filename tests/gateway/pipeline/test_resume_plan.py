@@ -115,6 +115,7 @@ class _Pool:
     def __init__(self, script: dict[str, int | str]) -> None:
         self.script = script
         self.calls: list[tuple[frozenset[str], dict[str, Any]]] = []
+        self.timeouts: list[Timeouts | None] = []
 
     @asynccontextmanager
     async def stream(self, path: str, body: bytes, timeouts: Timeouts | None = None,
@@ -123,6 +124,7 @@ class _Pool:
         import orjson
 
         self.calls.append((avoid, orjson.loads(body)))
+        self.timeouts.append(timeouts)
         url = next((u for u in self.script if u not in avoid), None)
         if url is None:
             raise UpstreamUnavailableError("no replica left", timeout=False)
@@ -139,7 +141,7 @@ def _plan(pool: _Pool, max_resumptions: int = 2, total: float = 60.0) -> ResumeP
     spec = EngineBackend(
         type="engine", urls=["http://a", "http://b", "http://c"], max_resumptions=max_resumptions
     )
-    timeouts = Timeouts(total=total)
+    timeouts = Timeouts(total=total, between_tokens=2.5)
     return ResumePlan(pool, spec, "local", "/v1/chat/completions", {"model": "m", "stream": True}, timeouts)  # type: ignore[arg-type]
 
 
@@ -160,6 +162,8 @@ def test_reopening_skips_replicas_that_failed_or_refuse_and_sends_what_the_clien
     avoid, body = pool.calls[-1]
     assert body["resume"] == {"token_ids": [3, 4], "id": "chatcmpl-1", "created": 7}
     assert body["model"] == "m" and avoid == frozenset({"http://a", "http://b", "http://c"})
+    # the pool's silence bound goes with it (was: the default 30 s on the replica it went on on)
+    assert all(t is not None and t.between_tokens == 2.5 for t in pool.timeouts)
     asyncio.run(opened.owner.aclose())
 
 
