@@ -297,6 +297,7 @@ class WirePool:
         self._limit = limit
         self._idle_seconds = idle_seconds
         self._slots: list[asyncio.Future[None]] = []  # callers waiting for a connection under the limit
+        self._pruning: asyncio.TimerHandle | None = None  # when the oldest idle connection expires
 
     async def post(
         self,
@@ -396,9 +397,28 @@ class WirePool:
             conn.exchanges += 1
             conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
+            if self._pruning is None:
+                self._prune_at(conn.idle_since + self._idle_seconds)
             self._free_slot()
             return
         self._drop(conn)
+
+    def _prune_at(self, when: float) -> None:
+        self._pruning = asyncio.get_running_loop().call_at(when, self._prune)
+
+    def _prune(self) -> None:
+        """Close the connections idle for `idle_seconds` (the oldest first in the list): a burst's
+        connections were kept until the pool's next call, however long that took."""
+        self._pruning = None
+        cutoff = asyncio.get_running_loop().time() - self._idle_seconds
+        expired = 0
+        while expired < len(self._idle) and self._idle[expired].idle_since <= cutoff:
+            expired += 1
+        for conn in self._idle[:expired]:
+            self._drop(conn)
+        del self._idle[:expired]
+        if self._idle:
+            self._prune_at(self._idle[0].idle_since + self._idle_seconds)
 
     def _drop(self, conn: _Connection) -> None:
         if conn.transport is not None:
@@ -423,6 +443,9 @@ class WirePool:
 
     def close(self) -> None:
         """Close every idle connection (lent ones close when their exchange ends)."""
+        if self._pruning is not None:
+            self._pruning.cancel()
+            self._pruning = None
         while self._idle:
             self._drop(self._idle.pop())
 

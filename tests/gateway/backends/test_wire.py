@@ -449,3 +449,39 @@ def test_lines_read_as_each_part_arrives_are_the_same_wherever_the_parts_split()
                 assert await pumped_lines(*parts) == expected, parts
 
     asyncio.run(main())
+
+
+def test_idle_connections_are_closed_once_idle_for_their_limit_without_another_call() -> None:
+    # was: a burst's idle connections stayed open until the pool's next call (31 of them, minutes on)
+    async def main() -> None:
+        ended = 0
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal ended
+            while True:
+                try:
+                    await read_request(reader)
+                except asyncio.IncompleteReadError:
+                    ended += 1  # the client closed the connection
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+        async with serving(handler) as (url, connections):
+            pool = WirePool(url, {}, idle_seconds=1.0)
+
+            async def one() -> None:
+                resp = await pool.post("/v1/x", b"{}", 1.0, 5.0)
+                assert await resp.read(100) == b"ok"
+                resp.release()
+
+            await asyncio.gather(*(one() for _ in range(4)))  # a burst: four connections
+            assert len(connections) == 4 and ended == 0
+            await asyncio.sleep(0.5)
+            await one()  # one of them used again: it stays (until 1.5 s), the other three go at 1 s
+            await asyncio.sleep(0.7)
+            assert ended == 3
+            await asyncio.sleep(0.6)
+            assert ended == 4
+            pool.close()
+
+    asyncio.run(main())
