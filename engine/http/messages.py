@@ -116,7 +116,7 @@ def _content_text(content: object, param: str, assistant: bool = False) -> str |
                 code="missing_required_parameter" if missing else "invalid_type",
             )
         parts.append(text)
-    return "".join(parts)
+    return "\n".join(parts)  # as vLLM joins a message's text parts
 
 
 def completion_prompts(prompt: object) -> list[str | list[int]]:

@@ -148,7 +148,7 @@ class OpenAIServing:
                 stream.on_final = span.finished
             return stream
         except InvalidRequestError as exc:
-            if exc.param is None:  # the prompt is to blame: name the field it came in
+            if exc.param in (None, "prompt"):  # the prompt is to blame: name the field it came in
                 exc.param = "prompt" if add_special_tokens else "messages"
             raise
 
@@ -234,9 +234,12 @@ class OpenAIServing:
         extra = {"usage": None} if include_usage else {}
 
         def chunk(
-            index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
-        ) -> bytes:
+            index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None,
+            stop_reason: int | str | None = None,
+        ) -> bytes:  # fmt: skip
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:  # which stop string or token ended it, as vLLM's last chunk says
+                choice["stop_reason"] = stop_reason
             return sse({**head, "choices": [choice], **extra})
 
         if resume is None:  # a resumed answer goes on with a message whose role was sent
@@ -287,7 +290,7 @@ class OpenAIServing:
                         )
                         if held_logprobs[c.index]:  # tokens whose text went nowhere (a call's tag)
                             end_logprobs = take_logprobs(c.index)
-                    events.append(chunk(c.index, {}, end_logprobs, finish=finish))
+                    events.append(chunk(c.index, {}, end_logprobs, finish=finish, stop_reason=c.stop_reason))
                 for event in marks.mark(events, c):
                     yield event
         if include_usage and last is not None:
@@ -408,6 +411,8 @@ class OpenAIServing:
                     choice = text_choice(
                         k * n + c.index, piece, piece_logprobs, finish if last_piece else None
                     )
+                    if last_piece and finish is not None:
+                        choice["stop_reason"] = c.stop_reason
                     events.append(sse({**head, "choices": [choice], **extra}))
                 for event in marks.mark(events, c, k * n):
                     yield event

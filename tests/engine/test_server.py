@@ -180,6 +180,30 @@ def test_stop_string_cuts_the_text_in_whole_and_streamed_responses(client: opena
     chunks, texts = _stream_chat(client, **kwargs, stop=stop)
     assert texts[0] == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # which stop ended it, on the last chunk as on the whole answer (vLLM's `stop_reason`)
+    assert (whole.model_extra or {})["stop_reason"] == stop
+    assert (chunks[-1].choices[0].model_extra or {})["stop_reason"] == stop
+    assert all("stop_reason" not in (c.model_extra or {}) for ch in chunks[:-1] for c in ch.choices)
+    text_kwargs: dict[str, Any] = dict(model=model, prompt="A long answer", max_tokens=40, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    text = client.completions.create(**text_kwargs).choices[0].text
+    cut = text[8:11]
+    streamed = list(client.completions.create(**text_kwargs, stop=[cut], stream=True))
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    assert (streamed[-1].choices[0].model_extra or {})["stop_reason"] == cut
+
+
+def test_a_messages_text_parts_are_read_one_per_line_as_vllm_reads_them(
+    client: openai.OpenAI, model: str
+) -> None:
+    # was: joined with nothing between ("ab": one token, where "a\nb" is three)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    as_parts = client.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}],
+                                              max_tokens=1)  # type: ignore[list-item]  # fmt: skip
+    joined = client.chat.completions.create(model=model, messages=_user("a\nb"), max_tokens=1)
+    glued = client.chat.completions.create(model=model, messages=_user("ab"), max_tokens=1)
+    assert as_parts.usage is not None and joined.usage is not None and glued.usage is not None
+    assert as_parts.usage.prompt_tokens == joined.usage.prompt_tokens != glued.usage.prompt_tokens
 
 
 def test_chat_logprobs_follow_openai_shape(client: openai.OpenAI, model: str) -> None:

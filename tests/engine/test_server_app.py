@@ -14,6 +14,7 @@ from starlette.types import Message
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.http.server import EventStreamResponse, create_app
+from engine.models.config import ModelConfig
 
 
 @pytest.fixture
@@ -98,3 +99,25 @@ def test_a_streams_done_goes_out_with_the_answers_end_in_one_send(events: list[b
     assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
     assert bodies[-1]["body"] == last
     assert b"".join(m["body"] for m in bodies) == b"".join(events)
+
+
+def test_a_prompt_past_the_whole_kv_pool_names_the_field_it_came_in(tiny_chat_model: Path) -> None:
+    # was: `param: "prompt"` for a chat, which has no such field (its context-length error said messages)
+    cfg = ModelConfig.from_dir(tiny_chat_model)
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_chat_model), kv_cache_memory=4 * per_block), "tiny")
+    with TestClient(create_app(engine, ["tiny"])) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 100}], "max_tokens": 1}
+        text = {"model": "tiny", "prompt": [1] * 65, "max_tokens": 1}
+        for body, path, param in (
+            (chat, "/v1/chat/completions", "messages"),
+            (text, "/v1/completions", "prompt"),
+        ):
+            r = client.post(path, json=body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["code"], error["param"]) == ("kv_cache_capacity_exceeded", param)
