@@ -48,7 +48,7 @@ class ToolCall:
 def parse_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole answer; content is None when only calls were written, or when the
     answer can only be calls (`calls_only`: what else an answer cut short holds is its tag's start)."""
-    start = text.find(CALL_BEGIN)
+    start = _call_start(text)
     if start == -1:
         return (None if calls_only else text), []
     calls: list[ToolCall] = []
@@ -68,6 +68,20 @@ def parse_calls(text: str, calls_only: bool = False) -> tuple[str | None, list[T
         pos = len(text)
     content = text[:start] + text[pos:]
     return (content if content.strip() and not calls_only else None), calls
+
+
+def _call_start(text: str) -> int:
+    """Where the first call begins: an opening tag followed by the call's form (or by as much of it
+    as an answer cut short holds); -1 if none. A tag followed by anything else is text, as the
+    stream reads it: an answer in a JSON format beside tools may spell it inside a string, and the
+    whole answer was cut there (`{"t": "see `, finish_reason stop)."""
+    at = text.find(CALL_BEGIN)
+    while at != -1:
+        rest = text[at + len(CALL_BEGIN) : at + len(CALL_BEGIN) + len(_NAME_OPEN)]
+        if rest.startswith(_NAME_OPEN) or _NAME_OPEN.startswith(rest):
+            return at
+        at = text.find(CALL_BEGIN, at + 1)
+    return -1
 
 
 def _one_call(text: str, pos: int) -> tuple[ToolCall, int] | None:
@@ -166,9 +180,9 @@ class StreamedCalls:
                 if name_end == -1:
                     if buf.startswith(_NAME_OPEN) or _NAME_OPEN.startswith(buf):
                         return content, out  # the name is not complete yet
-                    content += CALL_BEGIN + buf  # not the grammar's form: it is text
-                    self._buffer, self._state = "", "text"
-                    return content, out
+                    content += CALL_BEGIN  # not the grammar's form: the tag was text, and what
+                    self._state = "text"  # follows it is read as text again (another tag may come)
+                    continue
                 out.append(CallDelta(self.calls, "", new_call_id(), buf[len(_NAME_OPEN) : name_end]))
                 self.calls += 1
                 self._buffer, self._state = buf[name_end + len(_ARGS_OPEN) :], "args"

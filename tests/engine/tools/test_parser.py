@@ -90,3 +90,22 @@ def test_an_answer_that_can_only_be_calls_has_no_content_even_cut_inside_its_tag
     assert parse_calls("<tool_c", calls_only=True) == (None, [])  # required / named: only a tag
     reader = StreamedCalls(calls_only=True)
     assert reader.feed("<tool_c") == ("", []) and reader.finish() == ""
+
+
+def test_a_tag_spelled_inside_an_answer_is_text_whole_as_streamed() -> None:
+    # was: a JSON answer beside tools (`answer | calls`) that spells the tag in a string was cut there,
+    # whole ('{"t": "see '), while the stream gave it all
+    json_answer = '{\n  "t": "see <tool_call> here",\n  "n": 1\n}'
+    assert parse_calls(json_answer) == (json_answer, [])
+    assert streamed(json_answer, [1] * len(json_answer)) == (json_answer, [])
+    then_a_call = "note <tool_call> is the tag\n" + call_text("add", '{"a": 1}')
+    content, calls = parse_calls(then_a_call)
+    assert content == "note <tool_call> is the tag\n" and [c.name for c in calls] == ["add"]
+    rng = random.Random(3)
+    for end in range(len(then_a_call) + 1):  # and cut anywhere, both ways read it alike
+        cut = then_a_call[:end]
+        content, calls = parse_calls(cut)
+        expected = (content or "", [(c.name, c.arguments) for c in calls])
+        assert streamed(cut, [1] * len(cut)) == expected, end
+        assert streamed(cut, [rng.randint(1, 40) for _ in cut]) == expected, end  # (the tag and the
+        # call in one piece: the call was taken for text)
