@@ -79,6 +79,14 @@ class GuidedSpec:
                 raise GuidedDecodingError(
                     "the JSON schema is nested too deeply", param=param, code=code
                 ) from None
+        if (inexact := _inexact_integer(value)) is not None:
+            keyword, number = inexact
+            message = (
+                f"the JSON schema's {keyword} holds the integer {number}, past 2^53: the grammar engine "
+                "reads a schema's numbers as doubles and would round it, and the answer could break "
+                "the schema (a 64-bit id: spell it as a string; bounds: within 2^53)"
+            )
+            raise GuidedDecodingError(message, param=param, code=code)
         if not has_finite_instance(value):
             message = (
                 "the JSON schema has no finite instance: a $ref cycle runs through required "
@@ -254,6 +262,47 @@ def from_structured_outputs(options: Any) -> GuidedSpec:
     if which == "grammar":
         return GuidedSpec.grammar(value, param=where)
     return GuidedSpec.structural_tag(value, param=where)
+
+
+_EXACT_INTEGERS = 1 << 53  # a double holds every integer up to it, and not all past it
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_VALUES = ("const", "enum")
+
+
+def _inexact_integer(schema: Any) -> tuple[str, int] | None:
+    """(keyword, integer) of the first bound, const or enum value that llguidance, which reads a
+    schema's numbers as doubles, would round: `const: 9007199254740993` gave 9007199254740992, an
+    enum of 64-bit ids gave ids outside it, and both bounds at 2^62 + 1 gave 2^62 (finish "stop")."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if key in _BOUNDS and _past_exact(value):
+                return str(key), value
+            if key in _VALUES and (found := _integer_past_exact(value)) is not None:
+                return str(key), found
+            if isinstance(value, dict | list):
+                stack.append(value)
+    return None
+
+
+def _past_exact(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > _EXACT_INTEGERS
+
+
+def _integer_past_exact(value: Any) -> int | None:
+    """The first integer past 2^53 anywhere in a const's or an enum's value."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if _past_exact(node):
+            return int(node)
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 def _json_value(value: Any, param: str, what: str, code: str = "invalid_grammar") -> Any:

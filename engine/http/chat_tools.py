@@ -1,7 +1,8 @@
 """Tool calls in chat answers, as OpenAI gives them: `message.tool_calls` in a whole answer,
 `delta.tool_calls` pieces in a stream (index, id, type and name once, then the arguments in
 pieces), and finish_reason "tool_calls" when an answer that ended by itself made calls (a stop
-string or a `stop_token_ids` token that ends it is a "stop": the call it cut is not whole).
+string or a `stop_token_ids` token that ends it is a "stop": the call it cut is not whole; so is
+the call to a named function, as OpenAI, and vLLM since 0.11, end it).
 A request in the legacy `functions` spelling gets the legacy answer: `message.function_call`
 (`delta.function_call` pieces) and "function_call", as OpenAI answers it; its client reads nothing else.
 
@@ -37,15 +38,16 @@ def whole_message(
         message["function_call"] = calls[0].as_openai()["function"]
     else:
         message["tool_calls"] = [c.as_openai() for c in calls]
-    return message, _reason(finish_reason, stop_reason, tools.legacy)
+    return message, finish_reason if tools.named else _reason(finish_reason, stop_reason, tools.legacy)
 
 
 class StreamedChoices:
     """The stream readers of a request's n choices."""
 
-    def __init__(self, n: int, calls_only: bool = False, legacy: bool = False) -> None:
+    def __init__(self, n: int, calls_only: bool = False, legacy: bool = False, named: bool = False) -> None:
         self._readers = [StreamedCalls(calls_only) for _ in range(n)]
         self._legacy = legacy
+        self._named = named  # a named function's call ends as the answer did ("stop")
 
     def deltas(self, index: int, text: str) -> list[dict[str, Any]]:
         """The deltas (content, or one call piece each) a choice's new text completes, in order."""
@@ -62,7 +64,8 @@ class StreamedChoices:
         """The deltas still held back when a choice ends, and its finish_reason."""
         reader = self._readers[index]
         rest = reader.finish()
-        reason = _reason(finish_reason, stop_reason, self._legacy) if reader.calls else finish_reason
+        calls = reader.calls and not self._named
+        reason = _reason(finish_reason, stop_reason, self._legacy) if calls else finish_reason
         return ([{"content": rest}] if rest else []), reason or finish_reason
 
 

@@ -227,7 +227,7 @@ class OpenAIServing:
             yield marks.opening
         head = {**response_head(identity), "object": "chat.completion.chunk"}
         calls = (
-            StreamedChoices(params.n, tools.calls_only, tools.legacy)
+            StreamedChoices(params.n, tools.calls_only, tools.legacy, tools.named)
             if tools is not None and reads_calls(tools)
             else None
         )

@@ -74,6 +74,12 @@ class ToolRequest:
         return self.choice != "none"
 
     @property
+    def named(self) -> bool:
+        """Whether one function is named: the call is the answer asked for, which OpenAI ends with
+        finish_reason "stop" (not "tool_calls", its reason for calls the model chose to make)."""
+        return self.choice not in ("none", "auto", "required")
+
+    @property
     def calls_only(self) -> bool:
         """Whether the answer is calls and nothing else (required, or a named function)."""
         return self.choice not in ("none", "auto")

@@ -122,3 +122,32 @@ def test_a_malformed_structured_outputs_is_a_400_naming_the_field(
 def test_a_schema_that_is_not_json_says_so() -> None:
     exc = _error(GuidedSpec.json_schema, '{"type": ', param="structured_outputs.json")
     assert exc.code == "invalid_json_schema" and "not valid JSON" in str(exc)
+
+
+BIG = 2**53 + 1  # the first integer a double cannot hold
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"const": BIG}, "const"),
+        ({"type": "object", "properties": {"id": {"enum": [2, 12345678901234567]}}}, "enum"),
+        ({"const": {"ids": [1, 2**70]}}, "const"),
+        ({"type": "integer", "minimum": 2**62 + 1, "maximum": 2**62 + 1}, "minimum"),
+        ({"type": "array", "items": {"type": "integer", "exclusiveMaximum": -BIG}}, "exclusiveMaximum"),
+        ({"$defs": {"n": {"type": "integer", "multipleOf": BIG}}, "$ref": "#/$defs/n"}, "multipleOf"),
+    ],
+)
+def test_an_integer_the_grammar_engine_would_round_is_a_400_naming_its_keyword(
+    schema: dict[str, Any], keyword: str
+) -> None:
+    # was: llguidance read it as a double: const 9007199254740993 answered 9007199254740992, finish "stop"
+    error = _error(GuidedSpec.json_schema, schema)
+    assert error.param == "response_format.json_schema.schema" and error.code == "invalid_json_schema"
+    assert f"schema's {keyword} holds the integer" in str(error)
+
+
+def test_integers_a_double_holds_exactly_are_taken_as_they_are() -> None:
+    for schema in ({"const": 2**53}, {"enum": [-(2**53), 1.5e300]}, {"type": "integer", "maximum": 2**53},
+                   {"properties": {"const": {"type": "string"}}}, {"description": str(BIG)}):  # fmt: skip
+        assert GuidedSpec.json_schema(schema).kind == "json_schema"
