@@ -25,7 +25,7 @@ from engine.guided import CompiledGrammar, GuidedCompiler, GuidedDecodingError, 
 from engine.models.config import ModelConfig
 from engine.prompt_length import tokens_at_least
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import Sequence, choice_seed
 
 Prompt = str | list[int]
 
@@ -280,7 +280,7 @@ class InputProcessor:
         generator, seed = None, None
         if params.seed is not None:  # reseeded at every output position (Sequence.seeded_generator)
             generator = torch.Generator(device=self.device)
-            seed = (params.seed + index * 0x9E3779B9) % (1 << 63)
+            seed = choice_seed(params.seed, index)
         prompt_ids = prepared.prompt_token_ids
         detok = None
         if self.tokenizer is not None:

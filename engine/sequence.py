@@ -157,6 +157,13 @@ class Sequence:
 _MASK64 = (1 << 64) - 1
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (any of [-2^63, 2^64)): each of
+    the 2^64 states a generator takes is one seed (the request's range folded onto 64 bits; folded
+    onto 63, 42 and 42 + 2^63 drew the same answer), each choice a state of its own."""
+    return (seed + index * 0x9E3779B9) & _MASK64
+
+
 def position_seed(seed: int, position: int) -> int:
     """A seed for output `position` of a sequence seeded with `seed` (splitmix64 over both)."""
     z = (seed ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sequence import choice_seed
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +43,17 @@ def test_seeded_request_is_independent_of_batch_composition(llm: LLM, chat_promp
     assert batch[-1].token_ids == alone
     other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=24, ignore_eos=True)
     assert llm.generate([chat_prompt], other_seed, use_tqdm=False)[0].token_ids != alone
+
+
+def test_seeds_that_differ_past_63_bits_draw_different_answers(llm: LLM, chat_prompt: list[int]) -> None:
+    # was: folded onto 63 bits, 42 and 42 + 2^63 (and -1 and 2^63 - 1) drew the same answer
+    def drawn(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+        return llm.generate([chat_prompt], params, use_tqdm=False)[0].token_ids
+
+    assert drawn(42) != drawn(42 + 2**63) and drawn(-1) != drawn(2**63 - 1)
+    assert drawn(42) == drawn(42)
+    assert len({choice_seed(s, i) for s in (42, 42 + 2**63, -1, 2**63 - 1) for i in range(4)}) == 16
 
 
 def test_top_k_one_and_tiny_top_p_equal_greedy(llm: LLM, chat_prompt: list[int]) -> None:
