@@ -243,8 +243,11 @@ class OpenAIServing:
             return sse({**head, "choices": [choice], **extra})
 
         if resume is None:  # a resumed answer goes on with a message whose role was sent
+            # an answer that can only be calls has no content: null, as in the whole answer (the
+            # SDK's stream helper read "" into its final message)
+            opening = None if tools is not None and tools.calls_only else ""
             for i in range(params.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
+                yield chunk(i, {"role": "assistant", "content": opening})
         ended = [False] * params.n
         # logprobs of tokens whose text the call reader holds back: they ride on the next delta
         held_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(params.n)]

@@ -309,6 +309,16 @@ class TestTinyModel:
             (c.function.name, c.function.arguments) for c in reply.message.tool_calls
         ]  # _streamed checked the indexes 0, 1, ... and that id and name came once per call
         assert len({c["id"] for c in calls}) == len(calls)
+        # the SDK's stream helper gives the message the whole answer gives: content null (was "")
+        with client.chat.completions.stream(
+            model="", messages=QUESTION, tools=SHORT_TOOLS, tool_choice="required",
+            parallel_tool_calls=True, temperature=1.0, seed=seed, max_tokens=200,
+        ) as stream:  # fmt: skip
+            final = stream.get_final_completion().choices[0].message
+        assert final.content is None and reply.message.content is None
+        assert [c.function.arguments for c in final.tool_calls or []] == [
+            c.function.arguments for c in reply.message.tool_calls
+        ]
 
     def test_an_answer_cut_inside_a_call_reads_the_same_whole_and_streamed(
         self, client: openai.OpenAI
