@@ -103,6 +103,10 @@ def _message_shaped(message: object) -> bool:
 Pump = Callable[[Callable[[str], bool]], Awaitable[str | None]]
 
 
+def _no_answer() -> None:
+    """Default `answered` hook: nothing to tell."""
+
+
 def _no_verdict(ok: bool) -> None:
     """Default stream verdict hook: nothing tracks this upstream's health."""
 
@@ -122,6 +126,10 @@ class UpstreamStream:
     verdict: Callable[[bool], None] = field(default=_no_verdict)
     retry_after: int | None = None  # as UpstreamReply's
     pump: Pump | None = None  # `lines` fed to a callback as they arrive (an engine replica's)
+    hidden: tuple[str, ...] = ()  # what the upstream's error text must never show a client (our key)
+    # the answer is whole: a break after it (while what follows [DONE] is drained) is not the
+    # upstream's failure
+    answered: Callable[[], None] = field(default=_no_answer)
 
 
 @dataclass(frozen=True)

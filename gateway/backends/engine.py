@@ -50,6 +50,7 @@ class EnginePool:
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         auth = {"authorization": f"Bearer {key}"} if key else {}
         self._key = key.encode() if key else None  # masked in what a replica's error may echo
+        self._hidden = (key,) if key else ()
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}
         # a whole answer sends nothing until it is done: a replica that has answered none of its health
@@ -203,7 +204,7 @@ class EnginePool:
             slo, name = self.health.first_token_slo, f"{self.name} ({replica.url})"
             lines = ReplicaLines(resp, name, started, slo, verdict, t.between_tokens)
             yield UpstreamStream(resp.status, lines, error, replica.url, verdict, _retry_after(resp),
-                                 pump=lines.pump)  # fmt: skip
+                                 pump=lines.pump, hidden=self._hidden, answered=lines.answered)  # fmt: skip
         finally:
             replica.in_flight -= 1
             verdict.settle()
@@ -211,8 +212,8 @@ class EnginePool:
 
     def _masked(self, error: bytes) -> bytes:
         """A replica's error answer without the pool's key: an engine that echoes the Authorization
-        header it refused must not hand the key to the client (a stream's error events are masked
-        where they are reduced: upstream_errors.reduced_fields)."""
+        header it refused must not hand the key to the client (a stream's error events are reduced
+        with the key among their `hidden`: upstream_errors.reduced_fields)."""
         return error.replace(self._key, b"[hidden]") if self._key and self._key in error else error
 
     def _translated(self, replica: Replica) -> _Translated:
@@ -263,15 +264,16 @@ class _Verdict:
     def __init__(self, replica: Replica) -> None:
         self._replica = replica
         self._given = False
-        self._ok = False
+        self._ok_at: float | None = None  # when its success was recorded (None: no success to amend)
 
     def __call__(self, ok: bool) -> None:
         if not self._given:
-            self._given, self._ok = True, ok
-            self._replica.breaker.record(ok)
-        elif self._ok and not ok:
-            self._ok = False
-            self._replica.breaker.amend()
+            self._given = True
+            at = self._replica.breaker.record(ok)
+            self._ok_at = at if ok else None
+        elif self._ok_at is not None and not ok:
+            at, self._ok_at = self._ok_at, None
+            self._replica.breaker.amend(at)
 
     def settle(self) -> None:
         """At the end: no verdict given (the client left first) frees the probe slot."""

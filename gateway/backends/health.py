@@ -48,7 +48,6 @@ class CircuitBreaker:
         self._clock = clock
         self._state = BreakerState.CLOSED
         self._consecutive = 0
-        self._run_before = 0  # the run of failures the last success cut (amend goes on from it)
         self._opened_at = 0.0
         self._probing = False
         # outcomes within the window, bucketed by whole second: [second, requests, failures]
@@ -83,8 +82,9 @@ class CircuitBreaker:
         """A claimed request ended without a verdict (e.g. the client left): free the probe slot."""
         self._probing = False
 
-    def record(self, ok: bool) -> None:
-        """One outcome of real traffic (or of a probe). O(1): counts are kept per second of the window."""
+    def record(self, ok: bool) -> float:
+        """One outcome of real traffic (or of a probe); returns when it was recorded (`amend` takes
+        it). O(1): counts are kept per second of the window."""
         now = self._clock()
         state = self.state
         if state is BreakerState.HALF_OPEN:
@@ -93,27 +93,33 @@ class CircuitBreaker:
                 self._close()
             else:
                 self._open(now)
-            return
+            return now
         self._count(now, ok)
         if ok:
-            self._run_before, self._consecutive = self._consecutive, 0
-            return
+            self._consecutive = 0
+            return now
         self._consecutive += 1
         if state is BreakerState.CLOSED:  # only a failure can trip a closed breaker
             self._trip_if_due(now)
+        return now
 
-    def amend(self) -> None:
-        """A success turned failure: a stream whose first token was its verdict broke mid-answer. One
-        more failure in the window (its request counted once), and the run of failures goes on from
-        where that success had cut it: a replica whose every stream breaks after its first token
-        opened nothing before (each stream a success, then its break ignored)."""
+    def amend(self, at: float) -> None:
+        """The success recorded at `at` turned failure: a stream whose first token was its verdict
+        broke mid-answer (a replica whose every stream broke after its first token was never left).
+        Counted where it was, if its second is still in the window (and holds a success to turn);
+        else (the stream outlived the window, or a probe's close cleared it) as a failure now. The
+        run of failures grows by one."""
         now = self._clock()
         if self.state is not BreakerState.CLOSED:
             return
-        self._count(now, False)
-        self._buckets[-1][1] -= 1  # the request was counted with its success
-        self._requests -= 1
-        self._consecutive = self._run_before = self._run_before + 1
+        second = int(at)
+        bucket = next((b for b in self._buckets if b[0] == second), None)
+        if bucket is not None and bucket[1] > bucket[2] and second > int(now) - self.settings.window:
+            bucket[2] += 1
+            self._failures += 1
+        else:
+            self._count(now, False)
+        self._consecutive += 1
         self._trip_if_due(now)
 
     def _trip_if_due(self, now: float) -> None:
@@ -144,7 +150,7 @@ class CircuitBreaker:
         self._state, self._opened_at, self._probing = BreakerState.OPEN, now, False
 
     def _close(self) -> None:
-        self._state, self._consecutive, self._run_before = BreakerState.CLOSED, 0, 0
+        self._state, self._consecutive = BreakerState.CLOSED, 0
         self._buckets.clear()
         self._requests = self._failures = 0
 

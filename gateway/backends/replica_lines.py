@@ -22,6 +22,10 @@ from gateway.backends.wire import More, WireError, WireResponse
 MAX_LINE_BYTES = 8 << 20
 
 
+def _no_verdict(ok: bool) -> None:
+    """The verdict of an answer already whole: nothing more to tell."""
+
+
 class ReplicaLines:
     """A stream's non-blank lines (an async iterator, and `pump`). The first line's delay is the
     replica's first-token verdict; after it, `silence` seconds without a byte break the stream
@@ -107,6 +111,11 @@ class ReplicaLines:
         if self._taken == 2:
             self._taken = 3
             self._resp.watch_silence(self._silence)
+
+    def answered(self) -> None:
+        """The answer is whole ([DONE] came): a break while what follows it is drained is not the
+        replica's failure (its breaker heard the answer's verdict already)."""
+        self._verdict = _no_verdict
 
     def _broke(self, exc: WireError | TimeoutError) -> UpstreamStreamError:
         self._verdict(False)

@@ -55,10 +55,10 @@ def error_code(body: bytes) -> str:
         return "upstream_error"
 
 
-def reduced_error(body: bytes, status: int, model: str) -> bytes:
+def reduced_error(body: bytes, status: int, model: str, hidden: Collection[str] = ()) -> bytes:
     """An upstream's whole OpenAI error answer as the client gets it (`reduced_fields`); `body`
     must pass `is_openai_error`."""
-    return orjson.dumps({"error": reduced_fields(orjson.loads(body)["error"], status, model)})
+    return orjson.dumps({"error": reduced_fields(orjson.loads(body)["error"], status, model, hidden)})
 
 
 def reduced_fields(
@@ -95,9 +95,13 @@ def reduced_fields(
 # what reads as a credential in any upstream's message: an Authorization header's value, an
 # `sk-`-style key, a `key=`/`token:` assignment (an engine that echoes the header it refused names the
 # pool's key; a provider's message may name one we never configured, e.g. a proxy's in between)
+# A value counts as a credential only if it looks like one: 8 characters or more with a digit, or 16
+# or more (so "Only basic types are supported", "Missing bearer token", "token: must be a string"
+# keep their words).
+_SECRET_VALUE = r"(?=[^\s\"',;]*\d|[^\s\"',;]{16})[^\s\"',;]{8,}"
 _CREDENTIAL = re.compile(
-    r"(?i)\b(?:bearer|basic)\s+[\w.~+/=-]{4,}|\bsk-[\w-]{8,}|\b(api[_-]?key|token|secret|password)"
-    r"([\"']?\s*[=:]\s*[\"']?)[^\s\"',;]{4,}"
+    rf"(?i)\b(?:bearer|basic)\s+{_SECRET_VALUE}|\bsk-[\w-]{{8,}}|\b(api[_-]?key|token|secret|password)"
+    rf"([\"']?\s*[=:]\s*[\"']?){_SECRET_VALUE}"
 )
 
 

@@ -135,16 +135,19 @@ class PriceBook:
         """USD per token on `backend` (None: unpriced)."""
         return self._prices.get(backend)
 
-    def output_cap(self, chain: Sequence[str], context: Callable[[str], int | None] | None = None) -> int:
+    def output_cap(self, chain: Sequence[str], context: Callable[[str], int | None] | None = None,
+                   default: int | None = DEFAULT_OUTPUT_CAP) -> int | None:  # fmt: skip
         """The output tokens one answer may take on `chain` when the request names no max_tokens:
         the largest output cap on the chain, a hosted model's from litellm's map, a self-hosted
         one's its context (`context(model)`: an engine answers up to the rest of it), else
-        DEFAULT_OUTPUT_CAP. Both what a request reserves and what its usage may say (usage.py
-        checked_usage) are held to it."""
+        `default`. A reservation takes DEFAULT_OUTPUT_CAP for a chain whose caps are unknown; what
+        a usage may say (usage.py checked_usage) is held only to a cap that is known (a longer
+        answer from a model whose cap is not in the map is real, and billed)."""
         caps = [self._caps.get(m) for m in chain]
         if context is not None:
             caps += [context(m) for m in chain if self._backend_of.get(m) in self.self_hosted]
-        return max([c for c in caps if c] or [DEFAULT_OUTPUT_CAP])
+        known = [c for c in caps if c]
+        return max(known) if known else default
 
     def worst_case(self, chain: Sequence[str], body: dict[str, Any], body_bytes: int,
                    context: Callable[[str], int | None] | None = None) -> Decimal:  # fmt: skip
@@ -156,7 +159,7 @@ class PriceBook:
         prices = [p for p in (self._prices.get(self._backend_of.get(m, "")) for m in chain) if p is not None]
         if not prices:
             return Decimal(0)
-        out = max_output(body) or self.output_cap(chain, context)
+        out = max_output(body) or self.output_cap(chain, context) or DEFAULT_OUTPUT_CAP
         out *= choices(body)  # every one of n answers is billed
         # a cached prompt token may be priced above a fresh one (a policy's price is not checked for it)
         prompt = max(max(p.input, p.cached_input) for p in prices)

@@ -45,7 +45,7 @@ def passed_on(call: Call, status: int, body: bytes, retry_after: int | None = No
         message = f"the upstream for '{call.model}' answered HTTP {status}"
         replaced = GatewayError(client_status, message, kind, code="upstream_error")
         return error_reply(replaced), "upstream_error"
-    reduced = reduced_error(body, status, call.model or "the model")
+    reduced = reduced_error(body, status, call.model or "the model", call.hidden)
     headers = [JSON_HEADER, NOSNIFF]  # as every error answer of ours (gateway/errors.py)
     if client_status in (429, 503) and retry_after is not None:  # a rate limit's, an overload's wait
         headers.append((b"retry-after", str(retry_after).encode()))

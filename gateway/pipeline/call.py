@@ -63,6 +63,7 @@ class Call:
     body: dict[str, Any] | None = None  # the parsed request (to count tokens if no usage comes back)
     body_bytes: int = 0  # its size: a bound on its prompt tokens while they are counted
     output_cap: int | None = None  # an answer's token cap when the request names none (costs.output_cap)
+    hidden: tuple[str, ...] = ()  # what the served upstream's error text must not show (its key)
     reply_body: bytes | None = None  # a whole answer (same reason)
     lines: list[str] = field(default_factory=list)  # a stream's data lines (same reason)
     stream_chars: int = 0  # their size so far: a stream is bounded as a whole answer is

@@ -144,9 +144,8 @@ class Failover:
                 one = self._stream_round if stream else self._whole_round
                 try:
                     outcome = await one(state, model, pool, path, payload)
-                except _OutOfTimeError:  # the request's `total` is spent: no attempt is left to make
-                    state.last, state.last_timeout = None, True
-                    raise state.exhausted() from None
+                except _OutOfTimeError:  # this model's `total` is spent (the next one's may be longer)
+                    break
                 if isinstance(outcome, Served):
                     return outcome
                 if outcome == _NEXT or not state.budget():
@@ -348,9 +347,10 @@ class _State:
 
     def timeouts(self, pool: Upstream) -> Timeouts | None:
         """An attempt's timeouts: the route's (None: the pool's own) for the first call; for a later
-        one, within what is left of the request's `total` since its walk began (a second replica, a
+        one, within what is left of its `total` since the request's walk began (a second replica, a
         retry or the next model does not start its clock again: two replicas that accepted and
-        never answered took twice `total`). _OutOfTimeError when nothing is left."""
+        never answered took twice `total`). _OutOfTimeError when nothing is left of it (a fallback
+        whose backend has a longer `total` is still tried)."""
         if self.calls == 0 and not self.attempts:
             return self.decision.timeouts
         t = self.decision.timeouts or pool.timeouts

@@ -169,10 +169,12 @@ def _past_reservation(call: Call) -> bool:
     believed, three such requests on a $1 budget spent $12.63; concurrent requests may overspend a
     budget by at most one reservation only if none is billed past its own."""
     ticket = call.ticket
-    if ticket is None or not ticket.charges or call.prices is None or call.backend is None:
+    # a blind charge (budgets failing open: Redis or the database away) reserved nothing to hold it to
+    held = [charge.amount for charge in ticket.charges if not charge.blind] if ticket is not None else []
+    if not held or call.prices is None or call.backend is None:
         return False
     cost, _ = call.prices.costs(call.backend, call.usage)
-    return cost is not None and to_picousd(cost) > max(charge.amount for charge in ticket.charges)
+    return cost is not None and to_picousd(cost) > max(held)
 
 
 def estimated_usage(call: Call, policy: Policy) -> dict[str, Any]:

@@ -96,9 +96,9 @@ class Proxy:
                 needs = await rt.router.capabilities.counted(needs, body)
             call.decision = rt.router.decide(model, body, key, needs)
             trace.routed(call.decision)
-            if max_output(body) is None:  # what one answer may take: its usage is held to it, as its budget
+            if max_output(body) is None:  # what one answer may take, when known: its usage is held to it
                 call.output_cap = rt.prices.output_cap(
-                    call.decision.chain, rt.router.capabilities.context_length
+                    call.decision.chain, rt.router.capabilities.context_length, default=None
                 )
             call.ticket = await self.admission.admit(rt, key, call.decision, body, len(raw))
             _raise_if_cancelled()
@@ -196,6 +196,7 @@ class Proxy:
         """An open stream relayed to the client; an error answer passed on (its upstream closed)."""
         upstream = served.stream
         assert upstream is not None
+        call.hidden = upstream.hidden
         if upstream.status != 200:
             await served.aclose()
             answer = passed_on(call, upstream.status, upstream.error_body, upstream.retry_after)

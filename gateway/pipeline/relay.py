@@ -166,6 +166,7 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                     if not ended:  # the upstream closed the stream in the middle of the answer
                         raise ended_early()
                     mark = perf_counter()
+                    upstream.answered()  # whole: what breaks while the rest is drained is no fault
                     await _drained(upstream.lines)  # the upstream's time, as the lines before were
                     call.upstream_seconds += perf_counter() - mark
                 current = None
@@ -192,10 +193,11 @@ async def relay(call: Call, served: Served, wants_usage: bool, done: Callable[[C
                     done(call, status, error)
                     yield DONE_EVENT
                     continue
-                upstream.verdict(False)  # its first token's success, amended: the replica's breaker counts it
+                oversized = isinstance(exc, StreamTooLongError)  # another replica would send as much
+                if not oversized:  # the answer the client asked for was that long: not the replica's fault
+                    upstream.verdict(False)  # its first token's success, amended: its breaker counts it
                 mark = perf_counter()
                 try:
-                    oversized = isinstance(exc, StreamTooLongError)  # another replica would send as much
                     current = None if oversized else await _resumed(call, reading, tokens, exc)
                 except asyncio.CancelledError as cancelled:  # the client left, or the gateway stopped
                     status, error = cancelled_outcome(cancelled)
@@ -312,7 +314,7 @@ def relay_line(call: Call, line: str, wants_usage: bool, tokens: StreamTokens | 
             line = "data: " + orjson.dumps(chunk).decode()
     error = chunk.get("error")
     if isinstance(error, dict) and error.get("type") == "invalid_request_error":
-        raise _request_error(error)
+        raise _request_error(error, call.hidden)
     if tokens is not None:
         if error is not None:
             raise UpstreamErrorEvent("the engine ended the stream with an error event")
@@ -384,9 +386,9 @@ def _carries_answer(chunk: dict[str, object]) -> bool:
     return False
 
 
-def _request_error(error: dict[str, object]) -> UpstreamRequestErrorEvent:
+def _request_error(error: dict[str, object], hidden: tuple[str, ...] = ()) -> UpstreamRequestErrorEvent:
     """The client's event for an upstream's mid-stream `invalid_request_error`: reduced as a whole
     4xx answer is (upstream_errors.reduced_fields), its code (else `invalid_request`) for the log."""
-    fields = reduced_fields(error, 400, "")
+    fields = reduced_fields(error, 400, "", hidden)
     event = error_event(fields["message"] or "", fields["code"], "invalid_request_error", fields["param"])
     return UpstreamRequestErrorEvent(event, fields["code"] or "invalid_request")

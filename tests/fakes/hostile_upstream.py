@@ -340,7 +340,8 @@ class Answer:
 
     def echoed_auth(self) -> dict[str, Any]:
         """An OpenAI error that tells the caller the Authorization header it sent (a careless engine's)."""
-        return {"message": f"invalid key presented: {self.auth} (expected another)",
+        key = self.auth.removeprefix("Bearer ")  # the key alone: only its value can be masked
+        return {"message": f"invalid key presented: {key} (expected another)",
                 "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}  # fmt: skip
 
     def _event(self, delta: str | None, finish: str | None = None) -> bytes:

@@ -134,7 +134,10 @@ async def _one_answer(url: str) -> dict[str, Any] | None:
 def test_streams_that_break_after_their_first_token_open_the_breaker(hostile: ManagedServer) -> None:
     """Each such stream was a success (its first token) and its break ignored: a replica whose every
     stream broke mid-answer was never left."""
-    health = HealthSettings(first_token_slo=5, breaker=Breaker(consecutive_failures=3, cooldown=60))
+    # each stream a success (its first token), then a failure: the run of failures never grows past
+    # one, the error rate is all of them
+    breaker = Breaker(consecutive_failures=100, error_rate=0.9, min_requests=3, cooldown=60)
+    health = HealthSettings(first_token_slo=5, breaker=breaker)
 
     async def run() -> EnginePool:
         pool = _pool(hostile.base_url, health)

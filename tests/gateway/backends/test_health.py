@@ -63,6 +63,45 @@ def test_old_outcomes_leave_the_window() -> None:
     assert breaker.state is BreakerState.CLOSED  # 1/4 in the window
 
 
+def test_a_success_amended_to_a_failure_is_counted_once_where_it_was_or_now_if_it_aged_out() -> None:
+    """A stream's first token is its verdict; a break after it amends that success. Taking a
+    request off the window when the success had aged out of it (streams outlive the window) made
+    5 broken of 15 read as 5 of 10 and opened the breaker."""
+    clock = Clock()
+    breaker = CircuitBreaker(
+        Breaker(consecutive_failures=100, error_rate=0.5, window=10, min_requests=4), clock
+    )
+    early = [breaker.record(True) for _ in range(5)]  # streams begun at 0 s
+    clock.now = 1
+    breaker.amend(early[0])  # broke at 1 s: its success turned failure, in its own second
+    assert (breaker._requests, breaker._failures) == (5, 1)
+    clock.now = 30  # the others broke long after: their successes left the window
+    for _ in range(3):
+        breaker.record(True)
+    for at in early[1:3]:
+        breaker.amend(at)
+    assert (breaker._requests, breaker._failures) == (5, 2)  # 2 of 5 now: closed
+    assert breaker.state is BreakerState.CLOSED
+    breaker.amend(early[3])
+    assert breaker.state is BreakerState.OPEN  # 3 of 6: half of what it served in the window broke
+
+
+def test_a_stream_that_breaks_after_its_first_token_counts_once_against_its_replica() -> None:
+    from gateway.backends.engine import _Verdict
+
+    clock = Clock()
+    replica = Replica("http://r", HealthSettings(breaker=Breaker(min_requests=100)), clock)
+    verdict = _Verdict(replica)
+    verdict(True)  # its first token
+    verdict(False)  # it broke
+    verdict(False)  # and the relay says so too: once
+    assert (replica.breaker._requests, replica.breaker._failures) == (1, 1)
+    failed_first = _Verdict(replica)
+    failed_first(False)
+    failed_first(False)  # a failure is not amended into two
+    assert (replica.breaker._requests, replica.breaker._failures) == (2, 2)
+
+
 def test_half_open_after_cooldown_lets_exactly_one_probe_through() -> None:
     clock = Clock()
     breaker = CircuitBreaker(Breaker(consecutive_failures=1, cooldown=5), clock)

@@ -21,6 +21,7 @@ import pytest
 from gateway.api.completions import CompletionsEndpoint
 from gateway.backends.base import UpstreamUnavailableError
 from gateway.backends.hosted import HostedModel, allowed_fields, openai_chunk
+from gateway.backends.upstream_errors import reduced_fields
 from gateway.config.policy import HostedBackend, parse_policy
 from gateway.errors import GatewayError
 from gateway.governance.costs import PriceBook
@@ -368,3 +369,40 @@ def test_reservations_cover_the_larger_of_max_tokens_and_max_completion_tokens()
     assert checked_usage(usage, both, 400) == usage
     Admission._limits(_runtime(), _key(None, tpm=10**9), both, 400, ticket := Ticket())
     assert ticket.reserved_tokens == 100 + 4000
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("invalid key presented: Bearer sk-engine-123456789", "invalid key presented: [hidden]"),
+        ("bad token=abc12345 here", "bad token=[hidden] here"),
+        ('api_key: "zzzz9999"', 'api_key: "[hidden]"'),
+        ("password=hunter2222", "password=[hidden]"),
+        ("Bearer abcdefghijklmnopqrstu", "[hidden]"),
+        # words, not credentials: kept (was: "Only [hidden] are supported", "Missing [hidden] ...")
+        ("Only basic types are supported", "Only basic types are supported"),
+        ("Missing bearer token in the header", "Missing bearer token in the header"),
+        ("token: must be a string", "token: must be a string"),
+        ("max_tokens must be at most 4096", "max_tokens must be at most 4096"),
+    ],
+)
+def test_what_reads_as_a_credential_in_an_upstreams_message_is_masked_and_words_are_not(
+    text: str, shown: str
+) -> None:
+    error = reduced_fields({"message": text, "type": "invalid_request_error"}, 400, "m")
+    assert error["message"] == shown
+    assert reduced_fields({"message": f"key {text} pool-key-abc"}, 400, "m", ("pool-key-abc",))[
+        "message"
+    ].endswith("[hidden]")  # the pool's own key, however it is spelled
+
+
+def test_only_a_known_output_cap_bounds_what_a_usage_may_say() -> None:
+    """The reservation takes 4,096 tokens for a chain whose caps are unknown (a model litellm's map
+    lacks, an engine whose context is not known yet); a longer answer from it is real: held to that
+    guess, a 9,000-token answer was billed as 4,096."""
+    prices = PriceBook(parse_policy(POLICY))
+    assert prices.output_cap(("fast",)) == 4096  # the reservation's guess
+    assert prices.output_cap(("fast",), default=None) is None  # the usage bound: none known
+    assert prices.output_cap(("fast",), lambda m: 8192, default=None) == 8192
+    long = {"prompt_tokens": 5, "completion_tokens": 9000, "total_tokens": 9005}
+    assert checked_usage(long, {}, 100, prices.output_cap(("fast",), default=None)) == long

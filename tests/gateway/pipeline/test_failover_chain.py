@@ -40,15 +40,17 @@ TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}'
 class ScriptedPool:
     """Each call takes the next scripted outcome for the replica it lands on."""
 
-    def __init__(self, name: str, replicas: list[str], script: dict[str, list[Any]]) -> None:
+    def __init__(self, name: str, replicas: list[str], script: dict[str, list[Any]],
+                 timeouts: Timeouts | None = None) -> None:  # fmt: skip
         self.name, self.replicas, self.script = name, replicas, script
+        self._timeouts = timeouts or Timeouts(first_token=0.2, total=0.5)
         self.calls: list[str] = []
         self.given: list[Timeouts | None] = []  # the timeouts each call was given
         self.reason: str | None = None
 
     @property
     def timeouts(self) -> Timeouts:
-        return Timeouts(first_token=0.2, total=0.5)
+        return self._timeouts
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -238,6 +240,14 @@ def test_total_bounds_the_whole_request_not_each_of_its_attempts() -> None:
         assert pool.given[0] is None  # the first call: the pool's own timeouts
         for given in pool.given[1:] + frontier.given:  # a later one: what is left of them
             assert given is not None and given.total < 0.5
+
+
+def test_a_fallback_with_a_longer_total_is_still_tried_when_the_first_models_is_spent() -> None:
+    failover, pool, frontier = _setup({"http://r1": ["hang"], "http://r2": [200]}, hosted=[200])
+    frontier._timeouts = Timeouts(first_token=0.2, total=10)
+    served = asyncio.run(failover.send(_decision(), "/v1/chat/completions", {}))
+    assert served.backend == "hosted" and pool.calls == ["http://r1"]  # r2: no time left in pool's 0.5 s
+    assert frontier.given[0] is not None and 9 < frontier.given[0].total < 10
 
 
 def test_a_200_that_is_no_answer_is_tried_on_another_replica_and_at_last_a_502() -> None:

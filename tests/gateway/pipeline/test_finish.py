@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -254,3 +255,23 @@ def test_a_cancel_lost_in_the_admission_still_stops_the_request_before_its_upstr
     asyncio.run(main())
     (row,) = [rec.row for _, rec in log.records]
     assert row["status"] == 499 and row["backend"] is None  # no upstream was called
+
+
+def test_while_budgets_fail_open_a_reported_usage_is_believed() -> None:
+    """Redis or the database away, budgets failing open: each charge is blind and reserved nothing
+    (amount 0). Held to that, every answer's usage was thrown away and recounted."""
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+
+    async def main() -> None:
+        log = Sink()
+        finish, _ = _finish(log, [])
+        call = _budgeted(finish, {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}, body)
+        assert call.ticket is not None
+        call.ticket.charges = [dataclasses.replace(c, amount=0, blind=True) for c in call.ticket.charges]
+        finish(call, 200, None)
+        await finish.drain()
+        await asyncio.sleep(0)
+        row = log.records[0][1].row
+        assert not row["cost_estimated"] and row["prompt_tokens"] == 12
+
+    asyncio.run(main())
