@@ -30,6 +30,7 @@ from gateway.config.policy import (
     read_policy_text,
 )
 from gateway.governance import tokens
+from gateway.governance.budgets import BudgetStore
 from gateway.governance.costs import PriceBook
 from gateway.pipeline.failover import Failover
 from gateway.routing.capabilities import CapabilityTable
@@ -129,12 +130,13 @@ class PolicyWatcher:
 
     def __init__(
         self, path: Path, holder: RuntimeHolder, model: ComplexityModel, registry: CollectorRegistry,
-        interval: float = 0.5,
+        interval: float = 0.5, budgets: BudgetStore | None = None,
     ) -> None:  # fmt: skip
         self.path = path
         self.holder = holder
         self.model = model
         self.interval = interval
+        self.budgets = budgets  # where a team budget given back, or over another period, is reseeded
         self.last_error: str | None = None
         self.last_error_at: datetime | None = None
         self._stamp = _stamp(path)
@@ -217,6 +219,25 @@ class PolicyWatcher:
         self.last_error = self.last_error_at = None
         logger.info("policy version %s active (was %s)", runtime.version, current.version)
         self._retire([p for n, p in current.pools.items() if runtime.pools.get(n) is not p], current.policy)
+        self._reseed(reseeded_teams(current.policy, runtime.policy))
+
+    def _reseed(self, teams: list[str]) -> None:
+        """Forget the counters of teams whose budget came back or changed period: the next request
+        seeds them from the log (what each team spent, its requests without a budget included)."""
+        budgets = self.budgets
+        if budgets is None or not teams:
+            return
+
+        async def forget() -> None:
+            for team in teams:
+                try:
+                    await budgets.forget("team", team)
+                except Exception:  # the policy stands; the old counter is counted on
+                    logger.exception("team %s: its budget counters could not be reset", team)
+
+        task = asyncio.create_task(forget())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def _retire(self, pools: list[Upstream], policy: Policy) -> None:
         """Close pools that left the policy, after the longest request that may still use them."""
@@ -263,6 +284,19 @@ class PolicyWatcher:
         for pool in self._to_close:
             await pool.close()
         self._to_close.clear()
+
+
+def reseeded_teams(before: Policy, after: Policy) -> list[str]:
+    """Teams whose budget the new policy gives back (none before) or puts over another period: their
+    counter was left as it stood, not charged meanwhile (a new `usd` alone keeps it)."""
+    teams = []
+    for name, team in after.teams.items():
+        budget = team.budget
+        old = before.teams.get(name)
+        was = old.budget if old is not None else None
+        if budget is not None and (was is None or was.period != budget.period):
+            teams.append(name)
+    return teams
 
 
 def _capabilities(rt: Runtime, model: str) -> dict[str, Any]:

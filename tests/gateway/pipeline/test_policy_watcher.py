@@ -9,15 +9,18 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.backends.engine import EnginePool
-from gateway.config.policy import load_policy, policy_version, read_policy_text
+from gateway.config.policy import Policy, load_policy, parse_policy, policy_version, read_policy_text
+from gateway.governance.budgets import Budget, LocalBudgetStore
 from gateway.pipeline import runtime as runtime_module
-from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime
+from gateway.pipeline.runtime import PolicyWatcher, RuntimeHolder, build_runtime, reseeded_teams
 from gateway.routing.complexity import ComplexityModel
 
 # port 9 (discard) refuses at once; checks a minute apart: the pools stay quiet during a test
@@ -225,3 +228,41 @@ def test_a_symlink_swapped_to_a_file_of_the_same_size_and_mtime_is_seen(tmp_path
         await _until(lambda: watcher.holder.runtime.policy.log_bodies is False)
 
     _run(watched, body)
+
+
+def test_a_team_budget_given_back_or_moved_to_another_period_is_reseeded_from_the_log(
+    watched: Watched,
+) -> None:
+    """Its counter was left as it stood while the team had no budget (not charged meanwhile): given
+    back, the budget starts from what the log says the team spent. A new amount keeps the counter."""
+    store = LocalBudgetStore()
+    daily = Budget("team", "legal", Decimal(5), "daily").counter(datetime.now(UTC))[0]
+
+    async def body(watcher: PolicyWatcher) -> None:
+        watcher.budgets = store
+
+        async def change(teams: str) -> None:
+            watched.path.write_text(_policy(teams))
+            assert await watcher.reload()
+            await asyncio.sleep(0.02)  # the forget runs in a task of its own
+
+        store._spent[daily] = 7
+        await change("teams: {legal: {rpm: 5}}\n")
+        assert store._spent[daily] == 7  # no budget now: nothing reads the counter
+        with_budget = "teams: {legal: {budget: {usd: 5, period: daily}}}\n"
+        await change(with_budget)
+        assert daily not in store._spent  # given back: seeded from the log at the next request
+        store._spent[daily] = 7
+        raised = "teams: {legal: {budget: {usd: 9, period: daily}}}\n"
+        await change(raised)
+        assert store._spent[daily] == 7  # a new amount applies to the spend counted so far
+
+    _run(watched, body)
+    before = load_policy_text("teams: {a: {budget: {usd: 1, period: daily}}, b: {rpm: 1}}\n")
+    after = load_policy_text("teams: {a: {budget: {usd: 1, period: weekly}}, b: {budget: {usd: 1}}, c: {}}\n")
+    assert reseeded_teams(before, after) == ["a", "b"]
+    assert reseeded_teams(after, after) == []
+
+
+def load_policy_text(teams: str) -> Policy:
+    return parse_policy(_policy(teams))
