@@ -24,10 +24,11 @@ from gateway.config.policy import parse_policy, policy_version, read_policy_text
 from gateway.config.secrets import resolve_secrets
 from gateway.config.settings import GatewaySettings
 from gateway.console.app import install_console
-from gateway.governance.budgets import LocalBudgetStore, RedisBudgetStore, spend_seed
+from gateway.governance.budgets import LocalBudgetStore, RedisBudgetStore
 from gateway.governance.keys import AuthLimits, KeyHasher, KeyStore
 from gateway.governance.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.governance.redis_pool import pool_config
+from gateway.governance.spend_seed import spend_seed
 from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.pipeline.call import request_id
 from gateway.pipeline.proxy import Proxy

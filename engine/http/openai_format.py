@@ -117,8 +117,14 @@ def response_head(identity: ResponseIdentity) -> dict[str, Any]:
     }
 
 
-def text_choice(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+def text_choice(
+    index: int, text: str, logprobs: Any, finish: str | None, stop_reason: int | str | None = None
+) -> dict[str, Any]:
+    """A completion choice (a stream's piece); the last says which stop ended it, as vLLM's does."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
 
 
 def usage(finals: list[RequestOutput]) -> dict[str, Any]:

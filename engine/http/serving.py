@@ -233,19 +233,15 @@ class OpenAIServing:
         )
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(
-            index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None,
-            stop_reason: int | str | None = None,
-        ) -> bytes:  # fmt: skip
+        def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None,
+                  stop_reason: int | str | None = None) -> bytes:  # fmt: skip
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            if finish is not None:  # which stop string or token ended it, as vLLM's last chunk says
+            if finish is not None:  # the stop string or token that ended it, as vLLM's last chunk says
                 choice["stop_reason"] = stop_reason
             return sse({**head, "choices": [choice], **extra})
 
         if resume is None:  # a resumed answer goes on with a message whose role was sent
-            # an answer that can only be calls has no content: null, as in the whole answer (the
-            # SDK's stream helper read "" into its final message)
-            opening = None if tools is not None and tools.calls_only else ""
+            opening = None if tools is not None and tools.calls_only else ""  # calls only: null, as whole
             for i in range(params.n):
                 yield chunk(i, {"role": "assistant", "content": opening})
         ended = [False] * params.n
@@ -412,10 +408,8 @@ class OpenAIServing:
                     )
                     last_piece = j == len(pieces) - 1
                     choice = text_choice(
-                        k * n + c.index, piece, piece_logprobs, finish if last_piece else None
+                        k * n + c.index, piece, piece_logprobs, finish if last_piece else None, c.stop_reason
                     )
-                    if last_piece and finish is not None:
-                        choice["stop_reason"] = c.stop_reason
                     events.append(sse({**head, "choices": [choice], **extra}))
                 for event in marks.mark(events, c, k * n):
                     yield event

@@ -29,7 +29,8 @@ from gateway.backends.model_cards import merge_replicas
 from gateway.backends.prefix_homes import PrefixHomes
 from gateway.backends.replica_lines import ReplicaLines
 from gateway.backends.upstream_errors import retry_after_seconds
-from gateway.backends.wire import WireError, WirePool, WireResponse
+from gateway.backends.wire import WirePool, WireResponse
+from gateway.backends.wire_connection import WireError
 from gateway.config.policy import EngineBackend, HealthSettings, Timeouts
 
 logger = logging.getLogger(__name__)

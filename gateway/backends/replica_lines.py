@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 
 from gateway.backends.base import PROMPT_TOKENS, UpstreamStreamError
-from gateway.backends.wire import More, WireError, WireResponse
+from gateway.backends.wire import More, WireResponse
+from gateway.backends.wire_connection import WireError
 
 # Bounds on what a replica may send back. An honest engine's SSE event stays far below the line
 # bound (it splits big deltas); past it, or past the reply bound (base.MAX_REPLY_BYTES), the answer

@@ -26,7 +26,6 @@ settled timed-out settles twice.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -34,21 +33,17 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from functools import partial
 from typing import Any, Literal, Protocol
-
-from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.errors import NO_RETRY, GatewayError, retry_after_header
 from gateway.governance.budget_scripts import ADMIT, MARKER_SECONDS, SEED, SETTLE
 from gateway.governance.ratelimit import Limit, refusal
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
 from gateway.governance.singleflight import SingleFlight
-from gateway.store.db import DATABASE_ERRORS
-from gateway.store.models import PICO, UsageDaily, to_picousd
+from gateway.store.models import PICO, to_picousd
 
 logger = logging.getLogger(__name__)
 
@@ -447,41 +442,3 @@ _COUNTER_TAIL = re.compile(r"(?:daily|weekly|monthly|total):\d{4}-\d{2}-\d{2}(?:
 def _glob_escaped(text: str) -> str:
     """`text` matched literally in a Redis SCAN pattern."""
     return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
-
-
-_WRITTEN_SECONDS = 5.0  # how long a seed waits for the request log to write what it holds
-
-
-def spend_seed(db: AsyncEngine, write_now: Callable[[], Awaitable[bool]] | None = None) -> Seed:
-    """What a budget's subject has spent since `start`, from the daily aggregates (picodollars).
-
-    `write_now`: the request log's RequestLogWriter.write_now. Rows still queued there (up to its
-    batch interval, longer through an outage) belong to requests that settled into the counter
-    being seeded again (Redis lost it): they are written first, and a log that cannot write them
-    makes the seed fail like the database, rather than leave their cost off the budget.
-    A database failure becomes SpendUnavailableError, so that it is never mistaken for Redis's.
-    """
-
-    async def seed(budget: Budget, start: datetime) -> int:
-        if write_now is not None:
-            try:
-                async with asyncio.timeout(_WRITTEN_SECONDS):
-                    caught_up = await write_now()
-            except TimeoutError:
-                caught_up = False
-            if not caught_up:
-                raise SpendUnavailableError("the request log cannot write its rows yet", "RequestLogBehind")
-        column = UsageDaily.key_id if budget.scope == "key" else UsageDaily.team
-        first_day: date = start.date()
-        query = select(func.sum(UsageDaily.cost_usd)).where(
-            column == budget.subject, UsageDaily.day >= first_day
-        )
-        try:
-            async with db.connect() as conn:
-                spent = (await conn.execute(query)).scalar_one()  # USD (the Money type), None: no rows
-        except DATABASE_ERRORS as exc:
-            detail = str(exc).splitlines()[0] if str(exc) else ""
-            raise SpendUnavailableError(f"{type(exc).__name__}: {detail}", type(exc).__name__) from exc
-        return to_picousd(spent) if spent is not None else 0
-
-    return seed

@@ -11,7 +11,8 @@ import pytest
 
 from gateway.backends.base import UpstreamStreamError
 from gateway.backends.replica_lines import ReplicaLines
-from gateway.backends.wire import WireError, WirePool, WireResponse
+from gateway.backends.wire import WirePool, WireResponse
+from gateway.backends.wire_connection import WireError
 from tests.gateway.backends.test_wire import SSE_HEAD, read_request, serving
 
 Writes = list[bytes]

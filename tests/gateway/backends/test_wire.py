@@ -15,7 +15,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from gateway.backends.wire import More, WireError, WirePool
+from gateway.backends.wire import More, WirePool
+from gateway.backends.wire_connection import WireError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

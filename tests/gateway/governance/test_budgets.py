@@ -22,9 +22,9 @@ from gateway.governance.budgets import (
     RedisBudgetStore,
     SpendUnavailableError,
     period_bounds,
-    spend_seed,
 )
 from gateway.governance.redis_pool import RedisPoolConfig
+from gateway.governance.spend_seed import spend_seed
 from gateway.pipeline.admission import _unreserved
 from gateway.store.db import create_db
 from gateway.store.migrate import upgrade

@@ -24,11 +24,11 @@ from gateway.governance.budgets import (
     RedisBudgetStore,
     Seed,
     SpendUnavailableError,
-    spend_seed,
 )
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
 from gateway.governance.ratelimit import LocalRateLimiter, RateLimitedError, RedisRateLimiter
+from gateway.governance.spend_seed import spend_seed
 from gateway.pipeline.admission import Admission, RedisAdmission
 from gateway.pipeline.failover import Failover
 from gateway.pipeline.runtime import Runtime
