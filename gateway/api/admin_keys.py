@@ -14,8 +14,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from gateway.api.services import Keys, ServicesDep, app_services
 from gateway.errors import GatewayError
-from gateway.governance.budgets import Period
-from gateway.governance.keys import AuthError, InvalidKeyUpdateError, KeyNotFoundError
+from gateway.governance.budgets import Period, counted_period, counter_restarts
+from gateway.governance.keys import AuthError, InvalidKeyUpdateError, KeyInfo, KeyNotFoundError
 from gateway.store.row_sanitizer import MAX_JSON_LEVELS, clean_json
 
 logger = logging.getLogger(__name__)
@@ -274,17 +274,18 @@ async def update_key(key_id: str, body: KeyUpdate, keys: Keys, services: Service
     fields = body.model_dump(exclude_unset=True)
     before = await keys.get(key_id) if {"budget_usd", "budget_period"} & set(fields) else None
     updated = await keys.update(key_id, **fields)
-    if (
-        before is not None
-        and updated.budget_usd is not None
-        and (before.budget_usd is None or before.budget_period != updated.budget_period)
-    ):  # a budget back, or over another period: its counter starts from what the log says was spent
+    if before is not None and counter_restarts(_period(before), _period(updated)):
         budgets = services.proxy.admission.budgets
         try:
             await budgets.forget("key", key_id)
         except Exception:  # the change stands; the old counter is counted on until it expires
             logger.exception("key %s: its budget counters could not be reset", key_id)
     return updated.public()
+
+
+def _period(key: KeyInfo) -> Period | None:
+    """The period a key's budget counts over (None: no budget), as admission reads it."""
+    return None if key.budget_usd is None else counted_period(key.budget_period)
 
 
 @router.post("/{key_id}/revoke", dependencies=admin)

@@ -50,8 +50,7 @@ class EnginePool:
         self.affinity_counts: dict[str, int] | None = {"hit": 0, "spill": 0} if self.homes else None
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         auth = {"authorization": f"Bearer {key}"} if key else {}
-        self._key = key.encode() if key else None  # masked in what a replica's error may echo
-        self._hidden = (key,) if key else ()
+        self._hidden = (key,) if key else ()  # masked in what a replica's error may echo
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}
         # a whole answer sends nothing until it is done: a replica that has answered none of its health
@@ -215,7 +214,9 @@ class EnginePool:
         """A replica's error answer without the pool's key: an engine that echoes the Authorization
         header it refused must not hand the key to the client (a stream's error events are reduced
         with the key among their `hidden`: upstream_errors.reduced_fields)."""
-        return error.replace(self._key, b"[hidden]") if self._key and self._key in error else error
+        for secret in self._hidden:
+            error = error.replace(secret.encode(), b"[hidden]")
+        return error
 
     def _translated(self, replica: Replica) -> _Translated:
         """Connection failures and timeouts become UpstreamUnavailableError (502/504)."""

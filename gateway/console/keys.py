@@ -19,7 +19,7 @@ from gateway.api.services import Database, Keys
 from gateway.console.data import key_spend
 from gateway.console.session import Session
 from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
-from gateway.governance.budgets import PERIODS
+from gateway.governance.budgets import counted_period
 from gateway.governance.keys import KeyInfo, KeyNotFoundError
 
 router = APIRouter(prefix="/ui/keys")
@@ -75,7 +75,7 @@ async def _rows(keys: Keys, db: Database, after: str | None) -> tuple[list[dict[
         infos = await keys.list(None, True, PAGE_KEYS + 1)
     following = infos[PAGE_KEYS - 1].id if len(infos) > PAGE_KEYS else None
     infos = infos[:PAGE_KEYS]
-    periods = {k.id: k.budget_period if k.budget_period in PERIODS else "monthly" for k in infos}
+    periods = {k.id: counted_period(k.budget_period) for k in infos}
     spent = await key_spend(db, periods, now)
     rows = []
     for info in infos:

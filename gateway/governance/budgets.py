@@ -71,6 +71,18 @@ def period_bounds(period: Period, now: datetime) -> tuple[datetime, datetime | N
     return _EPOCH, None
 
 
+def counted_period(period: str | None) -> Period:
+    """The period a key's budget counts over: its own, else monthly (a budget given without one)."""
+    return period if period in PERIODS else "monthly"
+
+
+def counter_restarts(was: Period | None, now: Period | None) -> bool:
+    """Whether a budget's change (its period before and after; None: no budget) drops its counter to
+    be seeded again from the log: a budget given back (its counter was not charged while it was
+    gone) or put over another period. A new amount alone keeps the spend counted so far."""
+    return now is not None and was != now
+
+
 @dataclass(frozen=True)
 class Budget:
     """One budget a request is charged to."""

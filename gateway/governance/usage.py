@@ -29,8 +29,8 @@ def checked_usage(
     """The usage fields we bill from, normalised; None when `raw` is missing or not believable: a
     count past MAX_TOKENS, parts that disagree with the total, or (given the request's `body`, of
     `size` bytes as received) more completion tokens than its max_tokens allows each of its answers
-    (else `output_cap`, what its budget reservation took for one answer when it names none: a
-    one-word answer billed as millions of tokens locked its key out) or more prompt tokens than it
+    (else `output_cap`, the chain's known cap on one answer when it names none: a one-word answer
+    billed as millions of tokens locked its key out) or more prompt tokens than it
     can hold (max_prompt)."""
     if not isinstance(raw, dict):
         return None

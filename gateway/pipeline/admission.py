@@ -23,7 +23,6 @@ from decimal import Decimal
 from typing import Any
 
 from gateway.governance.budgets import (
-    PERIODS,
     Budget,
     BudgetStore,
     Charge,
@@ -31,6 +30,7 @@ from gateway.governance.budgets import (
     RedisBudgetStore,
     Seed,
     SpendUnavailableError,
+    counted_period,
 )
 from gateway.governance.keys import KeyInfo
 from gateway.governance.ratelimit import (
@@ -164,8 +164,7 @@ class Admission:
         """Budget reservations for the key and its team: the worst case over the route's chain."""
         budgets = []
         if key.budget_usd is not None:
-            period = key.budget_period if key.budget_period in PERIODS else "monthly"
-            budgets.append(Budget("key", key.id, key.budget_usd, period))
+            budgets.append(Budget("key", key.id, key.budget_usd, counted_period(key.budget_period)))
         team = rt.policy.teams.get(key.team) if key.team else None
         if team is not None and team.budget is not None and key.team is not None:
             budgets.append(Budget("team", key.team, Decimal(str(team.budget.usd)), team.budget.period))

@@ -30,7 +30,7 @@ from gateway.config.policy import (
     read_policy_text,
 )
 from gateway.governance import tokens
-from gateway.governance.budgets import BudgetStore
+from gateway.governance.budgets import BudgetStore, counter_restarts
 from gateway.governance.costs import PriceBook
 from gateway.pipeline.failover import Failover
 from gateway.routing.capabilities import CapabilityTable
@@ -291,10 +291,9 @@ def reseeded_teams(before: Policy, after: Policy) -> list[str]:
     counter was left as it stood, not charged meanwhile (a new `usd` alone keeps it)."""
     teams = []
     for name, team in after.teams.items():
-        budget = team.budget
         old = before.teams.get(name)
-        was = old.budget if old is not None else None
-        if budget is not None and (was is None or was.period != budget.period):
+        was = old.budget.period if old is not None and old.budget is not None else None
+        if counter_restarts(was, team.budget.period if team.budget is not None else None):
             teams.append(name)
     return teams
 
