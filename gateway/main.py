@@ -146,7 +146,11 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
             if tracer is not None:
                 tracer.shutdown()  # exports the spans still buffered
 
-    app = FastAPI(title="Switchboard gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no redirect for a path with a trailing slash: Starlette's was absolute, built from the client's
+    # Host header (a poisoned cache could send others elsewhere); /ui has its own relative one
+    app = FastAPI(
+        title="Switchboard gateway", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False
+    )
     install_error_handlers(app)
     app.include_router(admin_keys.router)
     app.include_router(admin_policy.router)

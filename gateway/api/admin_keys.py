@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import unicodedata
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -12,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from gateway.api.services import Keys, ServicesDep, app_services
+from gateway.api.services import Keys, Services, ServicesDep, app_services
 from gateway.errors import GatewayError
 from gateway.governance.budgets import Period, counted_period, counter_restarts
 from gateway.governance.keys import AuthError, InvalidKeyUpdateError, KeyInfo, KeyNotFoundError
@@ -44,15 +45,36 @@ async def require_master_key(request: Request) -> None:
 def _not_a_flag(value: object) -> object:
     if isinstance(value, bool):  # pydantic's lax int takes true as 1
         raise ValueError("must be a number, not true or false")
+    if isinstance(value, str) and not _WHOLE.fullmatch(value):
+        raise ValueError("must be a whole number written in digits")
     return value
 
+
+def _plain_decimal(value: object) -> object:
+    """A number, or a string that writes one in digits with an optional fraction: Python's parsers
+    read "1_000" as 1000 and "1e3" as 1000 too, which nobody typing a budget means."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true or false")
+    if isinstance(value, str) and not _DECIMAL.fullmatch(value):
+        raise ValueError("must be a number written in digits (an optional fraction after a point)")
+    return value
+
+
+_WHOLE = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
 
 # (a numeric string stays accepted: the console's forms send them)
 PerMinute = Annotated[int, BeforeValidator(_not_a_flag), Field(ge=1, le=2**31 - 1)]
 BudgetUsd = Annotated[
-    Decimal, Field(gt=0, le=Decimal(9_000_000), max_digits=20, decimal_places=12, allow_inf_nan=False)
+    Decimal,
+    BeforeValidator(_plain_decimal),
+    Field(gt=0, le=Decimal(9_000_000), max_digits=20, decimal_places=12, allow_inf_nan=False),
 ]
 MAX_EXPIRY_DAYS = 36_500  # a hundred years: longer is "never", which is leaving the expiry out
+# finite and bounded: 1e308 days or inf overflowed timedelta (a 500); NaN compares false to any bound
+ExpiryDays = Annotated[
+    float, BeforeValidator(_plain_decimal), Field(gt=0, le=MAX_EXPIRY_DAYS, allow_inf_nan=False)
+]
 
 
 def _text_only(value: Any) -> Any:
@@ -63,15 +85,26 @@ def _text_only(value: Any) -> Any:
     return value
 
 
-# Direction overrides and isolates: a name holding one reads otherwise than it is ("Trojan Source").
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+# Direction overrides, isolates and marks: a name holding one reads otherwise than it is ("Trojan
+# Source"); and the characters that show as nothing (a zero-width space, a byte order mark, a word
+# joiner): two names that look alike would be two keys. (Zero-width joiners stay: emoji need them.)
+_HIDDEN = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
+                    "\u200b\u2060\ufeff\u180e")  # fmt: skip
+_LINE_BREAKS = frozenset(("Cc", "Zl", "Zp"))  # control characters, U+2028, U+2029
 
 
 def _one_line(value: str | None) -> str | None:
-    """`value` (a name or team) when it holds no control character and no direction override: names
-    reach terminals (`gateway keys list`), log lines and reports, where an escape or line break acts."""
-    if value is not None and any(unicodedata.category(c) == "Cc" or c in _BIDI_CONTROLS for c in value):
-        raise ValueError("holds a control character (a line break, an escape or a direction override)")
+    """`value` (a name or team) when it shows as what it is on one line: no control character or
+    line separator, no direction control, nothing invisible, not blank. Names reach terminals
+    (`gateway keys list`), log lines and reports, where an escape or a line break acts."""
+    if value is None:
+        return None
+    if any(unicodedata.category(c) in _LINE_BREAKS or c in _HIDDEN for c in value):
+        raise ValueError(
+            "holds a control character (a line break, an escape, a direction control or an invisible one)"
+        )
+    if not value.strip():
+        raise ValueError("is blank")
     return value
 
 
@@ -150,6 +183,15 @@ class _KeyFields(BaseModel):
     def _json(cls, value: object) -> object:
         return _json_only(value, "metadata")
 
+    @field_validator("expires_at", mode="before", check_fields=False)
+    @classmethod
+    def _a_date(cls, value: object) -> object:
+        """A date and time as text (ISO 8601): a number was read as seconds, or past ~2e10 as
+        milliseconds, since 1970 (year 10000 in seconds was stored as 1978)."""
+        if isinstance(value, int | float):
+            raise ValueError("must be a date and time as text (ISO 8601), not a number")
+        return value
+
     @field_validator("expires_at", check_fields=False)
     @classmethod
     def _in_utc(cls, value: datetime | None) -> datetime | None:
@@ -163,8 +205,7 @@ class KeyCreate(_KeyFields):
     team: str | None = Field(None, min_length=1, max_length=200)
     allowed_models: list[str] | None = None
     expires_at: datetime | None = None
-    # finite and bounded: 1e308 days or inf overflowed timedelta (a 500); NaN compares false to any bound
-    expires_in_days: float | None = Field(None, gt=0, le=MAX_EXPIRY_DAYS, allow_inf_nan=False)
+    expires_in_days: ExpiryDays | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     rpm_limit: PerMinute | None = None
     tpm_limit: PerMinute | None = None
@@ -176,6 +217,15 @@ class KeyCreate(_KeyFields):
         if self.expires_at is not None and self.expires_in_days is not None:
             raise ValueError("give expires_at or expires_in_days, not both")
         return self
+
+    @field_validator("expires_at")
+    @classmethod
+    def _ahead(cls, value: datetime | None) -> datetime | None:
+        """A new key's expiry is in the future (PATCH may set a past one: that ends a key now)."""
+        moment = _utc(value)
+        if moment is not None and moment <= datetime.now(UTC):
+            raise ValueError("is in the past: a new key would never work")
+        return value
 
     def expiry(self) -> datetime | None:
         """Absolute expiry from either field."""
@@ -269,8 +319,16 @@ async def get_key(key_id: str, keys: Keys) -> dict[str, Any]:
 
 
 @router.patch("/{key_id}", dependencies=admin)
-async def update_key(key_id: str, body: KeyUpdate, keys: Keys, services: ServicesDep) -> dict[str, Any]:
+async def update_key(key_id: str, body: KeyUpdate, services: ServicesDep) -> dict[str, Any]:
     """Change name, team, allowed models, expiry, metadata, rate limits or budget."""
+    return (await apply_update(key_id, body, services)).public()
+
+
+async def apply_update(key_id: str, body: KeyUpdate, services: Services) -> KeyInfo:
+    """A key changed as `body` says (its set fields), for the admin API and the console alike: a
+    budget given back or moved to another period restarts its counter from the log (the stale one
+    had let a key spend past its new budget until it expired)."""
+    keys = services.keys
     fields = body.model_dump(exclude_unset=True)
     before = await keys.get(key_id) if {"budget_usd", "budget_period"} & set(fields) else None
     updated = await keys.update(key_id, **fields)
@@ -280,7 +338,7 @@ async def update_key(key_id: str, body: KeyUpdate, keys: Keys, services: Service
             await budgets.forget("key", key_id)
         except Exception:  # the change stands; the old counter is counted on until it expires
             logger.exception("key %s: its budget counters could not be reset", key_id)
-    return updated.public()
+    return updated
 
 
 def _period(key: KeyInfo) -> Period | None:

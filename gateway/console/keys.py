@@ -6,6 +6,7 @@ accepts exactly what `POST /admin/keys` and `PATCH /admin/keys/{id}` accept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Any
@@ -14,8 +15,8 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Query, Response
 from pydantic import ValidationError
 
-from gateway.api.admin_keys import KeyCreate, KeyUpdate
-from gateway.api.services import Database, Keys
+from gateway.api.admin_keys import KeyCreate, KeyUpdate, apply_update
+from gateway.api.services import Database, Keys, ServicesDep
 from gateway.console.data import key_spend
 from gateway.console.session import Session
 from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
@@ -34,8 +35,12 @@ def _fields(form: dict[str, str], lift_empty: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {"name": form.get("name", "").strip()}
     for name in OPTIONAL:
         value = form.get(name, "").strip()
-        if name == "allowed_models" and value:
-            fields[name] = [m.strip() for m in value.split(",") if m.strip()]
+        if name == "allowed_models":
+            models = _model_names(form.get(name, ""))  # its line breaks say how to read it
+            if models or form.get("model_access") == "listed":  # none listed: no model at all
+                fields[name] = models
+            elif lift_empty:
+                fields[name] = None
         elif value:
             fields[name] = value
         elif lift_empty:
@@ -43,6 +48,19 @@ def _fields(form: dict[str, str], lift_empty: bool) -> dict[str, Any]:
     if fields.get("budget_usd") is not None:
         fields["budget_period"] = form.get("budget_period", "monthly")
     return fields
+
+
+def _model_names(text: str) -> list[str]:
+    """The models field's names: one a line (as the edit form shows them, so that a name holding a
+    comma survives a save), or, typed on one line, separated by commas."""
+    parts = text.splitlines() if "\n" in text else text.split(",")
+    return [name.strip() for name in parts if name.strip()]
+
+
+def _models_text(models: Sequence[str] | None) -> str:
+    """A key's models as the form shows them: one a line, ending with a line break (so that the
+    text, saved unchanged, is read by lines even when it is one name holding a comma)."""
+    return "".join(f"{name}\n" for name in models or [])
 
 
 def _edited_expiry(form: dict[str, str]) -> datetime | str | None:
@@ -144,7 +162,8 @@ async def edit_form(key_id: str, keys: Keys, session: ConsoleSession) -> Respons
         "name": info.name, "team": info.team or "", "rpm_limit": info.rpm_limit or "",
         "tpm_limit": info.tpm_limit or "", "budget_usd": info.budget_usd or "",
         "budget_period": info.budget_period or "monthly",
-        "allowed_models": ", ".join(info.allowed_models) if info.allowed_models is not None else "",
+        "allowed_models": _models_text(info.allowed_models),
+        "model_access": "all" if info.allowed_models is None else "listed",
         "expires_at": info.public()["expires_at"] or "",
     }  # fmt: skip
     key = {**info.public(), "state": _state(info, datetime.now(UTC))}
@@ -153,8 +172,11 @@ async def edit_form(key_id: str, keys: Keys, session: ConsoleSession) -> Respons
 
 
 @router.post("/{key_id}")
-async def update_key(key_id: str, form: CheckedForm, keys: Keys, session: ConsoleSession) -> Response:
-    """Save the edit form: empty limits, budget, team, model list or expiry lift them."""
+async def update_key(
+    key_id: str, form: CheckedForm, keys: Keys, session: ConsoleSession, services: ServicesDep
+) -> Response:
+    """Save the edit form: empty limits, budget, team or expiry lift them; the models are every
+    model or only those listed (none listed: none), as the form's choice says."""
     fields = _fields(form, lift_empty=True)
     try:
         fields["expires_at"] = _edited_expiry(form)
@@ -164,7 +186,7 @@ async def update_key(key_id: str, form: CheckedForm, keys: Keys, session: Consol
         key = {**info.public(), "state": _state(info, datetime.now(UTC))}
         context = {"title": f"Key {info.name}", "active": "Keys", "key": key, "form": form}
         return page("key_edit.html", {**context, "error": _problem(exc)}, 400, session)
-    await keys.update(key_id, **body.model_dump(exclude_unset=True))
+    await apply_update(key_id, body, services)  # as PATCH /admin/keys/{id} does: its budget counter too
     return redirect("/ui/keys")
 
 

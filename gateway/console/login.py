@@ -52,7 +52,10 @@ async def login(request: Request, services: ServicesDep) -> Response:
     except AuthError as exc:
         status = 429 if exc.status == 429 else 401
         message = "Too many failed attempts: wait a minute" if status == 429 else "That is not the master key"
-        return page("login.html", {"title": "Log in", "next": target, "error": message}, status)
+        answer = page("login.html", {"title": "Log in", "next": target, "error": message}, status)
+        for name, value in exc.headers():  # Retry-After on a 429, as the admin API sends it
+            answer.headers[name.decode()] = value.decode()
+        return answer
     cookie, _ = signer(services).issue(time.time())
     response = redirect(target)
     secure = services.settings.console_cookie_secure == "always" or request.url.scheme == "https"

@@ -354,6 +354,8 @@ class KeyStore:
             query = query.where(or_(ApiKey.created_at < at, and_(ApiKey.created_at == at, ApiKey.id > after)))
         if limit is not None:
             query = query.limit(limit)
+        if after is not None and not _could_be_id(after):
+            raise KeyNotFoundError(after)
         async with translated_errors("the keys cannot be listed"), self._sessions() as session:
             if after is not None and await session.get(ApiKey, after) is None:
                 raise KeyNotFoundError(after)
@@ -361,6 +363,8 @@ class KeyStore:
 
     async def get(self, key_id: str) -> KeyInfo:
         """One key by id (KeyNotFoundError if none)."""
+        if not _could_be_id(key_id):
+            raise KeyNotFoundError(key_id)
         async with translated_errors("the key cannot be read"), self._sessions() as session:
             row = await session.get(ApiKey, key_id)
             if row is None:
@@ -401,6 +405,8 @@ class KeyStore:
         return await self._modify(key_id, rotate), plaintext
 
     async def _modify(self, key_id: str, change: Callable[[ApiKey], None]) -> KeyInfo:
+        if not _could_be_id(key_id):
+            raise KeyNotFoundError(key_id)
         async with translated_errors("the key cannot be changed"), self._sessions() as session:
             if session.get_bind().dialect.name == "sqlite":  # no FOR UPDATE: take the write lock first
                 # (else two changes read one state and each writes only what differs from it: a mix)
@@ -416,6 +422,13 @@ class KeyStore:
         self._cache.forget(old_digest)
         self._remember(row.key_hash, info)
         return info
+
+
+def _could_be_id(key_id: str) -> bool:
+    """Whether `key_id` could name a key (ids are 32 printable ASCII characters): one that cannot
+    is not found without asking the database, which answered a NUL in it 404 on SQLite and 400 on
+    PostgreSQL."""
+    return len(key_id) <= 32 and key_id.isascii() and key_id.isprintable()
 
 
 _no_op = update(ApiKey).values(id=ApiKey.id).execution_options(synchronize_session=False)

@@ -52,6 +52,11 @@ def test_a_404_for_a_long_key_id_does_not_echo_it_whole(admin: TestClient, metho
         ("name", "\u202egnp.exe"),  # a right-to-left override reverses what an operator reads
         ("team", "t\r\x00"[:2]),
         ("team", "\u2066iso"),
+        ("name", "   "),  # blank: the console refused it, the API took it
+        ("name", "\u200b"),  # shows as nothing
+        ("name", "a\ufeffb"),
+        ("name", "lrm\u200e"),
+        ("team", "para\u2028graph"),  # a line separator
     ],
 )
 def test_control_characters_in_a_name_or_team_are_400_naming_the_field(
@@ -66,7 +71,13 @@ def test_control_characters_in_a_name_or_team_are_400_naming_the_field(
 
 
 def test_names_in_any_script_are_kept(admin: TestClient) -> None:
-    for name in ("équipe données", "チーム", "فريق", "a b-c_d.e"):
+    for name in (
+        "équipe données",
+        "チーム",
+        "فريق",
+        "a b-c_d.e",
+        "famille \U0001f468\u200d\U0001f469\u200d\U0001f467",
+    ):
         r = admin.post("/admin/keys", json={"name": name, "team": name}, headers=ADMIN)
         assert r.status_code == 201 and r.json()["name"] == name == r.json()["team"], r.text
 
@@ -161,3 +172,54 @@ def test_a_budget_added_back_or_moved_to_another_period_starts_from_the_log_not_
     assert store._spent[daily] == 810_000_000_000
     patched(budget_period="weekly")
     assert daily not in store._spent
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rpm_limit", "5_0"),  # Python's int() reads it as 50
+        ("tpm_limit", " 60"),
+        ("tpm_limit", "６０"),  # full-width digits: int() reads them too
+        ("budget_usd", "1_000"),
+        ("budget_usd", "1e3"),
+        ("budget_usd", True),
+        ("expires_at", 253402300800),  # a number: read as milliseconds past ~2e10 (stored as 1978)
+        ("expires_at", 1.5e9),
+        ("expires_at", "2001-01-01T00:00:00Z"),  # a new key that could never work
+    ],
+)
+def test_numbers_and_dates_are_read_only_as_written(admin: TestClient, field: str, value: object) -> None:
+    r = admin.post("/admin/keys", json={"name": "n", field: value}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_numbers_in_digits_and_a_past_expiry_that_ends_a_key_are_taken(admin: TestClient) -> None:
+    body = {"name": "n", "rpm_limit": "50", "budget_usd": "1000.25", "expires_in_days": "1.5"}
+    made = admin.post("/admin/keys", json=body, headers=ADMIN)
+    assert made.status_code == 201, made.text
+    assert made.json()["rpm_limit"] == 50 and made.json()["budget_usd"] == "1000.25"
+    ended = admin.patch(f"/admin/keys/{made.json()['id']}", json={"expires_at": "2001-01-01T00:00:00Z"},
+                        headers=ADMIN)  # fmt: skip
+    assert ended.status_code == 200, ended.text  # ending a key now is a change an operator makes
+    api = {"Authorization": f"Bearer {made.json()['key']}"}
+    assert admin.get("/v1/models", headers=api).status_code == 401
+
+
+@pytest.mark.parametrize("key_id", ["%00", "a%00b", "%C3%A9t%C3%A9"])
+def test_an_id_no_key_could_have_is_404_without_asking_the_database(admin: TestClient, key_id: str) -> None:
+    """A NUL was 404 on SQLite and a 400 'the database refused a value' on PostgreSQL."""
+    for verb, path in (("GET", ""), ("PATCH", ""), ("POST", "/revoke"), ("POST", "/rotate")):
+        r = admin.request(
+            verb, f"/admin/keys/{key_id}{path}", headers=ADMIN, json={} if verb == "PATCH" else None
+        )
+        assert r.status_code == 404 and r.json()["error"]["code"] == "key_not_found", (verb, r.text)
+
+
+@pytest.mark.parametrize("path", ["/health/", "/metrics/", "/admin/keys/", "/v1/chat/completions/"])
+def test_a_trailing_slash_never_redirects_to_the_host_the_client_named(admin: TestClient, path: str) -> None:
+    """Starlette answered 307 to http://<Host header>/...: a poisoned cache could send others away."""
+    r = admin.post(path, headers={**ADMIN, "host": "attacker.example"}, json={}, follow_redirects=False)
+    g = admin.get(path, headers={**ADMIN, "host": "attacker.example"}, follow_redirects=False)
+    for answer in (r, g):
+        assert "attacker.example" not in answer.headers.get("location", ""), answer.headers
+        assert answer.status_code in (404, 405), (path, answer.status_code)
