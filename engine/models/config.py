@@ -61,7 +61,7 @@ class ModelConfig:
         """Translate an HF config dict; unsupported architectures raise UnsupportedModelError."""
         archs = raw.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        if arch is None and not archs:  # named architectures decide (a Llama classifier is no LM)
             arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
                 raw.get("model_type", "")
             )
@@ -72,12 +72,19 @@ class ModelConfig:
             )
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
-        rope = dict(raw.get("rope_parameters") or {})
+        # Qwen3's config class defaults head_dim to 128, the others' to hidden / heads
+        head_dim = int(
+            raw.get("head_dim") or (128 if arch == "qwen3" and "head_dim" not in raw else hidden // num_heads)
+        )
+        # as HF reads them: a (legacy) rope_scaling replaces rope_parameters whole, its theta the
+        # config's top-level one or 10000
+        legacy = raw.get("rope_scaling")
+        rope = dict(legacy or raw.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = legacy or (rope if rope.get("rope_type", "default") != "default" else None)
         partial = next(
             (p for p in ((scaling or {}).get("partial_rotary_factor"), rope.get("partial_rotary_factor"),
+                         (raw.get("rope_parameters") or {}).get("partial_rotary_factor"),
                          raw.get("partial_rotary_factor")) if p is not None),
             1.0,
         )  # fmt: skip
@@ -110,8 +117,7 @@ class ModelConfig:
                 eos.append(source)
             elif isinstance(source, list):
                 eos.extend(int(t) for t in source)
-        use_sliding = raw.get("use_sliding_window", arch == "mistral")
-        sliding = raw.get("sliding_window") if use_sliding else None
+        sliding = _sliding_window(arch, raw)
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -136,3 +142,26 @@ class ModelConfig:
             o_bias=arch in ("llama", "qwen3") and bool(raw.get("attention_bias")),
             mlp_bias=arch == "llama" and bool(raw.get("mlp_bias")),
         )
+
+
+def _sliding_window(arch: str, raw: dict[str, Any]) -> int | None:
+    """The attention window as HF's config classes read it (None: none). Mistral's always applies
+    (4096 when the key is absent; a `use_sliding_window` key is not Mistral's and HF ignores it);
+    Qwen2's and Qwen3's only with `use_sliding_window`, and only if one of the layers slides (those
+    from `max_window_layers` on, or `layer_types`). The engine holds a sliding model's context to
+    its window, where sliding and full attention are the same."""
+    if arch == "llama":
+        return None
+    window = raw.get("sliding_window", 4096)
+    if arch != "mistral":
+        if not raw.get("use_sliding_window", False):
+            return None
+        layers = int(raw["num_hidden_layers"])
+        types = raw.get("layer_types")
+        if isinstance(types, list):
+            slides = "sliding_attention" in types
+        else:
+            slides = window is not None and int(raw.get("max_window_layers", 28)) < layers
+        if not slides:
+            return None
+    return int(window) if window else None

@@ -128,3 +128,60 @@ def test_row_parallel_biases_are_rank_zeros_and_column_parallel_ones_are_sliced(
         assert not ranks[1][name].any()
     gate = "model.layers.0.mlp.gate_proj.bias"
     assert torch.equal(torch.cat((ranks[0][gate], ranks[1][gate])), weights[2][1])
+
+
+def _without(arch: str, *keys: str, **extra: Any) -> dict[str, Any]:
+    raw = {k: v for k, v in TINY_CONFIGS[arch].items() if k not in keys}
+    return {**raw, **extra}
+
+
+CONFIGS_AS_HF_READS_THEM = [
+    # Mistral's window always applies: HF ignores a use_sliding_window key (the engine dropped the
+    # window, and its context cap, and answered otherwise from the window's length on)
+    _without("mistral", sliding_window=32, use_sliding_window=False),
+    _without("mistral", "sliding_window"),  # absent: Mistral's 4096
+    _without("mistral", sliding_window=None),
+    _without("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1),
+    _without("qwen2", use_sliding_window=True, sliding_window=32),  # max_window_layers 28: no layer slides
+    _without("qwen2", use_sliding_window=True, sliding_window=32, layer_types=["full_attention"] * 2),
+    _without("qwen3", use_sliding_window=True, sliding_window=48, max_window_layers=0),
+    _without("qwen3", "head_dim"),  # Qwen3's class defaults it to 128, not hidden / heads
+    _without(
+        "llama", "rope_theta", "rope_scaling", rope_parameters={"rope_type": "default", "rope_theta": 5e5}
+    ),
+    # both: HF takes rope_scaling whole, its theta the top-level one or 10000 (the engine took 5e5)
+    _without(
+        "llama",
+        "rope_theta",
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+    _without("llama", rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=2e5),
+]
+
+
+@pytest.mark.parametrize("raw", CONFIGS_AS_HF_READS_THEM)
+def test_window_head_size_and_rope_are_read_as_hfs_config_classes_read_them(raw: dict[str, Any]) -> None:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    ours = ModelConfig.from_hf_dict(raw)
+    layer_types = getattr(hf, "layer_types", None)
+    window = getattr(hf, "sliding_window", None)  # (Llama has none)
+    slides = window is not None and (layer_types is None or "sliding_attention" in layer_types)
+    assert ours.sliding_window == (window if slides else None)
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    rope = hf.rope_parameters
+    assert ours.rope_theta == rope["rope_theta"]
+    kind = rope.get("rope_type", "default")
+    assert (ours.rope_scaling or {}).get("rope_type", "default") == kind
+    if kind != "default":
+        assert ours.rope_scaling is not None and ours.rope_scaling["factor"] == rope["factor"]
+
+
+def test_a_checkpoint_of_another_head_is_refused_though_its_model_type_is_supported() -> None:
+    """A LlamaForSequenceClassification was refused only for its unexpected `score.weight`."""
+    raw = dict(TINY_CONFIGS["llama"], architectures=["LlamaForSequenceClassification"])
+    with pytest.raises(UnsupportedModelError, match="LlamaForSequenceClassification"):
+        ModelConfig.from_hf_dict(raw)
+    assert ModelConfig.from_hf_dict(dict(TINY_CONFIGS["llama"], architectures=[])).architecture == "llama"
