@@ -316,6 +316,7 @@ def serve(args: argparse.Namespace, **server_kwargs: Any) -> int:
     """`serve`: run the HTTP server (`server_kwargs` go to `run_server`, e.g. an engine class)."""
     from engine.http.limits import HTTPLimits
     from engine.http.server import ServerOptions, run_server
+    from engine.preflight import check_startable
 
     limits = HTTPLimits(
         max_body_bytes=args.max_body_bytes,
@@ -340,7 +341,9 @@ def serve(args: argparse.Namespace, **server_kwargs: Any) -> int:
         otel_service_name=os.environ.get("OTEL_SERVICE_NAME") or "switchboard-engine",
         limits=limits,
     )
-    return run_server(_config(args), options, **server_kwargs)
+    config = _config(args)
+    check_startable(config)  # before the server listens: a configuration that cannot load is exit 2
+    return run_server(config, options, **server_kwargs)
 
 
 def otlp_traces_endpoint(environ: Mapping[str, str]) -> str | None:

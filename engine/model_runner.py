@@ -23,9 +23,8 @@ from engine.models.config import ModelConfig
 from engine.models.fused_stack import fuse_stack
 from engine.models.registry import build_model
 from engine.parallel.group import TensorParallelGroup
-from engine.parallel.sharding import local_config, shard_weights
+from engine.parallel.sharding import check_unquantized, local_config, shard_weights
 from engine.parallel.workers import rebuild, step_inputs
-from engine.prequantized import read_checkpoint_quant
 from engine.scheduler import ScheduledSeq
 from engine.weights import iter_weights
 from kernels import cpu_native
@@ -74,8 +73,7 @@ class ModelRunner:
         self.tp = tp
         full_vocab = model_config.vocab_size
         if tp is not None:
-            if config.quantization is not None or read_checkpoint_quant(model_dir) is not None:
-                raise ValueError("tensor_parallel_size > 1 serves unquantized checkpoints for now")
+            check_unquantized(config, model_dir)
             model_config = local_config(model_config, tp.size)
         self.device = resolve_device(config)
         if self.device.type == "cuda":  # Triton and graph capture use the current device

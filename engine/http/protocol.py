@@ -104,7 +104,8 @@ _UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extensions)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN and infinities (Python's JSON reader takes them) are refused as such, not as out of range
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)

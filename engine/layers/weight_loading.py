@@ -31,12 +31,25 @@ from engine.layers.quant import (
 )
 from engine.layers.quant_triton import TritonInt4Weight, TritonInt8Weight
 from engine.layers.smoothing import input_maxima, smooth
-from engine.prequantized import Grid, iter_prequantized, read_checkpoint_quant
+from engine.prequantized import CheckpointQuant, Grid, iter_prequantized, read_checkpoint_quant
 from engine.weights import iter_weights
 from kernels.cpu_gemm import CpuGemm
 
 logger = logging.getLogger(__name__)
 _Part = TypeVar("_Part")
+
+
+def check_quantization(asked: str | None, spec: CheckpointQuant | None, model_dir: Path) -> None:
+    """ValueError unless `quantization=asked` can apply to the checkpoint in `model_dir`, quantized
+    as `spec` says (None: a float checkpoint)."""
+    if spec is None:
+        if asked is not None and asked not in QUANTIZATIONS:
+            raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
+    elif asked is not None and asked not in (spec.method, spec.source):
+        raise ValueError(
+            f"the checkpoint is already quantized ({spec.source}); quantization={asked!r} cannot apply: "
+            "leave it unset"
+        )
 
 
 def load_weights(
@@ -57,9 +70,8 @@ def load_weights(
     if asked == "w8a8" and triton:
         raise ValueError("quantization='w8a8' runs on the CPU path (torch's integer matmul): use 'int8' here")
     spec = read_checkpoint_quant(model_dir)
+    check_quantization(asked, spec, model_dir)
     if spec is None:
-        if asked is not None and asked not in QUANTIZATIONS:
-            raise ValueError(f"quantization={asked!r} needs a checkpoint quantized so; {model_dir} is not")
         blocks = read_blocks(model_dir) if asked == "int4" and gemm is not None and not triton else None
         if blocks is not None and gemm is not None and serve_blocks(model, blocks, gemm):
             llama.load_weights(iter_weights(model_dir, dtype, skip=blocks))
@@ -77,11 +89,6 @@ def load_weights(
             nbytes = quantize_model(model, asked, triton, int4)
             logger.info("weights: %s, %.1f MiB of projections and LM head", asked, nbytes / 2**20)
         return asked
-    if asked is not None and asked not in (spec.method, spec.source):
-        raise ValueError(
-            f"the checkpoint is already quantized ({spec.source}); quantization={asked!r} cannot apply: "
-            "leave it unset"
-        )
     grids: dict[str, Grid] = {}
     llama.load_weights(iter_prequantized(model_dir, spec, dtype, grids))
     form, nbytes = serve_prequantized(model, grids, triton, gemm)

@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
+from engine.config import EngineConfig
 from engine.layers.kv_cache import kv_heads_per_rank
 from engine.models.config import ModelConfig
+from engine.prequantized import read_checkpoint_quant
+
+
+def check_unquantized(config: EngineConfig, model_dir: Path) -> None:
+    """ValueError unless the weights are served unquantized: what tensor parallelism shards."""
+    if config.quantization is not None or read_checkpoint_quant(model_dir) is not None:
+        raise ValueError("tensor_parallel_size > 1 serves unquantized checkpoints for now")
 
 
 def check_divisible(mc: ModelConfig, size: int) -> None:

@@ -155,3 +155,15 @@ def test_tools_beside_a_format_that_is_not_json_is_a_400_whatever_the_tool_choic
     assert info.value.param == "structured_outputs"
     json_format = _chat(tools=tools, tool_choice=choice, response_format={"type": "json_object"})
     assert json_format.guided_spec() is not None  # a JSON format goes with them
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+def test_nan_and_infinities_are_refused_as_such_not_as_out_of_range(field: str, value: float) -> None:
+    """Python's JSON reader takes NaN and Infinity; a NaN temperature was told "less than or equal to 2"."""
+    from engine.http.protocol import validation_error
+
+    with pytest.raises(Exception) as err:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], field: value})
+    error = validation_error(err.value)  # type: ignore[arg-type]
+    assert error.status == 400 and error.param == field and "finite" in error.message, error.message

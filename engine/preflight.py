@@ -1,0 +1,46 @@
+"""What would stop an engine while it loads, checked before a server starts: a model folder that
+is not there or not a model the engine serves, a quantization the checkpoint cannot take, a
+tensor-parallel size the model does not split into, a draft model that is not there.
+
+Found while loading, these ended a server that was already listening, with tracebacks from the
+engine thread (and a worker rank) and exit code 3, "restart me": an orchestrator restarted a
+configuration that could never work. Found here, they are one `error:` line and exit code 2, as
+a bad flag is. Reads config files only: no weights, no tokenizer, no device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.default_model import resolve_model
+from engine.layers.weight_loading import check_quantization
+from engine.models.config import ModelConfig
+from engine.parallel.sharding import check_divisible, check_unquantized
+from engine.prequantized import read_checkpoint_quant
+from engine.spec_decode.config import SpeculativeConfig
+from engine.weights import checkpoint_files
+
+
+def check_startable(config: EngineConfig) -> None:
+    """ValueError naming what stops `config` from loading (see the module's docstring)."""
+    model_dir = resolve_model(config.model)
+    model_config = ModelConfig.from_dir(model_dir)
+    _weights_present(model_dir)
+    check_quantization(config.quantization, read_checkpoint_quant(model_dir), model_dir)
+    if config.tensor_parallel_size > 1:
+        check_unquantized(config, model_dir)
+        check_divisible(model_config, config.tensor_parallel_size)
+    spec = config.speculative_config
+    if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model" and spec.model:
+        draft_dir = resolve_model(spec.model)
+        ModelConfig.from_dir(draft_dir)
+        _weights_present(draft_dir)
+
+
+def _weights_present(model_dir: Path) -> None:
+    """ValueError unless the folder holds its safetensors files (the loader's FileNotFoundError)."""
+    try:
+        checkpoint_files(model_dir)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
