@@ -190,6 +190,7 @@ class WirePool:
         self._idle_seconds = idle_seconds
         self._slots: list[asyncio.Future[None]] = []  # callers waiting for a connection under the limit
         self._pruning: asyncio.TimerHandle | None = None  # when the oldest idle connection expires
+        self._closed = False  # close() ran: a connection given back after it is closed, not kept
 
     async def post(
         self,
@@ -285,7 +286,12 @@ class WirePool:
         # freed now: the connection and its parser refer to each other, so a dropped one lives
         # until the cyclic GC runs, and a kept one would hold its last answer while idle
         conn.buffer = bytearray()
-        if conn.reusable and conn.transport is not None and not conn.transport.is_closing():
+        if (
+            conn.reusable
+            and not self._closed
+            and conn.transport is not None
+            and not conn.transport.is_closing()
+        ):
             conn.exchanges += 1
             conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
@@ -335,6 +341,7 @@ class WirePool:
 
     def close(self) -> None:
         """Close every idle connection (lent ones close when their exchange ends)."""
+        self._closed = True
         if self._pruning is not None:
             self._pruning.cancel()
             self._pruning = None

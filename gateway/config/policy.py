@@ -9,7 +9,9 @@ active-check and circuit-breaker thresholds (an engine backend may override them
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -389,9 +391,20 @@ def load_policy(path: Path) -> Policy:
 
 
 def read_policy_text(path: Path) -> str:
-    """The file's UTF-8 text, or a PolicyError saying why it cannot be read (missing, too big, bytes)."""
+    """The file's UTF-8 text, or a PolicyError saying why it cannot be read (missing, not a regular
+    file, too big, bytes).
+
+    Opened without blocking and refused unless a regular file: a FIFO put at the path blocked the
+    open for good (the watcher's thread, holding the reload lock, so later valid edits were never
+    applied and shutdown waited on it forever)."""
     try:
-        with path.open("rb") as file:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
+    try:
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise PolicyError(f"cannot read policy {path}: not a regular file")
             data = file.read(MAX_POLICY_BYTES + 1)  # no more: a runaway file never fills memory
     except OSError as exc:
         raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc

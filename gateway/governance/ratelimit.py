@@ -69,9 +69,21 @@ class RateLimitedError(GatewayError):
             out += [
                 (b"x-ratelimit-limit-" + unit, b"%d" % self.per_minute),
                 (b"x-ratelimit-remaining-" + unit, b"0"),
-                (b"x-ratelimit-reset-" + unit, b"%.3gs" % max(self.retry_after, 0.0)),
+                (b"x-ratelimit-reset-" + unit, duration(self.retry_after).encode()),
             ]
         return out
+
+
+def duration(seconds: float) -> str:
+    """A wait as OpenAI's x-ratelimit-reset-* headers write one: "20ms", "6s", "1m1.5s", "1h29m15s"
+    (it was "%.3gs": 5,355 seconds read "5.35e+03s")."""
+    millis = max(round(seconds * 1000), 0)
+    if millis < 1000:
+        return f"{millis}ms"
+    hours, rest = divmod(millis, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    return (f"{hours}h" if hours else "") + (f"{minutes}m" if hours or minutes else "") + f"{secs}s"
 
 
 class LimiterUnavailableError(GatewayError):

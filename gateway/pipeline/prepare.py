@@ -8,7 +8,7 @@ import orjson
 
 from gateway.errors import GatewayError, model_not_found
 from gateway.governance.keys import AuthError
-from gateway.governance.usage import MAX_CHOICES
+from gateway.governance.usage import MAX_CHOICES, MAX_TOKENS
 from gateway.pipeline.call import Call
 from gateway.pipeline.runtime import Runtime
 
@@ -77,6 +77,7 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
         raise GatewayError(400, "'stream_options.include_usage' must be a boolean",
                            param="stream_options.include_usage", code="invalid_type")  # fmt: skip
     _check_choices(body)
+    _check_output_bounds(body)
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if messages is None:
@@ -113,6 +114,16 @@ def _check_shape(body: dict[str, Any], path: str) -> None:
         raise GatewayError(400, message, param="prompt", code="invalid_value")
 
 
+def _check_output_bounds(body: dict[str, Any]) -> None:
+    """`max_tokens` and `max_completion_tokens`, when given, are integers from 1 to MAX_TOKENS: the
+    reservations read only such a number, and passed anything else ("12", -5, 1e308) on unreserved."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_TOKENS):
+            raise GatewayError(400, f"'{field}' must be an integer from 1 to {MAX_TOKENS}", param=field,
+                               code="invalid_value")  # fmt: skip
+
+
 def _check_choices(body: dict[str, Any]) -> None:
     """`n` and `best_of`, when given, are integers from 1 to MAX_CHOICES (OpenAI's bound on `n`).
     The budget reserves for at most that many answers (usage.choices): a provider that took more
@@ -143,11 +154,15 @@ def _check_chat_options(body: dict[str, Any]) -> None:
 
 
 def _content_shape(content: Any) -> bool:
-    """A message's content as OpenAI takes it: absent, text, or parts that each name their type."""
+    """A message's content as OpenAI takes it: absent, text, or parts that each name their type (a
+    text part's text a string: an object there was passed on, and read as text by nobody)."""
     if content is None or isinstance(content, str):
         return True
     return isinstance(content, list) and all(
-        isinstance(part, dict) and isinstance(part.get("type"), str) for part in content
+        isinstance(part, dict)
+        and isinstance(kind := part.get("type"), str)
+        and (kind != "text" or isinstance(part.get("text"), str))
+        for part in content
     )
 
 

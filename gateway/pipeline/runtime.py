@@ -92,9 +92,21 @@ async def _close_all(pools: list[Upstream]) -> None:
 
 
 def _same_backend(previous: Runtime | None, policy: Policy, name: str) -> bool:
+    """Whether backend `name` is served as before: its price aside (the price book reads prices
+    from the policy; a pool never does), a price change rebuilt the pool, losing its breakers and
+    connections and keeping the old one's health checks running for the longest timeout."""
     assert previous is not None
     before = previous.policy.backends.get(name)
-    return before == policy.backends[name] and previous.policy.health_for(name) == policy.health_for(name)
+    after = policy.backends[name]
+    return (
+        before is not None
+        and type(before) is type(after)
+        and before.model_dump(exclude=_PRICES) == after.model_dump(exclude=_PRICES)
+        and previous.policy.health_for(name) == policy.health_for(name)
+    )
+
+
+_PRICES = {"price", "gpu"}  # what a backend's spec says of its cost, and nothing else
 
 
 def _new_backend(name: str, policy: Policy) -> Upstream:

@@ -486,3 +486,27 @@ def test_idle_connections_are_closed_once_idle_for_their_limit_without_another_c
             pool.close()
 
     asyncio.run(main())
+
+
+def test_a_connection_given_back_after_the_pool_closed_is_closed_not_kept() -> None:
+    """A retired pool (a reload removed its backend) kept the connection of an answer that ended
+    after its close in its idle list, open until the idle timer (60 s by default)."""
+
+    async def main() -> None:
+        ended = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await reader.read()  # until the client closes the connection
+            ended.set()
+
+        async with serving(handler) as (url, _):
+            pool = WirePool(url, {}, idle_seconds=60.0)
+            resp = await pool.post("/v1/x", b"{}", 1.0, 5.0)
+            pool.close()  # retired while the answer is read
+            assert await resp.read(100) == b"ok"
+            resp.release()
+            await asyncio.wait_for(ended.wait(), 2.0)
+
+    asyncio.run(main())

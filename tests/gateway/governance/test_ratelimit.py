@@ -191,3 +191,14 @@ def test_redis_admits_exactly_the_limit_in_a_burst(per_minute: int) -> None:
             await limiter.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("seconds", "written"),
+    [(0.0, "0ms"), (0.02, "20ms"), (6.0, "6s"), (6.25, "6.25s"), (61.5, "1m1.5s"), (5355.0, "1h29m15s")],
+)
+def test_a_reset_is_written_as_openai_writes_it(seconds: float, written: str) -> None:
+    """It was "%.3gs": 5,355 seconds read "5.35e+03s"."""
+    from gateway.governance.ratelimit import duration
+
+    assert duration(seconds) == written

@@ -266,3 +266,46 @@ def test_a_team_budget_given_back_or_moved_to_another_period_is_reseeded_from_th
 
 def load_policy_text(teams: str) -> Policy:
     return parse_policy(_policy(teams))
+
+
+def test_a_fifo_at_the_policy_path_is_refused_and_later_edits_still_apply(watched: Watched) -> None:
+    """Opening a FIFO blocked the watcher's thread for good, holding the reload lock: no later edit
+    was applied, /admin/policy showed no error, and shutdown waited on the thread forever."""
+
+    async def body(watcher: PolicyWatcher) -> None:
+        watcher.start()
+        active = watcher.holder.runtime.version
+        fifo = watched.path.with_name("fifo.tmp")
+        os.mkfifo(fifo)
+        fifo.replace(watched.path)
+        await _until(lambda: watcher.last_error is not None)
+        assert "not a regular file" in (watcher.last_error or "")
+        assert watcher.holder.runtime.version == active
+        edited = watched.path.with_name("edit.tmp")
+        edited.write_text(_policy('  other: {type: engine, urls: ["http://127.0.0.1:9"]}\n'))
+        edited.replace(watched.path)
+        await _until(lambda: "other" in watcher.holder.runtime.pools)
+        assert watcher.last_error is None
+
+    _run(watched, body)
+
+
+def test_a_price_change_keeps_the_backends_pool_and_a_served_change_replaces_it(watched: Watched) -> None:
+    """A price-only edit rebuilt the pool (its breakers and connections lost; the old one health-
+    checked on for the longest timeout: 40 price edits left 368 sockets open)."""
+    priced = POLICY.replace('urls: ["http://127.0.0.1:9"]', 'urls: ["http://127.0.0.1:9"], price: {p}')
+
+    async def body(watcher: PolicyWatcher) -> None:
+        watcher.start()
+        first = watcher.holder.runtime.pools["local"]
+        for price in ("{input_per_mtok: 1, output_per_mtok: 2}", "{input_per_mtok: 3, output_per_mtok: 4}"):
+            version = watcher.holder.runtime.version
+            watched.path.write_text(priced.format(p=price, extra=""))
+            await _until(lambda v=version: watcher.holder.runtime.version != v)  # type: ignore[misc]
+            assert watcher.holder.runtime.pools["local"] is first
+        price = watcher.holder.runtime.policy.backends["local"].price
+        assert price is not None and price.input_per_mtok == 3  # the new prices are read from the policy
+        watched.path.write_text(_policy().replace("127.0.0.1:9", "127.0.0.1:7"))
+        await _until(lambda: watcher.holder.runtime.pools["local"] is not first)
+
+    _run(watched, body)

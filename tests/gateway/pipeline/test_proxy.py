@@ -236,13 +236,29 @@ def test_prompts_in_no_openai_shape_are_400s_for_every_backend(stack: Stack, pro
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("n", 129), ("n", 0), ("n", 2.0), ("n", True), ("best_of", 10_000)]
+    ("field", "value"),
+    [
+        ("n", 129),
+        ("n", 0),
+        ("n", 2.0),
+        ("n", True),
+        ("best_of", 10_000),
+        # reservations read only an integer: these went upstream unreserved
+        ("max_tokens", -5),
+        ("max_tokens", 0),
+        ("max_tokens", "12"),
+        ("max_tokens", 1e308),
+        ("max_tokens", 10**30),
+        ("max_completion_tokens", True),
+        ("max_completion_tokens", 2.5),
+    ],
 )
 @pytest.mark.parametrize("model", ["fast", "hosted"])
-def test_choices_past_openais_bound_are_400s_before_any_reservation(
+def test_choices_and_output_caps_past_their_bounds_are_400s_before_any_reservation(
     stack: Stack, field: str, value: Any, model: str
 ) -> None:
-    """The budget reserves for at most 128 answers: a provider that took n=10,000 would bill past it."""
+    """The budget reserves for at most 128 answers: a provider that took n=10,000 would bill past it;
+    an output cap that is not an integer in range went upstream unreserved."""
     body = {"model": model, "messages": [{"role": "user", "content": "x"}], field: value}
     r = httpx.post(f"{stack.gateway.base_url}/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {stack.key}"})  # fmt: skip
@@ -256,6 +272,12 @@ def test_choices_past_openais_bound_are_400s_before_any_reservation(
         ("messages", [{"role": "user", "content": [1, 2]}], "messages[0].content"),
         ("messages", [{"role": "user", "content": 5}], "messages[0].content"),
         ("messages", [{"role": "user", "content": [{"text": "x"}]}], "messages[0].content"),
+        (
+            "messages",
+            [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}],
+            "messages[0].content",
+        ),
+        ("messages", [{"role": "user", "content": [{"type": "text"}]}], "messages[0].content"),
         ("tool_choice", 5, "tool_choice"),
         ("response_format", "json", "response_format"),
         ("tools", {"type": "function"}, "tools"),
