@@ -218,15 +218,6 @@ class KeyCreate(_KeyFields):
             raise ValueError("give expires_at or expires_in_days, not both")
         return self
 
-    @field_validator("expires_at")
-    @classmethod
-    def _ahead(cls, value: datetime | None) -> datetime | None:
-        """A new key's expiry is in the future (PATCH may set a past one: that ends a key now)."""
-        moment = _utc(value)
-        if moment is not None and moment <= datetime.now(UTC):
-            raise ValueError("is in the past: a new key would never work")
-        return value
-
     def expiry(self) -> datetime | None:
         """Absolute expiry from either field."""
         if self.expires_in_days is not None:
