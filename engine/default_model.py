@@ -54,6 +54,12 @@ def _is_complete(folder: Path) -> bool:
     return marker.is_file() and marker.read_text().strip() == str(_FORMAT_VERSION)
 
 
+def prepared_default_model(cache_dir: Path | None = None) -> Path | None:
+    """The converted default model's folder if it is converted already, else None (nothing done)."""
+    target = default_model_dir(cache_dir)
+    return target if _is_complete(target) else None
+
+
 def prepare_default_model(cache_dir: Path | None = None) -> Path:
     """Convert the GGUF to an HF folder once (config, safetensors, tokenizer, chat template)."""
     target = default_model_dir(cache_dir)

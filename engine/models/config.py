@@ -61,7 +61,9 @@ class ModelConfig:
         """Translate an HF config dict; unsupported architectures raise UnsupportedModelError."""
         archs = raw.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and not archs:  # named architectures decide (a Llama classifier is no LM)
+        # named heads decide (a Llama classifier is no LM); a causal LM under an older class name
+        # (LLaMAForCausalLM) is read by its model_type, as transformers loads it
+        if arch is None and (not archs or any(str(a).endswith("ForCausalLM") for a in archs)):
             arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
                 raw.get("model_type", "")
             )
@@ -84,7 +86,6 @@ class ModelConfig:
         scaling = legacy or (rope if rope.get("rope_type", "default") != "default" else None)
         partial = next(
             (p for p in ((scaling or {}).get("partial_rotary_factor"), rope.get("partial_rotary_factor"),
-                         (raw.get("rope_parameters") or {}).get("partial_rotary_factor"),
                          raw.get("partial_rotary_factor")) if p is not None),
             1.0,
         )  # fmt: skip

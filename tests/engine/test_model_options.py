@@ -101,7 +101,10 @@ def test_yarn_without_a_factor_takes_the_lengths_ratio_and_the_original_length_d
         ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
         (
-            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+            {
+                "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25},
+            },
             "partial_rotary_factor 0.25",
         ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
@@ -185,3 +188,5 @@ def test_a_checkpoint_of_another_head_is_refused_though_its_model_type_is_suppor
     with pytest.raises(UnsupportedModelError, match="LlamaForSequenceClassification"):
         ModelConfig.from_hf_dict(raw)
     assert ModelConfig.from_hf_dict(dict(TINY_CONFIGS["llama"], architectures=[])).architecture == "llama"
+    old_name = dict(TINY_CONFIGS["llama"], architectures=["LLaMAForCausalLM"])  # early Llama checkpoints
+    assert ModelConfig.from_hf_dict(old_name).architecture == "llama"

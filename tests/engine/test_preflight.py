@@ -42,7 +42,10 @@ def _bare_folder(tmp_path: Path, model: Path) -> Path:
         (["--tensor-parallel-size", "2", "--quantization", "int8"], "unquantized"),
         (["--tensor-parallel-size", "3"], "must divide"),
         (["--quantization", "awq"], "needs a checkpoint quantized so"),
-        (["--speculative-config", json.dumps({"method": "draft_model", "model": "/no/such/draft"})], "draft"),
+        (
+            ["--speculative-config", json.dumps({"method": "draft_model", "model": "/no/such/draft"})],
+            "'/no/such/draft'",
+        ),
         (["--model", "/no/such/model"], "/no/such/model"),
         (["--model", "BARE"], "no *.safetensors"),
         (
@@ -72,3 +75,28 @@ def test_a_configuration_that_can_load_starts_the_server(
     options = ["--tensor-parallel-size", "2", "--speculative-config", draft]
     assert main(["serve", "--model", str(tiny_model_factory("llama")), "--port", "0", *options]) == 0
     assert len(started) == 1 and started[0].tensor_parallel_size == 2
+
+
+def test_the_default_model_not_converted_yet_is_left_to_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, started: list[Any]
+) -> None:
+    """The preflight writes nothing: converting the default model is the load's minute of work."""
+    monkeypatch.setenv("SWITCHBOARD_MODEL_CACHE", str(tmp_path / "cache"))
+    assert main(["serve", "--model", "default", "--port", "0"]) == 0 and len(started) == 1
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_model_folder_that_cannot_be_read_is_exit_2(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, started: list[Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    model = tiny_model_factory("llama")
+    capsys.readouterr()
+
+    def unreadable(path: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(path / "config.json"))
+
+    monkeypatch.setattr("engine.preflight.ModelConfig.from_dir", unreadable)  # (root reads any file)
+    assert main(["serve", "--model", str(model), "--port", "0"]) == 2 and not started
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Permission denied" in err and "Traceback" not in err, err
