@@ -61,6 +61,8 @@ def _plain_decimal(value: object) -> object:
 
 
 _WHOLE = re.compile(r"[0-9]+")
+# a number as text, which pydantic reads as Unix time (seconds, or milliseconds past ~2e10)
+_NUMERIC = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*")
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
 
 # (a numeric string stays accepted: the console's forms send them)
@@ -85,26 +87,30 @@ def _text_only(value: Any) -> Any:
     return value
 
 
-# Direction overrides, isolates and marks: a name holding one reads otherwise than it is ("Trojan
-# Source"); and the characters that show as nothing (a zero-width space, a byte order mark, a word
-# joiner): two names that look alike would be two keys. (Zero-width joiners stay: emoji need them.)
-_HIDDEN = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
-                    "\u200b\u2060\ufeff\u180e")  # fmt: skip
-_LINE_BREAKS = frozenset(("Cc", "Zl", "Zp"))  # control characters, U+2028, U+2029
+# Refused in names: control characters and line separators (U+2028/2029), and the format
+# characters (direction overrides, isolates and marks: a name holding one reads otherwise than it
+# is, "Trojan Source"; zero-width spaces, a byte order mark, soft hyphens, tags: two names that
+# look alike would be two keys), joiners aside (emoji and Persian need them); Hangul fillers, which
+# show as nothing, too.
+_REFUSED_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp"))
+_JOINERS = frozenset("\u200c\u200d")
+_FILLERS = frozenset("\u115f\u1160\u3164\uffa0")
 
 
 def _one_line(value: str | None) -> str | None:
     """`value` (a name or team) when it shows as what it is on one line: no control character or
-    line separator, no direction control, nothing invisible, not blank. Names reach terminals
+    line separator, no format character but a joiner, and something visible. Names reach terminals
     (`gateway keys list`), log lines and reports, where an escape or a line break acts."""
     if value is None:
         return None
-    if any(unicodedata.category(c) in _LINE_BREAKS or c in _HIDDEN for c in value):
+    if any(
+        c in _FILLERS or (unicodedata.category(c) in _REFUSED_CATEGORIES and c not in _JOINERS) for c in value
+    ):
         raise ValueError(
             "holds a control character (a line break, an escape, a direction control or an invisible one)"
         )
-    if not value.strip():
-        raise ValueError("is blank")
+    if not any(unicodedata.category(c)[0] in "LNPS" and c not in _FILLERS for c in value):
+        raise ValueError("shows nothing (blank)")
     return value
 
 
@@ -178,6 +184,13 @@ class _KeyFields(BaseModel):
     def _printable(cls, value: str | None) -> str | None:
         return _one_line(value)
 
+    @field_validator("allowed_models", check_fields=False)
+    @classmethod
+    def _printable_models(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or []:
+            _one_line(name)  # a model's name as a name: a line break in one split it in the console
+        return value
+
     @field_validator("metadata", check_fields=False)
     @classmethod
     def _json(cls, value: object) -> object:
@@ -188,7 +201,7 @@ class _KeyFields(BaseModel):
     def _a_date(cls, value: object) -> object:
         """A date and time as text (ISO 8601): a number was read as seconds, or past ~2e10 as
         milliseconds, since 1970 (year 10000 in seconds was stored as 1978)."""
-        if isinstance(value, int | float):
+        if isinstance(value, int | float) or (isinstance(value, str) and _NUMERIC.fullmatch(value)):
             raise ValueError("must be a date and time as text (ISO 8601), not a number")
         return value
 

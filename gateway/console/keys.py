@@ -29,15 +29,22 @@ PAGE_KEYS = 100  # keys a page (their spend is one query over the page's keys)
 OPTIONAL = ("team", "allowed_models", "rpm_limit", "tpm_limit", "budget_usd")
 
 
-def _fields(form: dict[str, str], lift_empty: bool) -> dict[str, Any]:
+def _fields(form: dict[str, str], lift_empty: bool, kept: Sequence[str] = ()) -> dict[str, Any]:
     """Form text to model fields: trimmed; empty optional fields left out (create) or null (edit).
-    The expiry is apart: create takes days from now, edit a date (see `_edited_expiry`)."""
+    The models: every one when the form's choice says so, only those listed (none: none) when it
+    says that, and without a choice (a form posted by a script) the names given, else every model;
+    `kept`: the key's stored names (see `_model_names`). The expiry is apart: create takes days
+    from now, edit a date (see `_edited_expiry`)."""
     fields: dict[str, Any] = {"name": form.get("name", "").strip()}
     for name in OPTIONAL:
         value = form.get(name, "").strip()
         if name == "allowed_models":
-            models = _model_names(form.get(name, ""))  # its line breaks say how to read it
-            if models or form.get("model_access") == "listed":  # none listed: no model at all
+            access = form.get("model_access")
+            models = _model_names(form.get(name, ""), kept)
+            if access == "all":
+                if lift_empty:
+                    fields[name] = None
+            elif access == "listed" or models:
                 fields[name] = models
             elif lift_empty:
                 fields[name] = None
@@ -50,17 +57,22 @@ def _fields(form: dict[str, str], lift_empty: bool) -> dict[str, Any]:
     return fields
 
 
-def _model_names(text: str) -> list[str]:
-    """The models field's names: one a line (as the edit form shows them, so that a name holding a
-    comma survives a save), or, typed on one line, separated by commas."""
-    parts = text.splitlines() if "\n" in text else text.split(",")
-    return [name.strip() for name in parts if name.strip()]
+def _model_names(text: str, kept: Sequence[str] = ()) -> list[str]:
+    """The models field's names, one a line or separated by commas; a line that is one of the key's
+    stored names (`kept`: the edit form shows them one a line) is that name whole, so that a name
+    holding a comma or spaces survives a save, and "gpt-4, claude" typed after it is two names."""
+    names: list[str] = []
+    for line in text.splitlines():
+        if line in kept or line.strip() in kept:
+            names.append(line if line in kept else line.strip())
+        else:
+            names.extend(name.strip() for name in line.split(",") if name.strip())
+    return names
 
 
 def _models_text(models: Sequence[str] | None) -> str:
-    """A key's models as the form shows them: one a line, ending with a line break (so that the
-    text, saved unchanged, is read by lines even when it is one name holding a comma)."""
-    return "".join(f"{name}\n" for name in models or [])
+    """A key's models as the form shows them: one a line."""
+    return "\n".join(models or [])
 
 
 def _edited_expiry(form: dict[str, str]) -> datetime | str | None:
@@ -160,7 +172,8 @@ async def edit_form(key_id: str, keys: Keys, session: ConsoleSession) -> Respons
     info = await keys.get(key_id)
     form = {
         "name": info.name, "team": info.team or "", "rpm_limit": info.rpm_limit or "",
-        "tpm_limit": info.tpm_limit or "", "budget_usd": info.budget_usd or "",
+        "tpm_limit": info.tpm_limit or "",
+        "budget_usd": f"{info.budget_usd:f}" if info.budget_usd else "",  # 1E-7 was refused when saved
         "budget_period": info.budget_period or "monthly",
         "allowed_models": _models_text(info.allowed_models),
         "model_access": "all" if info.allowed_models is None else "listed",
@@ -177,7 +190,8 @@ async def update_key(
 ) -> Response:
     """Save the edit form: empty limits, budget, team or expiry lift them; the models are every
     model or only those listed (none listed: none), as the form's choice says."""
-    fields = _fields(form, lift_empty=True)
+    stored = (await keys.get(key_id)).allowed_models
+    fields = _fields(form, lift_empty=True, kept=stored or ())
     try:
         fields["expires_at"] = _edited_expiry(form)
         body = KeyUpdate.model_validate(fields)

@@ -57,6 +57,10 @@ def test_a_404_for_a_long_key_id_does_not_echo_it_whole(admin: TestClient, metho
         ("name", "a\ufeffb"),
         ("name", "lrm\u200e"),
         ("team", "para\u2028graph"),  # a line separator
+        ("name", "soft\u00adhyphen"),
+        ("name", "\u3164"),  # a Hangul filler: shows as nothing
+        ("name", "\u200d"),  # a joiner alone
+        ("name", "tag\U000e0041"),
     ],
 )
 def test_control_characters_in_a_name_or_team_are_400_naming_the_field(
@@ -185,6 +189,8 @@ def test_a_budget_added_back_or_moved_to_another_period_starts_from_the_log_not_
         ("budget_usd", True),
         ("expires_at", 253402300800),  # a number: read as milliseconds past ~2e10 (stored as 1978)
         ("expires_at", 1.5e9),
+        ("expires_at", "253402300800"),  # as text too: pydantic reads it as Unix time
+        ("expires_at", "0"),
     ],
 )
 def test_numbers_and_dates_are_read_only_as_written(admin: TestClient, field: str, value: object) -> None:
@@ -223,3 +229,10 @@ def test_a_trailing_slash_never_redirects_to_the_host_the_client_named(admin: Te
     for answer in (r, g):
         assert "attacker.example" not in answer.headers.get("location", ""), answer.headers
         assert answer.status_code in (404, 405), (path, answer.status_code)
+
+
+@pytest.mark.parametrize("models", [["gpt-4", "x\ny"], [""], ["  "], ["a\u202eb"]])
+def test_model_names_are_held_to_the_rules_of_names(admin: TestClient, models: list[str]) -> None:
+    """A line break in one split it in two when the console's form was saved."""
+    r = admin.post("/admin/keys", json={"name": "m", "allowed_models": models}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("allowed_models"), r.text

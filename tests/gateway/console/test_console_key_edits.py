@@ -112,6 +112,12 @@ def test_model_names_survive_the_form_and_the_choice_says_all_or_only_those(
     assert _saved_as_rendered(client, key_id)["allowed_models"] == ["x,y"]  # one name, not two
     typed = _saved_as_rendered(client, key_id, allowed_models="p, q ,r")  # typed on one line
     assert typed["allowed_models"] == ["p", "q", "r"]
+    after = _saved_as_rendered(client, key_id, allowed_models="p\nq, s")  # ", s" typed after a stored line
+    assert after["allowed_models"] == ["p", "q", "s"]
+    typed_on = _saved_as_rendered(client, key_id, allowed_models="gpt-4o, claude\r\n")  # Enter after it
+    assert typed_on["allowed_models"] == ["gpt-4o", "claude"]
+    assert _saved_as_rendered(client, key_id, model_access="all")["allowed_models"] is None  # names not kept
+    _saved_as_rendered(client, key_id, allowed_models="p", model_access="listed")
     assert _saved_as_rendered(client, key_id, allowed_models="", model_access="all")["allowed_models"] is None
     assert _saved_as_rendered(client, key_id)["allowed_models"] is None  # every model, kept so
     listed_none = _saved_as_rendered(client, key_id, allowed_models=" \n ", model_access="listed")
@@ -161,3 +167,10 @@ def test_the_login_at_its_failure_limit_says_when_to_try_again(tmp_path: Path) -
     assert [a.status_code for a in answers[:2]] == [401, 401] and answers[-1].status_code == 429
     assert "retry-after" not in answers[0].headers
     assert 1 <= int(answers[-1].headers["retry-after"]) <= 60
+
+
+def test_a_small_budget_saved_unchanged_is_kept(ops: tuple[TestClient, str]) -> None:
+    """1e-7 was shown as "1E-7", which the form's own check then refused."""
+    client, _ = ops
+    made = client.post("/admin/keys", json={"name": "tiny", "budget_usd": "0.0000001"}, headers=ADMIN).json()
+    assert _saved_as_rendered(client, made["id"])["budget_usd"] == "0.0000001"
