@@ -167,8 +167,10 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, cached, num_new)
             bm.record_prefix_query(seq.num_tokens, num_cached_tokens)
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached_tokens
+            if seq.num_preemptions == 0:  # the prompt's hits (a resumed request's replayed answer
+                # hits too: counted there, cached_tokens passed prompt_tokens and the gateway
+                # disbelieved the whole usage)
+                seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING

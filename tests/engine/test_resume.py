@@ -25,6 +25,8 @@ class Run:
     replayed: str = ""
     finish: str | None = None
     generated: int = 0
+    prompt: int = 0
+    cached: int = 0
 
 
 def run(engine: LLMEngine, params: SamplingParams, resume: list[int] | None = None, rid: str = "r") -> Run:
@@ -38,6 +40,7 @@ def run(engine: LLMEngine, params: SamplingParams, resume: list[int] | None = No
             out.replayed += c.replayed_text
             out.finish = c.finish_reason or out.finish
             out.generated = delta.num_generated_tokens
+            out.prompt, out.cached = len(delta.prompt_token_ids), delta.num_cached_tokens
     return out
 
 
@@ -122,3 +125,13 @@ def test_tokens_it_could_not_have_produced_are_refused(engine: LLMEngine) -> Non
         assert err.value.param in ("resume", "resume.token_ids"), name
     assert not engine.has_unfinished_requests()
     assert run(engine, params).tokens == whole.tokens  # nothing of the refused ones stayed behind
+
+
+def test_a_resumed_request_counts_only_its_prompts_cache_hits(engine: LLMEngine) -> None:
+    """Its replayed answer, cached from the first try, was counted as cached prompt: cached_tokens
+    passed prompt_tokens, and the gateway disbelieved (and did not relay) the whole usage."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    whole = run(engine, params, rid="cached-whole")  # the prompt and the answer now in the cache
+    resumed = run(engine, params, whole.tokens[:36], rid="cached-resumed")
+    assert whole.tokens[:36] + resumed.tokens == whole.tokens
+    assert 0 < resumed.cached <= resumed.prompt < 36, (resumed.cached, resumed.prompt)
