@@ -56,6 +56,16 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool | None = False
+    # vLLM's usage on every chunk: not served, so refused rather than ignored (false passes)
+    continuous_usage_stats: bool | None = False
+
+    @model_validator(mode="after")
+    def _no_continuous_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise ValueError(
+                "stream_options.continuous_usage_stats: usage on every chunk is not supported by this server"
+            )
+        return self
 
 
 # A resumed completion's tokens so far: bounded here, then by the model's context at admission.
@@ -98,7 +108,12 @@ _UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (None, True),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "use_beam_search": (None, False),
 }
+# ... and those of a chat only (a text completion's `echo` is served)
+_UNSUPPORTED_CHAT_EXTENSIONS: dict[str, tuple[Any, ...]] = {"echo": (None, False)}
 
 
 class _SamplingFields(BaseModel):
@@ -159,8 +174,10 @@ class _SamplingFields(BaseModel):
         # fields, the client would get an answer that silently disregards them; their neutral values
         # (absent, null, false, an empty list) pass, as a client that always sends them does
         if isinstance(data, Mapping):
-            for key, neutral in _UNSUPPORTED_EXTENSIONS.items():
-                if key in _TEMPLATE_SWITCHES and "messages" in cls.model_fields:  # a chat's, read there
+            chat = "messages" in cls.model_fields
+            refused = {**_UNSUPPORTED_EXTENSIONS, **(_UNSUPPORTED_CHAT_EXTENSIONS if chat else {})}
+            for key, neutral in refused.items():
+                if key in _TEMPLATE_SWITCHES and chat:  # a chat's, read there
                     continue
                 if key in data and data[key] not in neutral:
                     raise ValueError(f"{key}: {key} is not supported by this server")

@@ -3,7 +3,9 @@
 A client's own `x-request-id` is echoed when it is a plain token (letters, digits and `._:-`, at
 most 128 characters), so that a caller's logs and ours name a request alike; anything else, or no
 header, gets a fresh `req-<32 hex>`. The header is added in ASGI middleware, outermost, so that the
-refusals made before any route (503 at the request limit, 413, 431) carry it too.
+refusals made before any route (503 at the request limit, 413, 431) carry it too. Starlette's own
+error middleware sits outside every added one: the 500 it sends for an unexpected error reads the
+id from the scope (`scope_request_id`), where the middleware leaves it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _HEADER = b"x-request-id"
+_SCOPE_KEY = "switchboard.request_id"
 _PLAIN = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -40,7 +43,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id(scope.get("headers") or [])
+        rid = scope[_SCOPE_KEY] = request_id(scope.get("headers") or [])
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -49,3 +52,9 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def scope_request_id(scope: Scope) -> bytes | None:
+    """The id RequestIdMiddleware gave the request of `scope` (None: it did not run)."""
+    rid = scope.get(_SCOPE_KEY)
+    return rid if isinstance(rid, bytes) else None

@@ -36,7 +36,7 @@ from engine.http.protocol import (
     CompletionRequest,
     validation_error,
 )
-from engine.http.request_id import RequestIdMiddleware
+from engine.http.request_id import RequestIdMiddleware, scope_request_id
 from engine.http.serving import OpenAIServing
 from engine.metrics import CONTENT_TYPE
 
@@ -172,8 +172,13 @@ def _add_routes(
     @app.get("/v1/models/{model:path}", dependencies=authorized)
     async def get_model(model: str) -> Response:
         """One served model."""
-        serving.served_model(model)
-        return _json(next(m for m in serving.models()["data"] if m["id"] == model))
+        found = next((m for m in serving.models()["data"] if m["id"] == model), None)
+        if found is None:  # ("" names the default model in a request; here, no model: /v1/models/ was 500)
+            serving.served_model(model)  # its 404
+            raise APIError(
+                404, "GET /v1/models/{model} needs a model's name", param="model", code="model_not_found"
+            )
+        return _json(found)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers that probe with it
     async def health() -> Response:
@@ -306,6 +311,9 @@ def _install_error_handlers(app: FastAPI) -> None:
             media_type="application/json",
         )
         response.raw_headers.append(NOSNIFF)
+        rid = scope_request_id(request.scope)
+        if rid is not None and not any(k == b"x-request-id" for k, _ in response.raw_headers):
+            response.raw_headers.append((b"x-request-id", rid))  # a 500 from outside the middleware
         return response
 
     for exc_class in (EngineError, StarletteHTTPException, Exception):

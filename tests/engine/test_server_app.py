@@ -121,3 +121,28 @@ def test_a_prompt_past_the_whole_kv_pool_names_the_field_it_came_in(tiny_chat_mo
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert (error["code"], error["param"]) == ("kv_cache_capacity_exceeded", param)
+
+
+def test_models_slash_is_a_404_and_an_unexpected_500_carries_its_request_id(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /v1/models/ (an empty name) was a 500; and the 500 Starlette's error middleware sends,
+    outside every added middleware, went without x-request-id."""
+    model = tiny_model_factory("llama")
+    engine = AsyncLLMEngine(EngineConfig(model=str(model), kv_cache_memory=16 << 20), "tiny")
+    with TestClient(create_app(engine, ["tiny"]), raise_server_exceptions=False) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        empty = client.get("/v1/models/")
+        assert empty.status_code == 404 and empty.json()["error"]["code"] == "model_not_found", empty.text
+        assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+
+        def broken(self: object) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr("engine.http.serving.OpenAIServing.models", broken)
+        failed = client.get("/v1/models", headers={"x-request-id": "trace-42"})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
+        assert failed.headers["x-request-id"] == "trace-42" and "a bug" not in failed.text

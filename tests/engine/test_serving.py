@@ -68,6 +68,9 @@ def test_completion_logprobs_become_the_engine_top_k() -> None:
         ("add_generation_prompt", False),
         ("chat_template", "{{ messages }}"),
         ("chat_template_kwargs", {"enable_thinking": False}),
+        ("return_tokens_as_token_ids", True),  # logprob tokens would be "token_id:N"
+        ("return_token_ids", True),
+        ("use_beam_search", True),
     ],
 )
 def test_a_vllm_extension_that_would_change_the_answer_is_a_400_naming_it(field: str, value: object) -> None:
@@ -167,3 +170,24 @@ def test_nan_and_infinities_are_refused_as_such_not_as_out_of_range(field: str, 
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], field: value})
     error = validation_error(err.value)  # type: ignore[arg-type]
     assert error.status == 400 and error.param == field and "finite" in error.message, error.message
+
+
+def test_a_chats_echo_and_usage_on_every_chunk_are_refused_not_ignored() -> None:
+    """Ignored, a chat's `echo` left out the last message vLLM prepends, and continuous_usage_stats
+    left every chunk's usage null."""
+    from engine.http.protocol import validation_error
+
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    every_chunk = {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    for model, base, extra, param in (
+        (ChatCompletionRequest, chat, {"echo": True}, "echo"),
+        (ChatCompletionRequest, chat, every_chunk, "stream_options.continuous_usage_stats"),
+        (CompletionRequest, {"prompt": "x"}, every_chunk, "stream_options.continuous_usage_stats"),
+    ):
+        with pytest.raises(Exception) as err:
+            model.model_validate({**base, **extra})
+        error = validation_error(err.value)  # type: ignore[arg-type]
+        assert error.status == 400 and error.param == param and "not supported" in error.message
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).echo  # a text completion's: served
+    neutral = {"echo": False, "stream": True, "stream_options": {"continuous_usage_stats": False}}
+    ChatCompletionRequest.model_validate({**chat, **neutral})
