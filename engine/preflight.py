@@ -42,6 +42,10 @@ def check_startable(config: EngineConfig) -> None:
                 _weights_present(draft_dir)
     except OSError as exc:  # a folder that cannot be read: named as the loader would meet it
         raise ValueError(f"{exc.filename or config.model}: {exc.strerror or exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:  # a config.json without a field, or not an object
+        raise ValueError(
+            f"{config.model}: config.json cannot be read as a model's ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _folder(name: str) -> Path | None:

@@ -94,22 +94,24 @@ def _text_only(value: Any) -> Any:
 # show as nothing, too.
 _REFUSED_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp"))
 _JOINERS = frozenset("\u200c\u200d")
-_FILLERS = frozenset("\u115f\u1160\u3164\uffa0")
+_FILLERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")  # Hangul fillers, the Braille blank: not seen
+# a subdivision flag (England's, Scotland's, Wales'): a black flag, tag characters, a cancel tag
+_SUBDIVISION_FLAG = re.compile("\U0001f3f4[\U000e0020-\U000e007e]+\U000e007f")
 
 
 def _one_line(value: str | None) -> str | None:
     """`value` (a name or team) when it shows as what it is on one line: no control character or
-    line separator, no format character but a joiner, and something visible. Names reach terminals
-    (`gateway keys list`), log lines and reports, where an escape or a line break acts."""
+    line separator, no format character but a joiner (or a subdivision flag's tags), and something
+    visible. Names reach terminals (`gateway keys list`), log lines and reports, where an escape or
+    a line break acts."""
     if value is None:
         return None
-    if any(
-        c in _FILLERS or (unicodedata.category(c) in _REFUSED_CATEGORIES and c not in _JOINERS) for c in value
-    ):
+    shown = _SUBDIVISION_FLAG.sub("\U0001f3f4", value) if "\U0001f3f4" in value else value
+    if any(unicodedata.category(c) in _REFUSED_CATEGORIES and c not in _JOINERS for c in shown):
         raise ValueError(
             "holds a control character (a line break, an escape, a direction control or an invisible one)"
         )
-    if not any(unicodedata.category(c)[0] in "LNPS" and c not in _FILLERS for c in value):
+    if not any(unicodedata.category(c)[0] in "LNPS" and c not in _FILLERS for c in shown):
         raise ValueError("shows nothing (blank)")
     return value
 

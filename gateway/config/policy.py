@@ -386,24 +386,26 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
 
 
 def load_policy(path: Path) -> Policy:
-    """Read and validate a policy file."""
-    return parse_policy(read_policy_text(path), str(path))
+    """Read and validate a policy file (a pipe too: `gateway policy check <(envsubst < p.yaml)`)."""
+    return parse_policy(read_policy_text(path, pipes=True), str(path))
 
 
-def read_policy_text(path: Path) -> str:
+def read_policy_text(path: Path, pipes: bool = False) -> str:
     """The file's UTF-8 text, or a PolicyError saying why it cannot be read (missing, not a regular
     file, too big, bytes).
 
     Opened without blocking and refused unless a regular file: a FIFO put at the path blocked the
     open for good (the watcher's thread, holding the reload lock, so later valid edits were never
-    applied and shutdown waited on it forever)."""
+    applied and shutdown waited on it forever). `pipes`: a pipe or FIFO is read too, waiting for
+    its writer (a command reading the file once: the CLI's, a start)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY if pipes else os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise PolicyError(f"cannot read policy {path}: {exc.strerror}") from exc
     try:
         with os.fdopen(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            mode = os.fstat(file.fileno()).st_mode
+            if not (stat.S_ISREG(mode) or (pipes and stat.S_ISFIFO(mode))):
                 raise PolicyError(f"cannot read policy {path}: not a regular file")
             data = file.read(MAX_POLICY_BYTES + 1)  # no more: a runaway file never fills memory
     except OSError as exc:

@@ -41,6 +41,10 @@ def _fields(form: dict[str, str], lift_empty: bool, kept: Sequence[str] = ()) ->
         if name == "allowed_models":
             access = form.get("model_access")
             models = _model_names(form.get(name, ""), kept)
+            if access == "all" and models:  # (either choice alone is clear; both are a mistake)
+                raise _FormError(
+                    "Models: choose 'only the models listed', or clear the names to allow every model"
+                )
             if access == "all":
                 if lift_empty:
                     fields[name] = None
@@ -55,6 +59,10 @@ def _fields(form: dict[str, str], lift_empty: bool, kept: Sequence[str] = ()) ->
     if fields.get("budget_usd") is not None:
         fields["budget_period"] = form.get("budget_period", "monthly")
     return fields
+
+
+class _FormError(ValueError):
+    """A form whose fields contradict each other: shown on the form, nothing saved."""
 
 
 def _model_names(text: str, kept: Sequence[str] = ()) -> list[str]:
@@ -84,7 +92,9 @@ def _edited_expiry(form: dict[str, str]) -> datetime | str | None:
     return form.get("expires_at", "").strip() or None
 
 
-def _problem(exc: ValidationError) -> str:
+def _problem(exc: ValidationError | _FormError) -> str:
+    if isinstance(exc, _FormError):
+        return str(exc)
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first.get("loc", ())) or "form"
     return f"{where}: {first.get('msg')}"
@@ -149,12 +159,12 @@ async def keys_page(
 @router.post("")
 async def create_key(form: CheckedForm, keys: Keys, db: Database, session: ConsoleSession) -> Response:
     """Create a key and show its plaintext this once."""
-    fields = _fields(form, lift_empty=False)
-    if days := form.get("expires_in_days", "").strip():
-        fields["expires_in_days"] = days
     try:
+        fields = _fields(form, lift_empty=False)
+        if days := form.get("expires_in_days", "").strip():
+            fields["expires_in_days"] = days
         body = KeyCreate.model_validate(fields)
-    except ValidationError as exc:
+    except (ValidationError, _FormError) as exc:
         context = {**await _context(keys, db), "form": form, "error": _problem(exc)}
         return page("keys.html", context, 400, session)
     info, plaintext = await keys.create(
@@ -191,11 +201,11 @@ async def update_key(
     """Save the edit form: empty limits, budget, team or expiry lift them; the models are every
     model or only those listed (none listed: none), as the form's choice says."""
     stored = (await keys.get(key_id)).allowed_models
-    fields = _fields(form, lift_empty=True, kept=stored or ())
     try:
+        fields = _fields(form, lift_empty=True, kept=stored or ())
         fields["expires_at"] = _edited_expiry(form)
         body = KeyUpdate.model_validate(fields)
-    except ValidationError as exc:
+    except (ValidationError, _FormError) as exc:
         info = await keys.get(key_id)
         key = {**info.public(), "state": _state(info, datetime.now(UTC))}
         context = {"title": f"Key {info.name}", "active": "Keys", "key": key, "form": form}

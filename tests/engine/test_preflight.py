@@ -100,3 +100,16 @@ def test_a_model_folder_that_cannot_be_read_is_exit_2(
     assert main(["serve", "--model", str(model), "--port", "0"]) == 2 and not started
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Permission denied" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("config", [{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, [1, 2]])
+def test_a_config_json_that_is_not_a_models_is_exit_2(
+    tmp_path: Path, started: list[Any], capsys: pytest.CaptureFixture[str], config: object
+) -> None:
+    """A missing field was a KeyError (a list, an AttributeError): a traceback and exit 1."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["serve", "--model", str(folder), "--port", "0"]) == 2 and not started
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "config.json" in err and "Traceback" not in err, err

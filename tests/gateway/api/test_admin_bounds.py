@@ -59,6 +59,7 @@ def test_a_404_for_a_long_key_id_does_not_echo_it_whole(admin: TestClient, metho
         ("team", "para\u2028graph"),  # a line separator
         ("name", "soft\u00adhyphen"),
         ("name", "\u3164"),  # a Hangul filler: shows as nothing
+        ("name", "\u2800"),  # the Braille blank
         ("name", "\u200d"),  # a joiner alone
         ("name", "tag\U000e0041"),
     ],
@@ -81,6 +82,12 @@ def test_names_in_any_script_are_kept(admin: TestClient) -> None:
         "فريق",
         "a b-c_d.e",
         "famille \U0001f468\u200d\U0001f469\u200d\U0001f467",
+        "ทีม",
+        "हिन्दी",
+        "فریق\u200cها",
+        "\U0001f1eb\U0001f1f7 1\ufe0f\u20e3 \U0001f44d\U0001f3fd",
+        "\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f rugby",  # a subdivision flag
+        "\u1100\u1160",  # a Hangul filler beside a letter
     ):
         r = admin.post("/admin/keys", json={"name": name, "team": name}, headers=ADMIN)
         assert r.status_code == 201 and r.json()["name"] == name == r.json()["team"], r.text

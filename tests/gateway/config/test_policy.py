@@ -337,3 +337,21 @@ def test_no_number_in_the_policy_may_be_infinite(setting: str, where: str) -> No
     """An infinite timeout waits forever; an infinite cooldown never lets the replica back."""
     with pytest.raises(PolicyError, match=where.replace(".", r"\.")):
         parse_policy(GOOD.replace("type: engine,", f"type: engine, {setting},"))
+
+
+def test_a_pipe_is_read_by_a_command_and_refused_by_the_watcher(tmp_path: Path) -> None:
+    """`gateway policy check <(envsubst < p.yaml)` reads a pipe; the watcher's read (no pipes) must
+    not wait on one (a FIFO at the path held its thread and the reload lock forever)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "p.yaml"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=(GOOD,))
+    writer.start()
+    try:
+        assert load_policy(fifo).models
+    finally:
+        writer.join(5)
+    with pytest.raises(PolicyError, match="not a regular file"):
+        read_policy_text(fifo)

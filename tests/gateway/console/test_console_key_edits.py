@@ -116,7 +116,9 @@ def test_model_names_survive_the_form_and_the_choice_says_all_or_only_those(
     assert after["allowed_models"] == ["p", "q", "s"]
     typed_on = _saved_as_rendered(client, key_id, allowed_models="gpt-4o, claude\r\n")  # Enter after it
     assert typed_on["allowed_models"] == ["gpt-4o", "claude"]
-    assert _saved_as_rendered(client, key_id, model_access="all")["allowed_models"] is None  # names not kept
+    both = client.post(f"/ui/keys/{key_id}", data={**_rendered_fields(client, key_id), "model_access": "all"})
+    assert both.status_code == 400 and "only the models listed" in both.text  # names and "every model"
+    assert _saved_as_rendered(client, key_id, model_access="all", allowed_models="")["allowed_models"] is None
     _saved_as_rendered(client, key_id, allowed_models="p", model_access="listed")
     assert _saved_as_rendered(client, key_id, allowed_models="", model_access="all")["allowed_models"] is None
     assert _saved_as_rendered(client, key_id)["allowed_models"] is None  # every model, kept so

@@ -263,7 +263,22 @@ def test_choices_and_output_caps_past_their_bounds_are_400s_before_any_reservati
     r = httpx.post(f"{stack.gateway.base_url}/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {stack.key}"})  # fmt: skip
     assert r.status_code == 400, r.text
-    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (field, "invalid_value")
+    whole = isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer()
+    code = "invalid_type" if field.startswith("max_") and not whole else "invalid_value"  # 1e308: a number
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (field, code)
+
+
+@pytest.mark.parametrize("model", ["fast", "hosted"])
+def test_a_legacy_completion_that_echoes_may_ask_for_no_output(stack: Stack, model: str) -> None:
+    """Scoring a prompt (evaluation harnesses send echo, max_tokens 0 and logprobs) is not refused by
+    the gateway's own check; a chat's max_tokens 0 is."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    scored = {"model": model, "prompt": "x", "echo": True, "max_tokens": 0}
+    r = httpx.post(f"{stack.gateway.base_url}/v1/completions", json=scored, headers=headers)
+    assert not (r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"), r.text
+    chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}
+    r = httpx.post(f"{stack.gateway.base_url}/v1/chat/completions", json=chat, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 @pytest.mark.parametrize(
