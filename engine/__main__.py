@@ -341,8 +341,7 @@ def serve(args: argparse.Namespace, **server_kwargs: Any) -> int:
         otel_service_name=os.environ.get("OTEL_SERVICE_NAME") or "switchboard-engine",
         limits=limits,
     )
-    config = _config(args)
-    check_startable(config)  # before the server listens: a configuration that cannot load is exit 2
+    check_startable(config := _config(args))  # before the server listens: one that cannot load is exit 2
     return run_server(config, options, **server_kwargs)
 
 

@@ -15,8 +15,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from gateway.api.services import Keys, Services, ServicesDep, app_services
 from gateway.errors import GatewayError
-from gateway.governance.budgets import Period, counted_period, counter_restarts
 from gateway.governance.keys import AuthError, InvalidKeyUpdateError, KeyInfo, KeyNotFoundError
+from gateway.governance.periods import Period, counted_period, counter_restarts
 from gateway.store.row_sanitizer import MAX_JSON_LEVELS, clean_json
 
 logger = logging.getLogger(__name__)

@@ -392,12 +392,10 @@ def load_policy(path: Path) -> Policy:
 
 def read_policy_text(path: Path, pipes: bool = False) -> str:
     """The file's UTF-8 text, or a PolicyError saying why it cannot be read (missing, not a regular
-    file, too big, bytes).
-
-    Opened without blocking and refused unless a regular file: a FIFO put at the path blocked the
-    open for good (the watcher's thread, holding the reload lock, so later valid edits were never
-    applied and shutdown waited on it forever). `pipes`: a pipe or FIFO is read too, waiting for
-    its writer (a command reading the file once: the CLI's, a start)."""
+    file, too big, bytes). Opened without blocking and refused unless a regular file: a FIFO put at
+    the path blocked the open for good (the watcher's thread, holding the reload lock: no later edit
+    was applied, and shutdown waited on it forever). `pipes`: a pipe or FIFO is read too, waiting
+    for its writer (a command that reads the file once: the CLI's, a start)."""
     try:
         fd = os.open(path, os.O_RDONLY if pipes else os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:

@@ -17,7 +17,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.governance.budgets import Period, period_bounds
+from gateway.governance.periods import Period, period_bounds
 from gateway.store.models import RequestLog, UsageDaily
 
 PERCENTILE_ROWS = 20_000

@@ -20,8 +20,8 @@ from gateway.api.services import Database, Keys, ServicesDep
 from gateway.console.data import key_spend
 from gateway.console.session import Session
 from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
-from gateway.governance.budgets import counted_period
 from gateway.governance.keys import KeyInfo, KeyNotFoundError
+from gateway.governance.periods import counted_period
 
 router = APIRouter(prefix="/ui/keys")
 

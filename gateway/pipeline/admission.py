@@ -30,9 +30,9 @@ from gateway.governance.budgets import (
     RedisBudgetStore,
     Seed,
     SpendUnavailableError,
-    counted_period,
 )
 from gateway.governance.keys import KeyInfo
+from gateway.governance.periods import counted_period
 from gateway.governance.ratelimit import (
     Limit,
     LimiterUnavailableError,

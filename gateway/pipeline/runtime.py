@@ -30,8 +30,9 @@ from gateway.config.policy import (
     read_policy_text,
 )
 from gateway.governance import tokens
-from gateway.governance.budgets import BudgetStore, counter_restarts
+from gateway.governance.budgets import BudgetStore
 from gateway.governance.costs import PriceBook
+from gateway.governance.periods import counter_restarts
 from gateway.pipeline.failover import Failover
 from gateway.routing.capabilities import CapabilityTable
 from gateway.routing.complexity import ComplexityModel

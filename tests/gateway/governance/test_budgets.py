@@ -21,8 +21,8 @@ from gateway.governance.budgets import (
     LocalBudgetStore,
     RedisBudgetStore,
     SpendUnavailableError,
-    period_bounds,
 )
+from gateway.governance.periods import period_bounds
 from gateway.governance.redis_pool import RedisPoolConfig
 from gateway.governance.spend_seed import spend_seed
 from gateway.pipeline.admission import _unreserved
