@@ -31,6 +31,7 @@ from gateway.backends.side_loop import SideLoop
 from gateway.backends.upstream_errors import (
     GATEWAY_FAULT_STATUSES,
     OVERLOADED_STATUSES,
+    masked,
     reduced_fields,
     retry_after_seconds,
 )
@@ -64,8 +65,10 @@ class HostedModel:
         self.name = name
         self.spec = spec
         self._api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
-        # what a provider's error message may echo but a client must never read: our key, its host
-        self._hidden = (self._api_key or "", urlsplit(spec.base_url or "").hostname or "")
+        # what a provider's error message may echo but a client (or our log) must never read: our
+        # key, its address (host and port first, then the host alone)
+        where = urlsplit(spec.base_url or "")
+        self._hidden = (self._api_key or "", where.netloc.rpartition("@")[2], where.hostname or "")
         self._side = SideLoop(f"litellm-{name}")  # litellm's per-call Python work runs there
         self._learned: dict[str, Learned] = {}
         # the bounded clients of whole answers and of streams (made on the side loop: False, True),
@@ -282,7 +285,8 @@ class HostedModel:
             raise UpstreamUnavailableError(
                 f"{self.spec.model} is unreachable: {exc}", timeout=False, deployment=self.spec.model
             ) from exc
-        logger.warning("hosted model %s failed: %s", self.spec.model, exc)
+        # masked as a client's copy is: a provider's error may echo the key it was sent
+        logger.warning("hosted model %s failed: %s", self.spec.model, masked(str(exc), self._hidden))
         status = getattr(exc, "status_code", None)
         status = status if isinstance(status, int) and 400 <= status <= 599 else 502
         retry_after = None
@@ -354,7 +358,10 @@ def without_litellm_fields(answer: dict[str, Any]) -> dict[str, Any]:
             choice.pop("provider_specific_fields", None)
             message = choice.get("message")
             if isinstance(message, dict):
-                message.pop("provider_specific_fields", None)
+                specific = message.pop("provider_specific_fields", None)
+                refusal = specific.get("refusal") if isinstance(specific, dict) else None
+                if isinstance(refusal, str) and refusal and not message.get("refusal"):
+                    message["refusal"] = refusal  # OpenAI's own field, which litellm moves in there
     answer.pop("provider_specific_fields", None)
     return answer
 

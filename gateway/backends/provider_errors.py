@@ -4,6 +4,7 @@ exception classes (a refused connection may be an InternalServerError, a "500"; 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 
 import httpx
@@ -53,10 +54,33 @@ def header(exc: BaseException, name: str) -> str | None:
 
 def provider_error(exc: BaseException) -> dict[str, object] | None:
     """The provider's own error object about a request it refused, if it gave one: on the exception
-    or, as litellm raises them (its `body` None), on the provider client's error it was raised from."""
+    or, as litellm raises them (its `body` None), on the provider client's error it was raised from;
+    else in the exception's message, where litellm leaves a provider's JSON it did not parse
+    (Anthropic's `{"type": "error", "error": {...}}` after "AnthropicException - ")."""
     for cause in causes(exc):
-        body = getattr(cause, "body", None)
-        error = body.get("error", body) if isinstance(body, dict) else None
-        if isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"]:
+        error = _error_object(getattr(cause, "body", None))
+        if error is not None:
             return error
+    for cause in causes(exc):
+        message = str(getattr(cause, "message", "") or "")[:_MESSAGE_READ]
+        start = message.find("{")
+        if start != -1:
+            try:  # the object alone: litellm may add words after it
+                error = _error_object(_DECODER.raw_decode(message, start)[0])
+            except ValueError:
+                continue
+            if error is not None:
+                return error
+    return None
+
+
+_MESSAGE_READ = 64 << 10  # of an exception's message: a provider's error object is far smaller
+_DECODER = json.JSONDecoder()
+
+
+def _error_object(body: object) -> dict[str, object] | None:
+    """`body`'s error object (`{"error": {...}}` or the object itself) when it has a message."""
+    error = body.get("error", body) if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"]:
+        return error
     return None

@@ -77,7 +77,7 @@ def reduced_fields(
 
     message, param = error.get("message"), error.get("param")
     if status < 500 and status != 429:
-        text = _masked(message, hidden) if isinstance(message, str) else ""
+        text = masked(message, hidden) if isinstance(message, str) else ""
         kept = _URL.sub("[url]", text[:MAX_ERROR_MESSAGE])
         message = kept or "the request cannot be completed"
         kind = token(error.get("type")) or "invalid_request_error"
@@ -87,7 +87,7 @@ def reduced_fields(
     return {
         "message": message,
         "type": kind,
-        "param": _masked(param, hidden)[:200] if isinstance(param, str) else None,
+        "param": masked(param, hidden)[:200] if isinstance(param, str) else None,
         "code": token(error.get("code")),
     }
 
@@ -105,7 +105,7 @@ _CREDENTIAL = re.compile(
 )
 
 
-def _masked(text: str, hidden: Collection[str]) -> str:
+def masked(text: str, hidden: Collection[str]) -> str:
     """`text` with every string of `hidden` replaced, in any case, and whatever reads as a credential;
     one of `hidden` shorter than 4 characters (a one-letter service name) is left: masking it would
     garble the message, not protect it."""

@@ -10,6 +10,7 @@ from decimal import Decimal
 from typing import Any, NamedTuple
 
 from gateway.backends.base import PROMPT_TOKENS, Attempt
+from gateway.config.policy import Policy
 from gateway.governance.costs import PriceBook
 from gateway.governance.keys import KeyInfo
 from gateway.governance.usage import MAX_TOKENS, max_prompt
@@ -59,6 +60,7 @@ class Call:
     calling: str | None = None  # the backend being called when the client left (nothing served)
     resumptions: list[Resumption] = field(default_factory=list)  # a stream gone on on other replicas
     prices: PriceBook | None = None
+    policy: Policy | None = None  # the version it ran under: its row and record read it, not a newer one
     ticket: Ticket | None = None  # rate-limit and budget reservations, released with the log row
     body: dict[str, Any] | None = None  # the parsed request (to count tokens if no usage comes back)
     body_bytes: int = 0  # its size: a bound on its prompt tokens while they are counted

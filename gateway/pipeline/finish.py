@@ -88,7 +88,9 @@ class Finish:
         """Count the request's tokens; a reported zero stands only where the count finds none."""
         reported = call.usage
         try:
-            counted = await asyncio.to_thread(estimated_usage, call, self.holder.runtime.policy)
+            counted = await asyncio.to_thread(
+                estimated_usage, call, call.policy or self.holder.runtime.policy
+            )
         except Exception:  # the row matters more than its count: log it without usage
             logger.exception("request %s: counting its tokens failed", call.id)
             counted = {}
@@ -114,8 +116,10 @@ class Finish:
     def _record(self, call: Call, status: int, error: str | None, cost: Decimal | None,
                 reference: Decimal | None, estimated: bool,
                 ended: Ended) -> None:  # fmt: skip
-        """The request's row and record, handed to the request log and the telemetry."""
-        policy = self.holder.runtime.policy
+        """The request's row and record, handed to the request log and the telemetry, read against
+        the policy it ran under (a reload meanwhile took its model and backend away: its metrics went
+        to `unknown`, its spans lost their provider)."""
+        policy = call.policy or self.holder.runtime.policy
         model = call.model
         rec = RequestRecord(
             call.row(status, error, cost, reference, estimated, ended),

@@ -44,9 +44,9 @@ def prepare(
         )
     call.model = model
     call.stream = body.get("stream") is True
-    call.trace.parsed(model, body)
     if model not in rt.policy.models and model not in rt.policy.routes:
         raise model_not_found(model)
+    call.trace.parsed(model, body)  # a known name only: a made-up one (any length) never names a span
     if not call.key.allows(model):
         raise AuthError(403, f"this key may not use the model '{model}'", "model_not_allowed")
     _check_shape(body, path)

@@ -87,7 +87,7 @@ class Proxy:
         the Reply's status and headers are spent and an error is the stream's one event."""
         call = Call(request_id(), key, time.perf_counter(), datetime.now(UTC), trace=trace)
         rt = self.runtime  # one policy version for the whole request, even if a reload lands meanwhile
-        call.prices = rt.prices
+        call.prices, call.policy = rt.prices, rt.policy
         try:
             body, wants_usage = prepare(rt, call, raw, path)
             model = call.model or ""

@@ -86,10 +86,11 @@ def test_a_provider_never_reached_is_unreachable_not_a_provider_500() -> None:
 
 
 def test_a_provider_error_that_echoes_our_key_or_host_reaches_the_client_without_them(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A provider's 400 message is passed on (it says what to change), but one echoing the
-    Authorization header or naming its own host handed the gateway's provider key to the client."""
+    Authorization header or naming its own host handed the gateway's provider key to the client;
+    the gateway's own log line of it carried the key too, and the host's port stayed."""
     monkeypatch.setenv("SWITCHBOARD_TEST_ECHOED_KEY", "sk-provider-secret-1234")
     spec = HostedBackend(type="hosted", model="openai/x", api_key_env="SWITCHBOARD_TEST_ECHOED_KEY",
                          base_url="http://llm-proxy.corp.internal:8443/v1")  # fmt: skip
@@ -103,8 +104,36 @@ def test_a_provider_error_that_echoes_our_key_or_host_reaches_the_client_without
     error = orjson.loads(reply.body)["error"]
     assert reply.status == 400 and error["code"] == "bad"
     assert error["message"].startswith("max_tokens is too large")  # what to change is still said
-    for secret in ("sk-provider-secret", "llm-proxy", "LLM-PROXY"):
+    for secret in ("sk-provider-secret", "llm-proxy", "LLM-PROXY", "8443"):
         assert secret not in reply.body.decode()
+        assert secret not in caplog.text
+    assert "hosted model openai/x failed" in caplog.text
+
+
+def test_a_provider_error_litellm_left_as_text_is_passed_on_as_the_providers() -> None:
+    """Anthropic's 400 reached litellm's exception only as text: the client got "the provider of
+    ... refused the request", not what to change."""
+    model = HostedModel("claude", HostedBackend(type="hosted", model="anthropic/claude-haiku-4-5"))
+    text = ('AnthropicException - {"type":"error","error":{"type":"invalid_request_error",'
+            '"message":"max_tokens: Field required"}} Received Model Group=x')  # fmt: skip
+    reply = model._error(litellm.exceptions.BadRequestError(text, "claude", "anthropic"))
+    error = orjson.loads(reply.body)["error"]
+    assert reply.status == 400 and error["message"] == "max_tokens: Field required", error
+    unreadable = litellm.exceptions.BadRequestError("AnthropicException - {not json", "claude", "anthropic")
+    error = orjson.loads(model._error(unreadable).body)["error"]
+    assert error["message"] == "the provider of anthropic/claude-haiku-4-5 refused the request"
+
+
+def test_a_refusal_litellm_moves_aside_is_the_answers_own_field_again() -> None:
+    """litellm puts OpenAI's message.refusal in provider_specific_fields, which is dropped: the
+    client got an empty assistant message."""
+    from gateway.backends.hosted import without_litellm_fields
+
+    answer = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": None,
+        "provider_specific_fields": {"refusal": "I can't help with that."}}}]}  # fmt: skip
+    message = without_litellm_fields(answer)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": None, "refusal": "I can't help with that."}
 
 
 def test_a_policy_base_url_is_the_only_one_a_hosted_call_uses() -> None:

@@ -275,3 +275,23 @@ def test_while_budgets_fail_open_a_reported_usage_is_believed() -> None:
         assert not row["cost_estimated"] and row["prompt_tokens"] == 12
 
     asyncio.run(main())
+
+
+def test_a_request_is_recorded_against_the_policy_it_ran_under_not_a_reload_since() -> None:
+    """A reload that removed its model and backend mid-request sent its metrics to `unknown` and
+    took its trace's provider away."""
+
+    async def main() -> None:
+        log = Sink()
+        finish, _ = _finish(log, [])
+        call = _served_call(finish)
+        call.policy = finish.holder.runtime.policy
+        reloaded = parse_policy(POLICY.replace("local", "other").replace("small", "big"))
+        finish.holder.runtime = Runtime(reloaded, Router(reloaded), Failover(reloaded, {}), {}, "v2",
+                                        datetime.now(UTC), PriceBook(reloaded))  # fmt: skip
+        finish(call, 200, None)
+        await asyncio.sleep(0)
+        (rec,) = [rec for _, rec in log.records]
+        assert rec.known_model and rec.backend_spec is not None and rec.backend_spec.type == "engine"
+
+    asyncio.run(main())

@@ -172,6 +172,20 @@ def test_a_failed_over_request_is_one_trace_from_gateway_attempts_to_engine_phas
     assert phases == {"queue", "prefill", "decode"}
 
 
+def test_a_made_up_model_never_names_a_span(stack: TracedStack) -> None:
+    """Its name (5,000 characters, a line break, a direction override) named the span and its
+    model attribute in full: a trace backend's cardinality attack; metrics say `unknown`."""
+    made_up = "x" * 5000 + "\n\u202e"
+    body = {"model": made_up, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(
+        f"{stack.gateway.base_url}/v1/chat/completions", json=body, headers=stack.headers, timeout=30
+    )
+    assert r.status_code == 404, r.text
+    request, _ = stack.gateway_spans(r.headers["x-request-id"])
+    assert len(request.name) < 50 and "gen_ai.request.model" not in _attributes(request), request.name
+    assert _attributes(request)["http.response.status_code"] == 404
+
+
 def test_a_streamed_request_keeps_its_served_attempt_open_until_the_stream_ends(stack: TracedStack) -> None:
     body = {"model": "auto", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 2,
             "stream": True, "ignore_eos": True}  # fmt: skip
