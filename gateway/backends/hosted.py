@@ -225,6 +225,10 @@ class HostedModel:
                 if _made_up_finish(resp, chunk):
                     raise UpstreamStreamError("the stream broke off before the provider's finish")
                 shaped = openai_chunk(chunk.model_dump(mode="json", exclude_none=True), chat)
+                if shaped is not None and shaped.get("usage") is not None and not _provider_usage(resp):
+                    del shaped["usage"]  # litellm's own count of the text: the gateway counts, as estimated
+                    if not shaped.get("choices"):
+                        continue
                 if shaped is not None:
                     return "data: " + orjson.dumps(shaped).decode()
 
@@ -433,6 +437,13 @@ async def _no_lines() -> AsyncIterator[str]:
 
 # providers whose streams litellm's wrapper records the finish of (`received_finish_reason`)
 _FINISH_RECORDED = frozenset({"openai", "azure", "text-completion-openai", "azure_text", "anthropic"})
+
+
+def _provider_usage(resp: Any) -> bool:
+    """Whether the provider's stream carried a usage of its own. litellm's wrapper keeps the chunks
+    that did (`chunks`); without one it ends the stream with a usage it counted from the text,
+    which, relayed, was billed as reported and sent to the client as the provider's."""
+    return any(getattr(chunk, "usage", None) is not None for chunk in getattr(resp, "chunks", None) or ())
 
 
 def _made_up_finish(resp: Any, chunk: Any) -> bool:
