@@ -112,7 +112,7 @@ def create_app(settings: GatewaySettings, tracing: GatewayTracing | None = None)
             settings.key_cache_ttl,
             limits=AuthLimits.from_settings(settings),
         )
-        text = read_policy_text(settings.policy_path, pipes=True)  # read once, at the start
+        text = read_policy_text(settings.policy_path)  # a file the watcher can read again, not a pipe
         policy = parse_policy(text, str(settings.policy_path))
         model = ComplexityModel.load()
         holder = RuntimeHolder(await build_runtime(policy, policy_version(text), model))

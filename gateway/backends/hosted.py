@@ -25,6 +25,7 @@ from gateway.backends.base import (
 )
 from gateway.backends.bounded_body import AnswerTooLargeError, bounded_client
 from gateway.backends.fetched_urls import fetches_urls, refuse_fetched_urls
+from gateway.backends.hosted_shapes import as_stream, openai_chunk, whole_for_stream, without_litellm_fields
 from gateway.backends.litellm_map import learned_from_litellm, provider_of
 from gateway.backends.provider_errors import causes, connection_failure, header, provider_error, statuses
 from gateway.backends.side_loop import SideLoop
@@ -68,7 +69,8 @@ class HostedModel:
         # what a provider's error message may echo but a client (or our log) must never read: our
         # key, its address (host and port first, then the host alone)
         where = urlsplit(spec.base_url or "")
-        self._hidden = (self._api_key or "", where.netloc.rpartition("@")[2], where.hostname or "")
+        address = (where.netloc, where.netloc.rpartition("@")[2], where.password or "", where.hostname or "")
+        self._hidden = (self._api_key or "", *address)  # with its credentials, with its port, alone
         self._side = SideLoop(f"litellm-{name}")  # litellm's per-call Python work runs there
         self._learned: dict[str, Learned] = {}
         # the bounded clients of whole answers and of streams (made on the side loop: False, True),
@@ -185,7 +187,7 @@ class HostedModel:
         """
         self._check_not_tried(avoid)
         chat = path.endswith("chat/completions")
-        if _whole_for_stream(body, chat):
+        if whole_for_stream(body, chat):
             reply = await self.send(path, body, timeouts, avoid)
             if reply.status != 200:
                 yield UpstreamStream(reply.status, _no_lines(), reply.body, self.spec.model,
@@ -242,7 +244,7 @@ class HostedModel:
                         f"{self.spec.model}: the stream passed its total timeout"
                     ) from exc
                 except Exception as exc:
-                    raise UpstreamStreamError(f"{self.spec.model}: {exc}") from exc
+                    raise UpstreamStreamError(f"{self.spec.model}: {masked(str(exc), self._hidden)}") from exc
                 if line is None:
                     break
                 yield line
@@ -287,7 +289,9 @@ class HostedModel:
             ) from exc
         if isinstance(exc, litellm.exceptions.APIConnectionError) or failed == "unreachable":
             raise UpstreamUnavailableError(
-                f"{self.spec.model} is unreachable: {exc}", timeout=False, deployment=self.spec.model
+                f"{self.spec.model} is unreachable: {masked(str(exc), self._hidden)}",
+                timeout=False,
+                deployment=self.spec.model,
             ) from exc
         # masked as a client's copy is: a provider's error may echo the key it was sent
         logger.warning("hosted model %s failed: %s", self.spec.model, masked(str(exc), self._hidden))
@@ -324,105 +328,10 @@ class HostedModel:
         await self._side.close()
 
 
-def openai_chunk(chunk: dict[str, Any], chat: bool) -> dict[str, Any] | None:
-    """A litellm stream chunk in OpenAI's shape, or None for one that carries nothing: every choice
-    has its `delta` (chat) or `text` (completions: the SDK idiom joins them), and the usage chunk
-    has no choices (litellm gives it an empty one, and sends an empty chunk after the last)."""
-    choices = chunk.get("choices")
-    if not isinstance(choices, list):
-        return chunk
-    field = "delta" if chat else "text"
-    for choice in choices:
-        if isinstance(choice, dict):
-            choice.setdefault(field, {} if chat else "")
-    empty = all(
-        isinstance(c, dict) and not c.get(field) and c.get("finish_reason") is None and not c.get("logprobs")
-        for c in choices
-    )
-    if empty and choices:
-        if chunk.get("usage") is None:
-            return None  # nothing in it
-        chunk["choices"] = []
-    return chunk
-
-
 def allowed_fields(body: dict[str, Any], path: str) -> dict[str, Any]:
     """The client's fields that an OpenAI endpoint at `path` defines; everything else is dropped."""
     allowed = CHAT_FIELDS if path.endswith("chat/completions") else TEXT_FIELDS
     return {name: value for name, value in body.items() if name in allowed}
-
-
-def without_litellm_fields(answer: dict[str, Any]) -> dict[str, Any]:
-    """A whole answer without the fields litellm adds to it (`provider_specific_fields` on the
-    choices and messages): they are not OpenAI's, and an application that sends the SDK's message
-    object back in its next turn would send them upstream."""
-    choices = answer.get("choices")
-    for choice in choices if isinstance(choices, list) else []:
-        if isinstance(choice, dict):
-            choice.pop("provider_specific_fields", None)
-            message = choice.get("message")
-            if isinstance(message, dict):
-                specific = message.pop("provider_specific_fields", None)
-                refusal = specific.get("refusal") if isinstance(specific, dict) else None
-                if isinstance(refusal, str) and refusal and not message.get("refusal"):
-                    message["refusal"] = refusal  # OpenAI's own field, which litellm moves in there
-    answer.pop("provider_specific_fields", None)
-    return answer
-
-
-def _whole_for_stream(body: bytes, chat: bool) -> bool:
-    """Whether a stream is asked for whole (see `HostedModel.stream`): several answers (n, best_of,
-    a list of prompts), or a legacy completion's logprobs."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return False
-    if not isinstance(parsed, dict):
-        return False
-    n = max([v for v in (parsed.get("n"), parsed.get("best_of")) if type(v) is int] + [1])
-    prompt = parsed.get("prompt")
-    prompts = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
-    return n > 1 or prompts or (not chat and parsed.get("logprobs") not in (None, False))
-
-
-def as_stream(answer: dict[str, Any], chat: bool) -> list[str]:
-    """A whole answer as the SSE lines of its stream: per choice its content (and tool calls) in one
-    delta, then its own finish_reason; then the usage chunk (the relay drops it for a client that
-    did not ask for usage); then [DONE]."""
-    head: dict[str, Any] = {
-        k: answer[k] for k in ("id", "created", "model", "system_fingerprint") if k in answer
-    }
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    lines = []
-    given = answer.get("choices")
-    choices: list[Any] = given if isinstance(given, list) else []
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        index, logprobs = choice.get("index", 0), choice.get("logprobs")
-        if chat:
-            said = choice.get("message")
-            message: dict[str, Any] = said if isinstance(said, dict) else {}
-            delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-            calls = message.get("tool_calls")
-            if isinstance(calls, list) and calls:
-                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls) if isinstance(c, dict)]
-            if message.get("refusal"):
-                delta["refusal"] = message["refusal"]
-            first = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-            last = {"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}
-        else:
-            first = {
-                "index": index,
-                "text": choice.get("text") or "",
-                "logprobs": logprobs,
-                "finish_reason": None,
-            }
-            last = {"index": index, "text": "", "finish_reason": choice.get("finish_reason")}
-        lines += ["data: " + orjson.dumps({**head, "choices": [part]}).decode() for part in (first, last)]
-    if answer.get("usage") is not None:
-        lines.append("data: " + orjson.dumps({**head, "choices": [], "usage": answer["usage"]}).decode())
-    return [*lines, "data: [DONE]"]
 
 
 async def _given(lines: list[str]) -> AsyncIterator[str]:
@@ -440,10 +349,12 @@ _FINISH_RECORDED = frozenset({"openai", "azure", "text-completion-openai", "azur
 
 
 def _provider_usage(resp: Any) -> bool:
-    """Whether the provider's stream carried a usage of its own. litellm's wrapper keeps the chunks
-    that did (`chunks`); without one it ends the stream with a usage it counted from the text,
-    which, relayed, was billed as reported and sent to the client as the provider's."""
-    return any(getattr(chunk, "usage", None) is not None for chunk in getattr(resp, "chunks", None) or ())
+    """Whether the provider's stream carried a usage of its own. litellm's chat stream wrapper keeps
+    the chunks that did (`chunks`); without one it ends the stream with a usage it counted from the
+    text, which, relayed, was billed as reported and sent to the client as the provider's. A text
+    completion's wrapper keeps none to read (it wraps a generator): its usage is taken as told."""
+    chunks = getattr(resp, "chunks", None)
+    return chunks is None or any(getattr(chunk, "usage", None) is not None for chunk in chunks)
 
 
 def _made_up_finish(resp: Any, chunk: Any) -> bool:

@@ -4,6 +4,7 @@ exception classes (a refused connection may be an InternalServerError, a "500"; 
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Iterator, Mapping
 
@@ -62,7 +63,7 @@ def provider_error(exc: BaseException) -> dict[str, object] | None:
         if error is not None:
             return error
     for cause in causes(exc):
-        message = str(getattr(cause, "message", "") or "")[:_MESSAGE_READ]
+        message = _unquoted(str(getattr(cause, "message", "") or "")[:_MESSAGE_READ])
         start = message.find("{")
         if start != -1:
             try:  # the object alone: litellm may add words after it
@@ -72,6 +73,24 @@ def provider_error(exc: BaseException) -> dict[str, object] | None:
             if error is not None:
                 return error
     return None
+
+
+def _unquoted(message: str) -> str:
+    """`message` with a bytes literal holding the provider's JSON (`b'{...}'`, as litellm writes a
+    stream's error: an apostrophe or a non-ASCII character in it is escaped there) read as text."""
+    start = message.find("b'{")
+    if start == -1:
+        start = message.find('b"{')
+    if start == -1:
+        return message
+    quote, end = message[start + 1], start + 2
+    while end < len(message) and message[end] != quote:
+        end += 2 if message[end] == "\\" else 1
+    try:
+        given = ast.literal_eval(message[start : end + 1])
+    except (ValueError, SyntaxError):
+        return message
+    return given.decode("utf-8", "replace") if isinstance(given, bytes) else message
 
 
 _MESSAGE_READ = 64 << 10  # of an exception's message: a provider's error object is far smaller

@@ -20,7 +20,7 @@ from gateway.api.admin_keys import KeyCreate
 from gateway.api.asgi import ASGIApp
 from gateway.api.http_protocol import LimitedConfig
 from gateway.cli.serving import CleanExitServer, WorkerSupervisor
-from gateway.config.policy import EngineBackend, PolicyError, load_policy
+from gateway.config.policy import EngineBackend, PolicyError, load_policy, parse_policy, read_policy_text
 from gateway.config.secrets import resolve_key_secret
 from gateway.config.settings import GatewaySettings
 from gateway.governance.keys import KeyHasher, KeyStore
@@ -113,7 +113,9 @@ def _serve(args: argparse.Namespace) -> int:
     # the flag wins over GATEWAY_POLICY_PATH, which wins over the default, policies/default.yaml
     settings = GatewaySettings() if args.policy is None else GatewaySettings(policy_path=args.policy)
     settings.require_secrets()  # fail here, naming the missing variables, not in a worker
-    load_policy(settings.policy_path)  # fail here, with the path in the message, not in a worker
+    # fail here, with the path in the message, not in a worker; a regular file only, as the server
+    # and its watcher read it again (a pipe, read once here, was empty there or blocked the start)
+    parse_policy(read_policy_text(settings.policy_path), str(settings.policy_path))
     config = server_config(settings, args)
     if args.workers > 1 and not settings.redis_url:
         print(f"warning: {args.workers} workers without GATEWAY_REDIS_URL: each keeps its own rate-limit "

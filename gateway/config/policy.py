@@ -386,7 +386,8 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
 
 
 def load_policy(path: Path) -> Policy:
-    """Read and validate a policy file (a pipe too: `gateway policy check <(envsubst < p.yaml)`)."""
+    """Read and validate a policy file (a pipe too, for a command that reads it once: `gateway policy
+    check <(envsubst < p.yaml)`; the server reads a regular file only)."""
     return parse_policy(read_policy_text(path, pipes=True), str(path))
 
 
@@ -395,7 +396,7 @@ def read_policy_text(path: Path, pipes: bool = False) -> str:
     file, too big, bytes). Opened without blocking and refused unless a regular file: a FIFO put at
     the path blocked the open for good (the watcher's thread, holding the reload lock: no later edit
     was applied, and shutdown waited on it forever). `pipes`: a pipe or FIFO is read too, waiting
-    for its writer (a command that reads the file once: the CLI's, a start)."""
+    for its writer (a command that reads the file once)."""
     try:
         fd = os.open(path, os.O_RDONLY if pipes else os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:

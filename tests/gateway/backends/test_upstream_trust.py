@@ -20,7 +20,8 @@ import pytest
 
 from gateway.api.completions import CompletionsEndpoint
 from gateway.backends.base import UpstreamUnavailableError
-from gateway.backends.hosted import HostedModel, allowed_fields, openai_chunk
+from gateway.backends.hosted import HostedModel, allowed_fields
+from gateway.backends.hosted_shapes import openai_chunk
 from gateway.backends.upstream_errors import reduced_fields
 from gateway.config.policy import HostedBackend, parse_policy
 from gateway.errors import GatewayError
@@ -119,6 +120,9 @@ def test_a_provider_error_litellm_left_as_text_is_passed_on_as_the_providers() -
     reply = model._error(litellm.exceptions.BadRequestError(text, "claude", "anthropic"))
     error = orjson.loads(reply.body)["error"]
     assert reply.status == 400 and error["message"] == "max_tokens: Field required", error
+    quoted = "AnthropicException - b'" + '{"error": {"message": "the model\\\'s limit \\xc3\\xa9"}}' + "'"
+    reply = model._error(litellm.exceptions.BadRequestError(quoted, "claude", "anthropic"))  # a stream's
+    assert orjson.loads(reply.body)["error"]["message"] == "the model's limit é"
     unreadable = litellm.exceptions.BadRequestError("AnthropicException - {not json", "claude", "anthropic")
     error = orjson.loads(model._error(unreadable).body)["error"]
     assert error["message"] == "the provider of anthropic/claude-haiku-4-5 refused the request"
@@ -127,7 +131,7 @@ def test_a_provider_error_litellm_left_as_text_is_passed_on_as_the_providers() -
 def test_a_refusal_litellm_moves_aside_is_the_answers_own_field_again() -> None:
     """litellm puts OpenAI's message.refusal in provider_specific_fields, which is dropped: the
     client got an empty assistant message."""
-    from gateway.backends.hosted import without_litellm_fields
+    from gateway.backends.hosted_shapes import without_litellm_fields
 
     answer = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
         "role": "assistant", "content": None,

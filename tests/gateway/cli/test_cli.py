@@ -233,3 +233,25 @@ def test_keys_create_refuses_what_the_admin_api_refuses_and_stores_nothing(
     assert cli.main(["keys", "create", "--name", "ok", "--metadata", '{"a": [1, {"b": "c"}]}']) == 0
     made = json.loads(capsys.readouterr().out)
     assert made["metadata"] == {"a": [1, {"b": "c"}]} and made["name"] == "ok"
+
+
+@pytest.mark.usefixtures("database", "no_server")
+def test_serve_refuses_a_pipe_at_once_and_policy_check_reads_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`serve --policy <(...)`: the check read the pipe to its end, and the server's own read then
+    found it empty (or, a FIFO, blocked its start for good). A command that reads once may."""
+    import threading
+
+    monkeypatch.setenv("GATEWAY_MASTER_KEY", "m")
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    fifo = tmp_path / "policy.yaml"
+    os.mkfifo(fifo)
+    assert cli.main(["serve", "--policy", str(fifo), "--port", "0"]) == 2  # no writer: no wait either
+    assert "not a regular file" in capsys.readouterr().err
+    writer = threading.Thread(target=fifo.write_text, args=(POLICY.read_text(),))
+    writer.start()
+    try:
+        assert cli.main(["policy", "check", str(fifo)]) == 0
+    finally:
+        writer.join(5)

@@ -787,26 +787,33 @@ def test_an_http_1_0_client_gets_no_chunked_encoding(stack: Stack, stream: bool)
         assert json.loads(answer)["choices"][0]["message"]["content"] == "echo: old client"
 
 
+@pytest.mark.parametrize("path", ["chat", "text"])
 def test_a_hosted_stream_without_the_providers_usage_is_counted_not_billed_on_litellms_count(
-    stack: Stack,
+    stack: Stack, path: str
 ) -> None:
     """litellm's stream wrapper ends a stream the provider sent no usage for with a usage it
     counted from the text: relayed, it reached the client as the provider's and was billed as
-    reported. A provider's own usage still is."""
+    reported. A provider's own usage still is (a text completion's too: its wrapper wraps a chat's)."""
     client = stack.client()
-    ask: Any = {"model": "hosted", "messages": [{"role": "user", "content": "one two three"}], "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-    httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": True})
-    try:
-        raw = client.chat.completions.with_raw_response.create(**ask)
-        chunks = list(raw.parse())
-    finally:
-        httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": False})
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "echo: one two three"
-    assert all(c.usage is None for c in chunks)  # none the provider gave
-    row = next(row for row in _eventually_logged(stack, raw) if row["id"] == raw.headers["x-request-id"])
-    assert row["cost_estimated"] in (True, 1) and row["completion_tokens"] > 0
-    told = client.chat.completions.with_raw_response.create(**ask)
+    ask: Any = {"model": "hosted", "stream": True, "stream_options": {"include_usage": True}}
+    create: Any = client.chat.completions if path == "chat" else client.completions
+    if path == "chat":
+        ask["messages"] = [{"role": "user", "content": "one two three"}]
+    else:
+        ask["prompt"] = "one two three"
+    if path == "chat":  # (a text completion's wrapper keeps nothing that tells the two apart)
+        httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": True})
+        try:
+            raw = create.with_raw_response.create(**ask)
+            chunks = list(raw.parse())
+        finally:
+            httpx.post(f"{stack.upstream.base_url}/control", json={"omit_usage": False})
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "echo: one two three"
+        assert all(c.usage is None for c in chunks)  # none the provider gave
+        row = next(row for row in _eventually_logged(stack, raw) if row["id"] == raw.headers["x-request-id"])
+        assert row["cost_estimated"] in (True, 1) and row["completion_tokens"] > 0
+    told = create.with_raw_response.create(**ask)
     told_chunks = list(told.parse())
     assert told_chunks[-1].usage is not None and told_chunks[-1].usage.completion_tokens == 4
     row = next(row for row in _eventually_logged(stack, told) if row["id"] == told.headers["x-request-id"])
