@@ -176,3 +176,24 @@ def test_a_small_budget_saved_unchanged_is_kept(ops: tuple[TestClient, str]) -> 
     client, _ = ops
     made = client.post("/admin/keys", json={"name": "tiny", "budget_usd": "0.0000001"}, headers=ADMIN).json()
     assert _saved_as_rendered(client, made["id"])["budget_usd"] == "0.0000001"
+
+
+def test_a_key_named_before_the_name_rules_can_still_be_edited(ops: tuple[TestClient, str]) -> None:
+    """A name stored before soft hyphens were refused made every save of the form a 400: the name,
+    unchanged, is kept as stored; a new one is held to the rules."""
+    client, _ = ops
+    made = client.post("/admin/keys", json={"name": "legacy", "allowed_models": ["m"]}, headers=ADMIN).json()
+    app = client.app
+    assert isinstance(app, GatewayApp)
+
+    async def rename() -> None:  # as an older release stored it
+        await app.services.keys.update(made["id"], name="soft\u00adname", allowed_models=["x\u200by"])
+
+    client.portal.call(rename)  # type: ignore[union-attr]
+    saved = _saved_as_rendered(client, made["id"], rpm_limit="60")
+    assert saved["rpm_limit"] == 60 and saved["name"] == "soft\u00adname"
+    assert saved["allowed_models"] == ["x\u200by"]
+    renamed = client.post(
+        f"/ui/keys/{made['id']}", data={**_rendered_fields(client, made["id"]), "name": "new\u00ad"}
+    )
+    assert renamed.status_code == 400 and "control character" in renamed.text
