@@ -29,7 +29,7 @@ def check_startable(config: EngineConfig) -> None:
         model_dir = _folder(config.model)
         if model_dir is not None:
             model_config = ModelConfig.from_dir(model_dir)
-            _weights_present(model_dir)
+            checkpoint_files(model_dir)  # (its FileNotFoundError: an OSError, named below)
             check_quantization(config.quantization, read_checkpoint_quant(model_dir), model_dir)
             if config.tensor_parallel_size > 1:
                 check_unquantized(config, model_dir)
@@ -39,7 +39,7 @@ def check_startable(config: EngineConfig) -> None:
             draft_dir = _folder(spec.model)
             if draft_dir is not None:
                 ModelConfig.from_dir(draft_dir)
-                _weights_present(draft_dir)
+                checkpoint_files(draft_dir)
     except OSError as exc:  # a folder that cannot be read: named as the loader would meet it
         raise ValueError(f"{exc.filename or config.model}: {exc.strerror or exc}") from None
     except (KeyError, TypeError, AttributeError) as exc:  # a config.json without a field, or not an object
@@ -54,11 +54,3 @@ def _folder(name: str) -> Path | None:
     if name == DEFAULT_MODEL_ALIAS:
         return prepared_default_model()
     return resolve_model(name)
-
-
-def _weights_present(model_dir: Path) -> None:
-    """ValueError unless the folder holds its safetensors files (the loader's FileNotFoundError)."""
-    try:
-        checkpoint_files(model_dir)
-    except FileNotFoundError as exc:
-        raise ValueError(str(exc)) from None

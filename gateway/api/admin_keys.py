@@ -6,6 +6,7 @@ import logging
 import math
 import re
 import unicodedata
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Annotated, Any
@@ -42,22 +43,19 @@ async def require_master_key(request: Request) -> None:
 
 # What the columns hold: the limits are INTEGER, budgets BIGINT picodollars (at most ~9.2e18).
 # Non-finite values (NaN, Infinity, which Python's JSON parser accepts) are refused explicitly.
-def _not_a_flag(value: object) -> object:
-    if isinstance(value, bool):  # pydantic's lax int takes true as 1
-        raise ValueError("must be a number, not true or false")
-    if isinstance(value, str) and not _WHOLE.fullmatch(value):
-        raise ValueError("must be a whole number written in digits")
-    return value
+def _written(pattern: re.Pattern[str], what: str) -> Callable[[object], object]:
+    """A before-validator taking a number, or a string that `pattern` reads as one (`what`), never
+    true or false (pydantic's lax numbers take true as 1, and Python's parsers read "1_000" and
+    "1e3" as 1000, which nobody typing a limit or a budget means)."""
 
+    def check(value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError("must be a number, not true or false")
+        if isinstance(value, str) and not pattern.fullmatch(value):
+            raise ValueError(f"must be {what}")
+        return value
 
-def _plain_decimal(value: object) -> object:
-    """A number, or a string that writes one in digits with an optional fraction: Python's parsers
-    read "1_000" as 1000 and "1e3" as 1000 too, which nobody typing a budget means."""
-    if isinstance(value, bool):
-        raise ValueError("must be a number, not true or false")
-    if isinstance(value, str) and not _DECIMAL.fullmatch(value):
-        raise ValueError("must be a number written in digits (an optional fraction after a point)")
-    return value
+    return check
 
 
 _WHOLE = re.compile(r"[0-9]+")
@@ -66,7 +64,10 @@ _NUMERIC = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?
 _DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
 
 # (a numeric string stays accepted: the console's forms send them)
-PerMinute = Annotated[int, BeforeValidator(_not_a_flag), Field(ge=1, le=2**31 - 1)]
+PerMinute = Annotated[
+    int, BeforeValidator(_written(_WHOLE, "a whole number written in digits")), Field(ge=1, le=2**31 - 1)
+]
+_plain_decimal = _written(_DECIMAL, "a number written in digits (an optional fraction after a point)")
 BudgetUsd = Annotated[
     Decimal,
     BeforeValidator(_plain_decimal),

@@ -210,9 +210,8 @@ async def update_key(
         fields["expires_at"] = _edited_expiry(form)
         body = KeyUpdate.model_validate(fields)
     except (ValidationError, _FormError) as exc:
-        info = await keys.get(key_id)
-        key = {**info.public(), "state": _state(info, datetime.now(UTC))}
-        context = {"title": f"Key {info.name}", "active": "Keys", "key": key, "form": form}
+        key = {**stored.public(), "state": _state(stored, datetime.now(UTC))}
+        context = {"title": f"Key {stored.name}", "active": "Keys", "key": key, "form": form}
         return page("key_edit.html", {**context, "error": _problem(exc)}, 400, session)
     await apply_update(key_id, body, services)  # as PATCH /admin/keys/{id} does: its budget counter too
     return redirect("/ui/keys")
