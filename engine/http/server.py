@@ -38,6 +38,7 @@ from engine.http.protocol import (
 )
 from engine.http.request_id import RequestIdMiddleware, scope_request_id
 from engine.http.serving import OpenAIServing
+from engine.http.tokenize import add_token_routes
 from engine.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:  # imported only when tracing is on
@@ -109,6 +110,7 @@ def create_app(
     app.state.serving = OpenAIServing(engine, names)
     _install_error_handlers(app)
     _add_routes(app, engine, app.state.serving, _key_check(api_key), tracing)
+    add_token_routes(app, app.state.serving, [Depends(_key_check(api_key))], _parse)
 
     def body_limit() -> int:
         info = engine.model_info

@@ -55,7 +55,6 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's and vLLM's default for /v1/completions without max_tokens (chat: the rest of the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# Chat text above this many characters is rendered in a worker thread, not on the event loop.
 
 
 class OpenAIServing:
@@ -119,7 +118,8 @@ class OpenAIServing:
         check_guided_limits(self.engine.config, guided)
         return build_sampling_params(req, max_tokens, logprobs, self.generation_defaults(), guided)
 
-    def _tokenizer(self) -> Any:
+    def tokenizer(self) -> Any:
+        """The loaded model's tokenizer: 503 while it loads, 400 for a folder without one."""
         info = self.engine.model_info
         if info is None:  # still loading (or never loaded): a 503 that says so, not "no tokenizer"
             self.engine.check_accepting()
@@ -154,12 +154,13 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------- chat
     async def render_chat(
-        self, req: ChatCompletionRequest, tools: ToolRequest | None = None
+        self, req: ChatCompletionRequest, tools: ToolRequest | None = None, contexts: int | None = None
     ) -> str | list[int]:
         """The conversation (and the tools offered) through the model's own chat template, or our
         tool prompt where the template takes no tools (long ones in a worker thread): its text, or
-        its token ids where client text spelled special tokens (engine/http/special_text.py)."""
-        tokenizer = self._tokenizer()
+        its token ids where client text spelled special tokens (engine/http/special_text.py), at
+        most `contexts` contexts long (else one; TRUNCATE_SLACK for a prompt to be cut)."""
+        tokenizer = self.tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages, listed = with_tools(chat_messages(req.messages), tools, template_takes_tools(tokenizer))
@@ -167,8 +168,8 @@ class OpenAIServing:
         assert info is not None  # a tokenizer was found in it
         options = req.template_options()
         # a prompt to be cut to its last tokens may be longer than the context: the engine cuts it
-        bound = info.max_model_len * (1 if req.truncate_prompt_tokens is None else TRUNCATE_SLACK)
-        return await self._renderer.render(tokenizer, messages, listed, bound, options)
+        slack = contexts or (1 if req.truncate_prompt_tokens is None else TRUNCATE_SLACK)
+        return await self._renderer.render(tokenizer, messages, listed, info.max_model_len * slack, options)
 
     async def chat(
         self, req: ChatCompletionRequest, span: RequestSpan | None = None
@@ -357,7 +358,7 @@ class OpenAIServing:
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
             return prompt
-        return str(self._tokenizer().decode(prompt))
+        return str(self.tokenizer().decode(prompt))
 
     async def _completion_events(
         self,
