@@ -14,9 +14,12 @@ MARKER_SECONDS = 86400
 # the reservation. A counter flushed or evicted while requests were in flight is seeded again from a
 # log that has none of them and without their reservations: their settles then add all they owe
 # (their seed differs), not the difference to a reservation the counter no longer holds.
+# A seed token ends in "@<time>": when its seeder started to read the request log (wall clock, s).
 # KEYS: counter, marker, seed. ARGV: target (picodollars the request now owes), mode: `part` (a
 # bound, settled again later), `final`, or `blind` (final, the reservation's fate unknown: no marker
-# means it never happened; a tombstone is left so that a resend does not count twice).
+# means it never happened; a tombstone is left so that a resend does not count twice), the
+# marker's lifetime, and for `blind` the time after which the log has the request's row: a counter
+# seeded after it (Redis came back empty, another request seeded it) has the cost already.
 # A marker missing for `part` or `final` means this settle ran already (a resend): nothing to do.
 # The change goes only on a counter that still exists (an expired one is seeded again from the log);
 # never below zero.
@@ -26,6 +29,13 @@ if held == 'settled' or (not held and ARGV[2] ~= 'blind') then return false end
 local seed = redis.call('GET', KEYS[3]) or ''
 local amount, taken = string.match(held or '0', '^(%-?%d+) ?(.*)$')
 if taken ~= seed then amount = '0' end
+if not held and ARGV[2] == 'blind' then
+  local seeded_at = tonumber(string.match(seed, '@([%d.]+)$'))
+  if seeded_at and seeded_at > tonumber(ARGV[4]) then
+    redis.call('SET', KEYS[2], 'settled', 'EX', ARGV[3])
+    return false
+  end
+end
 local delta = tonumber(ARGV[1]) - tonumber(amount)
 if ARGV[2] == 'part' then redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. seed, 'KEEPTTL')
 elseif ARGV[2] == 'final' then redis.call('DEL', KEYS[2])

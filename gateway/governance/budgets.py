@@ -40,6 +40,7 @@ from typing import Any, Literal, Protocol
 
 from gateway.errors import NO_RETRY, GatewayError, retry_after_header
 from gateway.governance.budget_scripts import ADMIT, MARKER_SECONDS, SEED, SETTLE
+from gateway.governance.owed_settles import Owed, OwedSettles
 from gateway.governance.periods import Period, period_bounds
 from gateway.governance.ratelimit import Limit, refusal
 from gateway.governance.redis_pool import DEFAULT_POOL, RedisPoolConfig
@@ -233,7 +234,6 @@ class LocalBudgetStore:
         return None
 
 
-_SETTLE_RETRY_SECONDS = 1.0
 _SEED = ":seed"  # a counter's seed token: its key's suffix
 
 
@@ -259,14 +259,10 @@ class RedisBudgetStore:
         self._admit = self._redis.register_script(ADMIT)
         self._settle_script = self._redis.register_script(SETTLE)
         self._seed_script = self._redis.register_script(SEED)
-        # (counter, marker) -> (target, mode): settles Redis did not confirm (it was away, or its
-        # answer was lost), written again until it does; the markers make that safe
-        self._unsettled: dict[tuple[str, str], tuple[int, str]] = {}
-        self._writing = False
-        self._retry_at = 0.0  # monotonic time before which owed changes are not tried again
         self._prefix = prefix
         self.fail_open = fail_open
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
+        self._owed = OwedSettles(self._send_settle, self._errors)  # settles Redis did not confirm
 
     async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
         try:
@@ -294,7 +290,7 @@ class RedisBudgetStore:
         are taken back once it does (blind: only those that happened)."""
         for charge in charges:
             key = self._prefix + charge.counter
-            self._unsettled[(key, self._marker(charge))] = (0, "blind")
+            self._owed.owe((key, self._marker(charge)), 0, "blind")
 
     def _marker(self, charge: Charge) -> str:
         return f"{self._prefix}{charge.counter}:held:{charge.token}"
@@ -308,8 +304,8 @@ class RedisBudgetStore:
         SpendUnavailableError propagate to the caller, which applies its fail-open/closed settings.
         Nothing is spent when one of them is raised.
         """
-        if self._unsettled:  # Redis may be back: what earlier settles owe is written first
-            await self._write_unsettled()
+        if self._owed:  # Redis may be back: what earlier settles owe is written first
+            await self._owed.write()
         keys = [limit_prefix + limit.name for limit in limits] + [self._prefix + c.counter for c in charges]
         keys += [self._marker(c) for c in charges]
         keys += [self._prefix + c.counter + _SEED for c in charges]
@@ -329,6 +325,7 @@ class RedisBudgetStore:
             charge = charges[int(rest[0]) - 1]
             if verdict == "over":
                 raise BudgetExceededError(charge.budget, charge.reset, charge.amount)
+            await self._owed.write(now=True)  # before the log is read: a blind settle then adds to no counter
             await self._seeding.run(charge.counter, partial(self._seed_counter, charge, seed))
         logger.error(
             "budget counters %s could not be seeded in three tries", keys[len(limits) :][: len(charges)]
@@ -337,12 +334,14 @@ class RedisBudgetStore:
 
     async def _seed_counter(self, charge: Charge, seed: Seed) -> None:
         """What was spent so far, from the database, set on the counter unless another request was first."""
+        reading = time.time()
         value = await seed(charge.budget, charge.period_start)
         ttl = "" if charge.reset is None else int((charge.reset - datetime.now(UTC)).total_seconds()) + 86400
         counter = self._prefix + charge.counter
         # first seeder wins; a new seed token tells the settles of requests in flight that this
-        # counter does not hold their reservations (budget_scripts.py)
-        await self._seed_script(keys=[counter, counter + _SEED], args=[value, uuid.uuid4().hex, ttl])
+        # counter does not hold their reservations, and when the log it holds was read (budget_scripts.py)
+        token = f"{uuid.uuid4().hex}@{reading:.3f}"
+        await self._seed_script(keys=[counter, counter + _SEED], args=[value, token, ttl])
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:
@@ -363,54 +362,23 @@ class RedisBudgetStore:
             await self._redis.delete(*doomed[start : start + 500])
 
     async def settle(self, charge: Charge, actual: int, final: bool = True) -> None:
-        """The reservation becomes the real cost. One Redis did not confirm (it was away, or its
-        answer was lost) is kept and written again by a later settle or reservation: dropping it
-        left the whole worst case on the budget until the counter expired (never, for a total
-        budget); the marker makes writing it twice harmless."""
+        """The reservation becomes the real cost; one Redis did not confirm is written again until
+        it does (owed_settles.py)."""
         mode = "blind" if charge.blind else "final" if final else "part"
         if mode == "part" and actual == charge.amount:
             return
-        owed = (self._prefix + charge.counter, self._marker(charge))
-        if mode != "part" or self._unsettled.get(owed, (0, "part"))[1] == "part":  # never undo a final
-            self._unsettled[owed] = (actual, mode)
-        await self._write_unsettled()
+        self._owed.owe((self._prefix + charge.counter, self._marker(charge)), actual, mode)
+        await self._owed.write()
 
-    async def _write_unsettled(self) -> None:
-        """Write the settles still owed, one writer at a time; a counter gone meanwhile (expired)
-        is left to be seeded again from the request log."""
-        if not self._unsettled or self._writing or time.monotonic() < self._retry_at:
-            return
-        self._writing = True
-        try:
-            while self._unsettled:
-                owed, (target, mode) = next(iter(self._unsettled.items()))
-                try:
-                    keys = [*owed, owed[0] + _SEED]
-                    await self._settle_script(keys=keys, args=[target, mode, MARKER_SECONDS])
-                except self._errors as exc:
-                    # tried again in a second: an admission meanwhile does not wait on Redis twice
-                    self._retry_at = time.monotonic() + _SETTLE_RETRY_SECONDS
-                    logger.error(
-                        "budget %s: a settle to %d picodollars not confirmed yet: %s", owed[0], target, exc
-                    )
-                    return
-                if self._unsettled.get(owed) == (target, mode):  # not replaced by a later settle meanwhile
-                    del self._unsettled[owed]
-        finally:
-            self._writing = False
+    async def _send_settle(self, owed: Owed, target: int, mode: str, logged: float) -> None:
+        """One settle; a counter gone meanwhile (expired) is left to be seeded again from the log."""
+        keys = [*owed, owed[0] + _SEED]
+        await self._settle_script(keys=keys, args=[target, mode, MARKER_SECONDS, f"{logged:.3f}"])
 
     async def close(self) -> None:
-        """What settles still owe is written first (one try, whatever the retry pause): a total
-        budget's counter never expires, so a worst case left on it would stay for good."""
-        if self._unsettled:
-            self._retry_at = 0.0
-            try:
-                await self._write_unsettled()
-            except Exception:  # the shutdown goes on; what is owed is in the log
-                logger.exception("budgets: settles owed at shutdown could not be written")
-            if self._unsettled:
-                logger.error("budgets: %d settles not written, their counters keep what they held: %s",
-                             len(self._unsettled), self._unsettled)  # fmt: skip
+        """What settles still owe is written first (one try): a total budget's counter never
+        expires, so a worst case left on it would stay for good."""
+        await self._owed.close()
         await self._redis.aclose()
 
 

@@ -349,7 +349,7 @@ def test_a_settle_redis_could_not_take_is_written_once_it_is_back() -> None:
         await asyncio.sleep(1.05)  # the next admission a second later writes what is owed first
         await store.reserve([_charge(budget, now, "0.90")], _nothing_spent)  # fits only once settled
         assert int(await store._redis.get(counter)) == to_picousd(Decimal("0.95"))
-        assert store._unsettled == {}
+        assert store._owed.pending == {}
         await store._redis.delete(counter)
         await store.close()
 
