@@ -23,7 +23,11 @@ TOOLS = [
         "function": {
             "name": "weather",
             "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -69,7 +73,9 @@ def test_a_prompt_is_counted_as_a_text_completion_bills_it(client: TestClient, t
     ],
     ids=["plain", "tools", "continued"],
 )  # fmt: skip
-def test_a_conversation_is_counted_as_a_chat_completion_bills_it(client: TestClient, extra: dict[str, Any]) -> None:
+def test_a_conversation_is_counted_as_a_chat_completion_bills_it(
+    client: TestClient, extra: dict[str, Any]
+) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the weather in Paris? <|im_start|> is just text here."},
