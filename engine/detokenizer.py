@@ -32,7 +32,7 @@ class IncrementalDetokenizer:
         self._decode = decode
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._read_offset = _whole_characters(decode, self._ids)
         # stop strings are matched as text arrives: work per new character, not per text length
         self._stops = StopStringMatcher(stop_strings) if stop_strings else None
         self._pending = ""  # decoded text not taken yet (stop strings already cut off)
@@ -53,13 +53,13 @@ class IncrementalDetokenizer:
         return self._append(new_text[len(prefix_text) :], check_stop)
 
     def flush(self, check_stop: bool = True) -> str | None:
-        """Emit whatever is pending (an incomplete character at the very end stays as U+FFFD); returns
-        the stop string that text completes, if any (it is cut off, as any stop string: the caller
-        reports the sequence stopped on it, not on its length)."""
+        """Emit whatever is pending but an incomplete character at the very end (never sent, as
+        vLLM: it was U+FFFD); returns the stop string that text completes, if any (it is cut off, as
+        any stop string: the caller reports the sequence stopped on it, not on its length)."""
         if self.stopped_on is not None or self._read_offset >= len(self._ids):
             return None
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
+        new_text = self._decode(self._ids[self._prefix_offset :]).rstrip(_REPLACEMENT)
         if len(new_text) > len(prefix_text):
             return self._append(new_text[len(prefix_text) :], check_stop)
         return None
@@ -94,3 +94,16 @@ class IncrementalDetokenizer:
             return pending
         self._pending = pending[len(pending) - held :]
         return pending[: len(pending) - held]
+
+
+def _whole_characters(decode: DecodeFn, window: list[int]) -> int:
+    """Where the prompt's last whole character ends in its last tokens: a prompt of token ids may
+    end inside a character (an output cut mid-emoji, continued), whose remaining bytes the first
+    output tokens bring; that character is the output's (as vLLM), not lost as prompt text. At most
+    three tokens back (a character has at most four bytes); a window with no such place (bytes
+    that never make a character) is left as it is."""
+    whole = len(window)
+    for back in range(min(3, len(window)) + 1):
+        if not decode(window[: whole - back]).endswith(_REPLACEMENT):
+            return whole - back
+    return whole

@@ -160,6 +160,12 @@ class InputProcessor:
                 "min_tokens cannot be met: stop_token_ids and the end-of-sequence tokens cover the whole "
                 "vocabulary", param="min_tokens"
             )  # fmt: skip
+        allowed = params.allowed_token_ids
+        if params.min_tokens and allowed is not None and set(allowed) <= ends:
+            raise InvalidRequestError(
+                "min_tokens cannot be met: every token allowed_token_ids allows ends the sequence",
+                param="min_tokens",
+            )
 
     def _check_resume(self, ids: list[int], params: SamplingParams, max_tokens: int) -> tuple[int, ...]:
         if params.n != 1:

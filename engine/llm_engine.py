@@ -377,9 +377,11 @@ class LLMEngine:
         """
         params = seq.params
         check = seq.num_output_tokens >= params.min_tokens
-        # the text flushed at the end (a last incomplete character, as U+FFFD) may complete a stop
+        # the text flushed at the end (what waited on a character's next bytes) may complete a stop
         # string: it is cut off then, and the sequence stopped on it, whatever else ended it
         if token in seq.stop_token_ids:  # the sampler masks them until min_tokens
+            if seq.detokenizer is not None and params.include_stop_str_in_output:  # its text too (vLLM)
+                seq.detokenizer.add_token(token, check_stop=False)
             flushed = seq.detokenizer.flush(check) if seq.detokenizer is not None else None
             explicit = token in (params.stop_token_ids or ())
             return "stop", flushed if flushed is not None else token if explicit else None

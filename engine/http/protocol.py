@@ -150,7 +150,7 @@ class _SamplingFields(BaseModel):
     # extensions (vLLM's names)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)

@@ -77,27 +77,44 @@ def test_held_back_text_that_turns_out_no_stop_string_is_sent_later(tokenizer: A
     assert "".join(pieces) == "abc EN and more"
 
 
-def test_a_stop_string_the_final_flush_completes_is_cut_and_reported(tokenizer: Any) -> None:
-    """A last incomplete character flushes as U+FFFD at the end; a stop string it completes cuts the
-    text as any other and is returned, so that the sequence ends "stop" on it (it used to keep
-    "length" with the text cut)."""
-    ids = tokenizer("Japanese: 日本語は", add_special_tokens=False).input_ids
-    cut = next(k for k in range(len(ids), 0, -1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
-    whole = tokenizer.decode(ids[:cut])
-    for stops, expected in ((["\ufffd"], "\ufffd"), ([whole[-2:]], whole[-2:]), (["zz"], None)):
-        detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], stops)
-        pieces = []
-        for token in ids[:cut]:
-            assert detok.add_token(token) is None
-            pieces.append(detok.take())
+# byte-level tokens of our own: a token may end one character and begin the next (2: "c" and the
+# first byte of "日")
+_BYTES = {1: b"ab", 2: b"c\xe6", 3: b"\x97", 4: b"\xa5", 5: b"\x80"}
+
+
+def _bytes_decode(ids: list[int]) -> str:
+    return b"".join(_BYTES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_the_final_flush_sends_whole_characters_only_and_cuts_a_stop_string_they_complete() -> None:
+    """Text that waited on a character's next bytes is sent at the end without that character
+    (vLLM never sends one incomplete: it was U+FFFD, and a stop string "\ufffd" turned a `length`
+    into a `stop`); a stop string the rest completes cuts the text as any other and is returned, so
+    that the sequence ends "stop" on it."""
+    for stops, expected, text in ((["\ufffd"], None, "abc"), (["bc"], "bc", "a"), (["zz"], None, "abc")):
+        detok = IncrementalDetokenizer(_bytes_decode, [], stops)
+        assert detok.add_token(1) is None
+        assert detok.add_token(2) is None and detok.add_token(3) is None  # "c" waits with the 日 begun
+        pieces = [detok.take()]
         assert detok.flush() == expected
         pieces.append(detok.take(final=True))
-        text = "".join(pieces)
-        assert text == (whole if expected is None else whole[: whole.index(expected)])
-    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [], ["\ufffd"])
-    for token in ids[:cut]:
+        assert "".join(pieces) == text
+    detok = IncrementalDetokenizer(_bytes_decode, [], ["bc"])
+    for token in (1, 2, 3):
         detok.add_token(token, check_stop=False)
     assert detok.flush(check_stop=False) is None  # before min_tokens: no stop string counts
+
+
+def test_a_prompt_that_ends_inside_a_character_leaves_it_to_the_output(tokenizer: Any) -> None:
+    """A prompt of token ids cut mid-emoji (an output cut off, continued): the first output token
+    completes the emoji, which is the output's (it was lost, taken for prompt text)."""
+    ids = tokenizer("Emoji party: 😀🎉🍕🍕").input_ids
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), ids[:-1], [])
+    detok.add_token(ids[-1])
+    assert detok.take() == "🍕"
+    garbage = IncrementalDetokenizer(_bytes_decode, [1, 3, 5, 5, 5], [])  # bytes that are no character
+    garbage.add_token(1)
+    assert garbage.take() == "ab"  # not taken for the output's
 
 
 def test_include_stop_keeps_the_stop_string_at_the_end_of_the_text(tokenizer: Any) -> None:

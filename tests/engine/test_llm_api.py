@@ -142,9 +142,11 @@ def test_invalid_sampling_params_are_rejected() -> None:
         dict(logprobs=50),
         dict(stop=[""]),
         dict(repetition_penalty=0),
+        dict(repetition_penalty=float("inf")),
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)  # type: ignore[arg-type]
+    assert SamplingParams(repetition_penalty=2.5).repetition_penalty == 2.5  # vLLM: any positive value
 
 
 def test_unsupported_architecture_is_rejected(tmp_path: Path) -> None:

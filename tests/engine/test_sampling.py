@@ -88,6 +88,14 @@ def test_stop_token_id_ends_generation(llm: LLM, chat_prompt: list[int]) -> None
     )[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == target
+    decode = llm.get_tokenizer().decode
+    assert out.text == decode(free.token_ids[:first], skip_special_tokens=True)
+    kept = SamplingParams(
+        temperature=0, max_tokens=20, stop_token_ids=[target], include_stop_str_in_output=True
+    )
+    with_stop = llm.generate([chat_prompt], kept, use_tqdm=False)[0]  # vLLM: the stop token's text kept too
+    assert with_stop.token_ids == out.token_ids
+    assert with_stop.text == decode(free.token_ids[: first + 1], skip_special_tokens=True) != out.text
 
 
 def test_eos_stops_unless_ignored(llm: LLM) -> None:
@@ -232,8 +240,11 @@ def test_allowed_token_ids_hold_greedy_seeded_and_batched_choices_to_them(
         assert not set(other) <= set(allowed)  # the batch's other request is not held to them
     eos = llm.get_tokenizer().eos_token_id
     only_stop = SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[eos])
-    out = llm.generate([chat_prompt], only_stop, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason in ("stop", "length")  # no row of -inf: it ends instead of crashing
+    with pytest.raises(ValueError, match="min_tokens cannot be met"):  # it ended at once, min_tokens ignored
+        llm.generate([chat_prompt], only_stop, use_tqdm=False)
+    ignored = SamplingParams(max_tokens=3, min_tokens=2, allowed_token_ids=[eos], ignore_eos=True)
+    out = llm.generate([chat_prompt], ignored, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == [eos] * 3 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="allowed_token_ids"):
