@@ -22,6 +22,7 @@ from gateway.console.session import Session
 from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
 from gateway.governance.keys import KeyInfo, KeyNotFoundError
 from gateway.governance.periods import counted_period
+from gateway.store.reports import usd
 
 router = APIRouter(prefix="/ui/keys")
 
@@ -122,7 +123,7 @@ async def _rows(keys: Keys, db: Database, after: str | None) -> tuple[list[dict[
         spend = spent.get(info.id, Decimal(0))
         budget = info.budget_usd
         used = float(min(Decimal(1), spend / budget)) if budget else 0.0
-        rows.append({**info.public(), "state": _state(info, now), "spend": f"{spend:.6f}", "used": used})
+        rows.append({**info.public(), "state": _state(info, now), "spend": usd(spend), "used": used})
     return rows, following
 
 
@@ -204,9 +205,12 @@ async def update_key(
     try:
         fields = _fields(form, lift_empty=True, kept=stored.allowed_models or ())
         models = None if stored.allowed_models is None else list(stored.allowed_models)
-        for name, value in (("name", stored.name), ("allowed_models", models)):
-            if name in fields and fields[name] == value:  # unchanged: kept as stored, not checked again
-                del fields[name]  # (a name stored before today's rules would stop every other edit)
+        for name, value in (("name", stored.name), ("team", stored.team), ("allowed_models", models)):
+            # unchanged: kept as stored (not trimmed: " ops " is another team than "ops" to spend
+            # reports and the policy's teams), and not checked again (a name stored before today's
+            # rules would stop every other edit)
+            if name in fields and fields[name] == (value.strip() if isinstance(value, str) else value):
+                del fields[name]
         fields["expires_at"] = _edited_expiry(form)
         body = KeyUpdate.model_validate(fields)
     except (ValidationError, _FormError) as exc:

@@ -546,10 +546,27 @@ def test_spend_ranges_at_the_calendars_start_and_money_without_exponents(url: st
         csv_text = client.get(f"/ui/spend?from={day}&to={day}&by=team&format=csv").text
         model_csv = client.get(f"/ui/spend?from={day}&to={day}&by=model&format=csv").text
     assert '<td class="cost">0.00000074</td>' in page, re.findall(r"<tr data-group.*?</tr>", page, re.S)
-    assert "E-7" not in page
+    assert '<span class="figure" id="total-cost">0.00000074</span>' in page  # the tiles were "0.000001"
+    assert "0.000001" not in page and "E-7" not in page
     assert "E-7" not in csv_text and ",0.00000074," in csv_text
     assert '\n"\'=HYPERLINK(""http://x"")",' in csv_text  # a text cell, not a formula
     assert "\n'@SUM(A1),'@SUM(A1)," in model_csv
+
+
+def test_the_keys_page_shows_spend_exactly(url: str) -> None:
+    """Rounded to six places, $0.00000331 read 0.000003 beside a budget of 0.000003 (and a meter at 100%)."""
+    with _client(url) as client:
+        _login(client)
+        admin = {"Authorization": f"Bearer {MASTER}"}
+        body = {"name": "tiny", "budget_usd": "0.000004", "budget_period": "daily"}
+        made = client.post("/admin/keys", json=body, headers=admin).json()
+        insert_rows(url, [UsageDaily(day=datetime.now(UTC).date(), key_id=made["id"], team="",
+                                     requested_model="m", backend="local", requests=1, errors=0,
+                                     prompt_tokens=3, completion_tokens=1, cached_tokens=0,
+                                     cost_usd=Decimal("0.00000331"), reference_cost_usd=Decimal(0),
+                                     reference_basis_usd=Decimal(0))])  # fmt: skip
+        page = client.get("/ui/keys", headers=HTML).text
+    assert "<td>0.00000331 / 0.000004 daily" in page, re.findall(r"<td>[0-9.]+ /[^<]*", page)
 
 
 def test_request_log_filters_read_zones_and_refuse_control_characters(url: str) -> None:

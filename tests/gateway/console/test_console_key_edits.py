@@ -197,3 +197,15 @@ def test_a_key_named_before_the_name_rules_can_still_be_edited(ops: tuple[TestCl
         f"/ui/keys/{made['id']}", data={**_rendered_fields(client, made["id"]), "name": "new\u00ad"}
     )
     assert renamed.status_code == 400 and "control character" in renamed.text
+
+
+def test_a_name_and_team_saved_unchanged_are_kept_as_stored(ops: tuple[TestClient, str]) -> None:
+    """The form trimmed them on every save: " spaced team " became "spaced team", another team to
+    the spend reports and the policy's `teams:`."""
+    client, _ = ops
+    body = {"name": "  padded  ", "team": " spaced team "}
+    made = client.post("/admin/keys", json=body, headers=ADMIN).json()
+    saved = _saved_as_rendered(client, made["id"], rpm_limit="60")
+    assert (saved["name"], saved["team"], saved["rpm_limit"]) == ("  padded  ", " spaced team ", 60)
+    renamed = _saved_as_rendered(client, made["id"], team="  ops ")  # a team typed anew is trimmed
+    assert renamed["team"] == "ops" and renamed["name"] == "  padded  "
