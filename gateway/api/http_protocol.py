@@ -12,8 +12,6 @@ malformed request, the server's concurrency limit) use OpenAI's error format lik
 from __future__ import annotations
 
 import asyncio
-import re
-from collections.abc import Sequence
 from typing import Any, cast
 
 import uvicorn
@@ -22,15 +20,25 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, WHOLE_BODY, send_error
+from gateway.api.request_head import framing_problem
 from gateway.errors import GatewayError, error_answer
 
 
 class LimitedConfig(uvicorn.Config):
     """uvicorn's Config with the header limits GatewayHttpProtocol enforces (picklable for workers)."""
 
-    def __init__(self, app: Any, *, max_header_bytes: int, header_timeout: float, **options: Any) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        max_header_bytes: int,
+        header_timeout: float,
+        body_timeout: float = 30.0,
+        **options: Any,
+    ) -> None:
         self.max_header_bytes = max_header_bytes
         self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
         super().__init__(
             app, http=GatewayHttpProtocol, h11_max_incomplete_event_size=max_header_bytes, **options
         )
@@ -50,6 +58,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         assert isinstance(config, LimitedConfig), "GatewayHttpProtocol needs a LimitedConfig"
         self.max_header_bytes = config.max_header_bytes
         self.header_timeout = config.header_timeout
+        self.body_timeout = config.body_timeout
+        # a request answered before its body was in (401, 413 from the headers alone): the time its
+        # body still has, whether the app reads it or not
+        self.unread_timer: asyncio.TimerHandle | None = None
+        # the requests not answered yet, oldest first: uvicorn keeps only the newest (pipelining),
+        # and a client gone mid-answer left the one being answered running, and billed
+        self.cycles: list[Any] = []
         # bytes received for the request whose headers are still incomplete (None: past its headers)
         self.header_bytes: int | None = 0
         self.header_timer: asyncio.TimerHandle | None = None
@@ -65,10 +80,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """Stop the timers with the connection."""
+        """Stop the timers with the connection; every request not answered yet learns the client left."""
         self._cancel_header_timer()
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
+        for timer in (self.linger_timer, self.unread_timer):
+            if timer is not None:
+                timer.cancel()
+        for cycle in self.cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -93,13 +113,19 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 # come in one read (nearly all) never sets a timer, which costs every request
                 self._arm_header_timer()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """A header field; a trailer field (after a chunked body) is dropped: uvicorn added it to the
+        request's headers, where an Authorization sent as a trailer authenticated."""
+        if self.header_bytes is not None:
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         """The headers are in: stop counting and timing them; measure them if they came in one read."""
         self.header_bytes = None
         self._cancel_header_timer()
         size = len(self.url)
         for name, value in self.headers:  # a loop, not sum(generator): every request, a cold CPU mostly
-            size += len(name) + len(value)
+            size += len(name) + len(value) + 4  # (": " and CRLF: 15,000 empty-ish headers passed 32 KiB)
         if size > self.max_header_bytes:
             self._headers_too_large()
             raise _RefusedError  # stops the parser: no request task starts
@@ -110,6 +136,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise _RefusedError
         super().on_headers_complete()
         if self.cycle is not None:
+            self.cycles.append(self.cycle)
             transport = _CycleTransport(self, self.cycle)
             self.cycle.transport = transport  # type: ignore[assignment]
             scope = cast(dict[str, Any], self.cycle.scope)
@@ -119,21 +146,41 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 _close_delimited(self.cycle)
 
     def on_response_complete(self) -> None:
-        """An answer is out: a refusal that waited for it (and those before it) goes now."""
+        """An answer is out: a refusal that waited for it (and those before it) goes now; an answer
+        given before its request's body was in leaves that body `body_timeout` seconds to end."""
         super().on_response_complete()
+        self.cycles = [cycle for cycle in self.cycles if not cycle.response_complete]
         if self.refusal is not None and not self._answering():
             status, message, code = self.refusal
             self.refusal = None
             self._refuse(status, message, code)
+        elif self.header_bytes is None and self.unread_timer is None and not self.transport.is_closing():
+            self.unread_timer = self.loop.call_later(self.body_timeout, self._unread_timed_out)
+
+    def _unread_timed_out(self) -> None:
+        self.unread_timer = None
+        self.logger.info("%s: an answered request's body took longer than %g s", _address(self.client),
+                         self.body_timeout)  # fmt: skip
+        self.transport.close()
 
     def _answering(self) -> bool:
         """Whether a request of this connection is still being answered (or waits in the pipeline)."""
         return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
 
     def on_message_complete(self) -> None:
-        """The request's body is in: bytes after it belong to the next request's headers."""
+        """The request's body is in: bytes after it belong to the next request's headers. One answered
+        already is idle from now: uvicorn armed its keep-alive timer with the answer, and the body's
+        bytes cancelled it (the connection stayed open for good, a slot of the concurrency limit)."""
         super().on_message_complete()
         self.header_bytes = 0
+        if self.unread_timer is not None:
+            self.unread_timer.cancel()
+            self.unread_timer = None
+            if not self._answering() and not self.transport.is_closing():
+                self._unset_keepalive_if_required()
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
 
     def shutdown(self) -> None:
         """The server stops: an answer's tail still waiting goes out before the connection closes."""
@@ -192,6 +239,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.flush_all()  # an answer's tail still waiting goes out before ours
         if reading:  # the app's body read ends as a disconnect: this says what the client was told
             cast(dict[str, Any], self.cycle.scope)[REFUSED] = (status, message, code)
+            # and what the app still sends goes nowhere (an early 401 written after ours, past
+            # write_eof, was a RuntimeError in the log)
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
         if not (reading and self.cycle.response_started):  # (a started answer is just cut off)
             _, headers, body = error_answer(GatewayError(status, message, code=code))
             fields = b"".join(b"%s: %s\r\n" % field for field in headers)
@@ -365,53 +416,6 @@ def _close_delimited(cycle: Any) -> None:
         await send(message)
 
     cycle.send = close_delimited_send
-
-
-# RFC 9110's host [ ":" port ]: a reg-name (unreserved, sub-delims, %-escapes) or an IP literal
-_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]{0,5})?")
-
-
-def framing_problem(version: str, headers: Sequence[tuple[bytes, bytes]]) -> tuple[int, str, str] | None:
-    """What RFC 9112 says a server must refuse in a request head that llhttp lets through, as
-    (status, message, code); None when the head is sound.
-
-    An HTTP version other than 1.0 and 1.1 (505), a missing Host in HTTP/1.1, more than one Host or
-    one that is not a host, more than one Authorization (RFC 9110 5.3: not a list; 400), and a
-    transfer coding other than a lone `chunked` (501: llhttp reads `gzip, chunked` as chunked and
-    hands the app the still-compressed bytes; a proxy in front that reads the codings otherwise
-    would disagree with us on where the request ends). And, though not framing, a content coding
-    (415, RFC 9110 15.5.16): the body would be parsed still compressed, and inflating it would let
-    a small body (a gzip bomb) pass the body limit.
-    """
-    if version not in ("1.0", "1.1"):
-        return 505, f"HTTP/{version} is not supported: use HTTP/1.1", "http_version_not_supported"
-    hosts: list[bytes] = []
-    authorizations = 0
-    transfer: list[bytes] = []  # the Transfer-Encoding and Content-Encoding values, as sent
-    content: list[bytes] = []
-    for name, value in headers:  # one pass: every request's head is checked, on a cold CPU mostly
-        if name == b"host":
-            hosts.append(value)
-        elif name == b"authorization":
-            authorizations += 1
-        elif name == b"transfer-encoding":
-            transfer.append(value)
-        elif name == b"content-encoding":
-            content.append(value)
-    if len(hosts) > 1:
-        return 400, "the request has more than one Host header", "invalid_http_request"
-    if not hosts and version == "1.1":
-        return 400, "an HTTP/1.1 request needs a Host header", "invalid_http_request"
-    if hosts and not _HOST.fullmatch(hosts[0].strip(b" \t")):
-        return 400, "the Host header is not a host[:port]", "invalid_http_request"
-    if authorizations > 1:  # which one? routes disagreed
-        return 400, "the request has more than one Authorization header", "invalid_http_request"
-    # (the comprehensions only when there is something to read: each is a call of its own)
-    if transfer and [c.strip(b" \t").lower() for v in transfer for c in v.split(b",")] != [b"chunked"]:
-        return 501, "the only transfer coding supported is a lone chunked", "unsupported_transfer_encoding"
-    if content and {c.strip(b" \t").lower() for v in content for c in v.split(b",")} - {b"identity", b""}:
-        return 415, "the request body must not be content-coded (e.g. gzip)", "unsupported_content_encoding"
-    return None
 
 
 class _RefusedError(Exception):

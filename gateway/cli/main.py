@@ -154,6 +154,7 @@ def server_config(settings: GatewaySettings, args: argparse.Namespace) -> Limite
         log_level=args.log_level, access_log=False,
         log_config=log_config(uvicorn.config.LOGGING_CONFIG, enabled=not args.no_access_log),
         max_header_bytes=settings.max_header_bytes, header_timeout=settings.header_timeout,
+        body_timeout=settings.body_timeout,
         limit_concurrency=settings.limit_concurrency, timeout_keep_alive=settings.keep_alive_timeout,
         backlog=settings.backlog, timeout_graceful_shutdown=settings.shutdown_timeout,
         proxy_headers=True, forwarded_allow_ips=settings.forwarded_allow_ips,
