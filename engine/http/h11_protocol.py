@@ -21,8 +21,10 @@ the app (limits.ConcurrencyLimit, 503 `server_overloaded` in OpenAI's format).
 h11 refuses a missing or repeated Host and transfer codings other than chunked, but takes any
 `HTTP/x.y` version, a Host that is no host, and Content-Length beside Transfer-Encoding (it reads
 the body as chunked: a proxy in front that trusts the length would disagree on where the request
-ends). Those heads are refused too (505 and 400), before the app sees them, and so is a body
-chunked into thousands of tiny pieces (400), which costs the event loop seconds to parse.
+ends). Those heads are refused too (505 and 400), before the app sees them, and so are a
+content-coded body (415: it would be parsed still compressed) and a body chunked into thousands of
+tiny pieces (400), which costs the event loop seconds to parse. An absolute-form target (RFC 9112
+3.2.2) is read as its path.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 # RFC 9110's host [ ":" port ]: a reg-name (unreserved, sub-delims, %-escapes) or an IP literal
 _HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]{0,5})?")
+# an absolute-form request target's scheme and authority (what a client sends to a proxy)
+_ABSOLUTE = re.compile(rb"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
 
 
 class HeadRefusedError(h11.RemoteProtocolError):
@@ -78,6 +82,11 @@ class CheckedConnection(h11.Connection):
             if refused is not None:
                 raise refused
             self._pieces = self._body_bytes = 0
+            if event.target[:1] != b"/" and _ABSOLUTE.match(event.target):  # RFC 9112 3.2.2: accepted
+                path = _ABSOLUTE.sub(b"", event.target)
+                path = path if path.startswith(b"/") else b"/" + path
+                event = h11.Request(method=event.method, target=path, headers=event.headers,
+                                    http_version=event.http_version)  # fmt: skip
         elif isinstance(event, h11.Data):
             self._pieces += 1
             self._body_bytes += len(event.data)
@@ -104,6 +113,11 @@ def head_problem(request: h11.Request) -> HeadRefusedError | None:
     host = next((value for name, value in request.headers if name == b"host"), None)
     if host is not None and not _HOST.fullmatch(host):
         return HeadRefusedError("the Host header is not a host[:port]", 400, "invalid_http")
+    codings = {c.strip().lower() for name, value in request.headers if name == b"content-encoding"
+               for c in value.split(b",")}  # fmt: skip
+    if codings - {b"identity", b""}:  # read still compressed (a misleading "invalid JSON"); inflated, a bomb
+        message = "the request body must not be content-coded (e.g. gzip)"
+        return HeadRefusedError(message, 415, "unsupported_content_encoding")
     return None
 
 

@@ -105,7 +105,10 @@ def create_app(
             if tracing is not None:
                 tracing.shutdown()  # exports the spans still buffered
 
-    app = FastAPI(title="Switchboard engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no redirect for a trailing slash: its Location was built from the client's Host header
+    app = FastAPI(
+        title="Switchboard engine", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False
+    )
     app.state.engine = engine
     app.state.serving = OpenAIServing(engine, names)
     _install_error_handlers(app)

@@ -147,6 +147,12 @@ def test_headers_over_the_limit_are_431_in_openai_format(server: ServerProcess) 
             501,
             "invalid_http",
         ),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+            415,
+            "unsupported_content_encoding",
+        ),
     ],
     ids=[
         "no host",
@@ -156,6 +162,7 @@ def test_headers_over_the_limit_are_431_in_openai_format(server: ServerProcess) 
         "http/1.2",
         "length and chunked",
         "gzip, chunked",
+        "gzip body",
     ],
 )
 def test_request_heads_that_frame_ambiguously_are_refused_and_closed(
@@ -167,6 +174,21 @@ def test_request_heads_that_frame_ambiguously_are_refused_and_closed(
         assert sock.recv(1024) == b""  # closed after the refusal
     assert answered == status and body["error"]["code"] == code, body
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_absolute_target_is_served_and_a_trailing_slash_is_a_404_not_a_redirect(
+    server: ServerProcess,
+) -> None:
+    """RFC 9112 3.2.2: a server accepts an absolute-form target (it was a 404); a trailing slash
+    was a 307 to a Location built from the client's Host header."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET http://x/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _reply(sock)[0] == 200
+    slashed = httpx.post(
+        f"{server.base_url}/v1/completions/", json={"prompt": "hi"}, headers={"Host": "evil.example"}
+    )
+    assert slashed.status_code == 404 and "location" not in slashed.headers
+    assert set(slashed.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_a_request_head_sent_too_slowly_is_cut_off(server: ServerProcess) -> None:
