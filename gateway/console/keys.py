@@ -6,13 +6,16 @@ accepts exactly what `POST /admin/keys` and `PATCH /admin/keys/{id}` accept.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Query, Response
+import orjson
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 
 from gateway.api.admin_keys import KeyCreate, KeyUpdate, apply_update
@@ -27,6 +30,12 @@ from gateway.store.reports import usd
 router = APIRouter(prefix="/ui/keys")
 
 PAGE_KEYS = 100  # keys a page (their spend is one query over the page's keys)
+# What a create or rotate shows once, handed to the keys page its answer redirects to: that answer
+# was the page itself, and reloading it (or going back to it) created or rotated again, the secret
+# just handed out then dead. A minute, HttpOnly, this path only, cleared by the page that shows it.
+SHOWN = "switchboard_console_shown"
+_SHOWN_SECONDS = 60
+_SHOWN_CHARS = 4096
 OPTIONAL = ("team", "allowed_models", "rpm_limit", "tpm_limit", "budget_usd")
 
 
@@ -148,18 +157,57 @@ async def _list(
 
 @router.get("")
 async def keys_page(
+    request: Request,
     keys: Keys,
     db: Database,
     session: ConsoleSession,
     after: Annotated[str | None, Query(max_length=300)] = None,
 ) -> Response:
-    """The keys, newest first, PAGE_KEYS a page, with their spend against their budgets; the create form."""
-    return await _list(keys, db, session, after)
+    """The keys, newest first, PAGE_KEYS a page, with their spend against their budgets; the create
+    form; and, once, the secret a create or rotate just made."""
+    handed = request.cookies.get(SHOWN)
+    shown = _read_shown(handed)
+    extra = {} if shown is None else {"created": shown, "notice": shown["notice"]}
+    response = await _list(keys, db, session, after, **extra)
+    if handed is not None:
+        response.delete_cookie(SHOWN, path="/ui/keys", httponly=True, samesite="strict")
+    return response
+
+
+def _shown_once(request: Request, secure_setting: str, created: dict[str, str], notice: str) -> Response:
+    """The redirect to the keys page, carrying what it shows once."""
+    value = base64.urlsafe_b64encode(orjson.dumps({**created, "notice": notice})).decode()
+    response = redirect("/ui/keys")
+    secure = secure_setting == "always" or request.url.scheme == "https"
+    response.set_cookie(SHOWN, value, max_age=_SHOWN_SECONDS, path="/ui/keys", secure=secure, httponly=True,
+                        samesite="strict")  # fmt: skip
+    return response
+
+
+def _read_shown(value: str | None) -> dict[str, str] | None:
+    """What the cookie hands the page (None: none, or not ours)."""
+    if not value or len(value) > _SHOWN_CHARS:
+        return None
+    try:
+        shown = orjson.loads(base64.urlsafe_b64decode(value.encode("ascii")))
+    except (UnicodeEncodeError, binascii.Error, ValueError):
+        return None
+    fields = ("title", "name", "key", "notice")
+    if not isinstance(shown, dict) or not all(isinstance(shown.get(f), str) for f in fields):
+        return None
+    return {f: shown[f] for f in fields}
 
 
 @router.post("")
-async def create_key(form: CheckedForm, keys: Keys, db: Database, session: ConsoleSession) -> Response:
-    """Create a key and show its plaintext this once."""
+async def create_key(
+    request: Request,
+    form: CheckedForm,
+    keys: Keys,
+    db: Database,
+    session: ConsoleSession,
+    services: ServicesDep,
+) -> Response:
+    """Create a key and show its plaintext this once (on the page this redirects to)."""
     try:
         fields = _fields(form, lift_empty=False)
         if days := form.get("expires_in_days", "").strip():
@@ -174,7 +222,7 @@ async def create_key(form: CheckedForm, keys: Keys, db: Database, session: Conso
         budget_period=body.budget_period if body.budget_usd is not None else None,
     )  # fmt: skip
     created = {"title": "New key", "name": info.name, "key": plaintext}
-    return await _list(keys, db, session, created=created, notice=f"Created {info.name}")
+    return _shown_once(request, services.settings.console_cookie_secure, created, f"Created {info.name}")
 
 
 @router.get("/{key_id}")
@@ -230,10 +278,10 @@ async def revoke_key(key_id: str, _: CheckedForm, keys: Keys) -> Response:
 
 @router.post("/{key_id}/rotate")
 async def rotate_key(
-    key_id: str, _: CheckedForm, keys: Keys, db: Database, session: ConsoleSession
+    request: Request, key_id: str, _: CheckedForm, keys: Keys, services: ServicesDep
 ) -> Response:
-    """Replace the key's secret and show the new plaintext this once."""
+    """Replace the key's secret and show the new plaintext this once (on the page this redirects to)."""
     info, plaintext = await keys.rotate(key_id)
     created = {"title": "Rotated key", "name": info.name, "key": plaintext}
     notice = f"Rotated {info.name}: the old secret no longer works"
-    return await _list(keys, db, session, created=created, notice=notice)
+    return _shown_once(request, services.settings.console_cookie_secure, created, notice)

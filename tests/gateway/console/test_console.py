@@ -236,6 +236,34 @@ def _plaintext(html: str) -> str:
     return found.group(1)
 
 
+def test_a_reload_after_a_create_or_rotate_shows_nothing_and_does_nothing_again(
+    ops: tuple[TestClient, str],
+) -> None:
+    """The POST's answer was the page with the secret: reloading it (the browser resubmits) made a
+    second key, or rotated again and killed the secret just handed out. Now the POST redirects, and
+    the page it leads to shows the secret once."""
+    client, csrf = ops
+    admin = {"Authorization": f"Bearer {MASTER}"}
+    made = client.post("/ui/keys", data={"csrf": csrf, "name": "once"}, headers=HTML, follow_redirects=False)
+    assert made.status_code == 303 and made.headers["location"] == "/ui/keys"
+    cookie = made.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "path=/ui/keys" in cookie and "samesite=strict" in cookie
+    shown = client.get("/ui/keys", headers=HTML)
+    plaintext = _plaintext(shown.text)
+    assert "Created once" in shown.text and "max-age=0" in shown.headers["set-cookie"].lower()
+    again = client.get("/ui/keys", headers=HTML).text
+    assert plaintext not in again and 'id="new-key"' not in again
+    assert [k["name"] for k in client.get("/admin/keys", headers=admin).json()["data"]].count("once") == 1
+    key_id = client.get("/admin/keys", headers=admin).json()["data"][0]["id"]
+    rotated = client.post(f"/ui/keys/{key_id}/rotate", data={"csrf": csrf}, follow_redirects=False)
+    assert rotated.status_code == 303 and plaintext not in rotated.text
+    fresh = _plaintext(client.get("/ui/keys", headers=HTML).text)
+    assert 'id="new-key"' not in client.get("/ui/keys", headers=HTML).text
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {fresh}"}).status_code == 200
+    client.cookies.set("switchboard_console_shown", "bm90IGpzb24", path="/ui/keys")  # not ours: ignored
+    assert client.get("/ui/keys", headers=HTML).status_code == 200
+
+
 def test_keys_are_created_used_edited_rotated_and_revoked_from_the_forms(ops: tuple[TestClient, str]) -> None:
     client, csrf = ops
     made = client.post(
