@@ -12,6 +12,7 @@ malformed request, the server's concurrency limit) use OpenAI's error format lik
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, cast
 
 import uvicorn
@@ -67,6 +68,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.cycles: list[Any] = []
         # bytes received for the request whose headers are still incomplete (None: past its headers)
         self.header_bytes: int | None = 0
+        self.head_start = b""  # the first bytes of the request being read
         self.header_timer: asyncio.TimerHandle | None = None
         self.unsent: list[_CycleTransport] = []  # requests' transports holding writes, oldest first
         self.lingering: int | None = None  # bytes discarded since a refusal (None: not refused)
@@ -101,6 +103,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.refusal is not None:  # past a request the parser refused: nothing more is parsed
             return
         if self.header_bytes is not None:
+            if not self.header_bytes:  # a request's first bytes: its request line, if llhttp refuses it
+                self.head_start = data[:_REQUEST_LINE_BYTES]
             self.header_bytes += len(data)
         super().data_received(data)
         # Checked after parsing: headers complete within this chunk reset the count, so a body sent
@@ -193,8 +197,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self.unsent[0].flush()
 
     def send_400_response(self, msg: str) -> None:
-        """A request httptools cannot parse (NUL in a header, bad Content-Length, bad chunking)."""
-        self._refuse(400, msg, "invalid_http_request")
+        """A request httptools cannot parse (NUL in a header, bad Content-Length, bad chunking); an
+        HTTP version llhttp does not know (HTTP/1.2) is a 505, as the heads it parses are."""
+        found = _VERSION.search(self.head_start.partition(b"\n")[0])
+        version = found.group(1).decode("ascii") if found is not None else "1.1"
+        problem = framing_problem(version, []) if version not in ("1.0", "1.1") else None
+        self._refuse(*(problem or (400, msg, "invalid_http_request")))
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         if app is service_unavailable:  # past limit_concurrency: OpenAI's format, not plain text
@@ -269,6 +277,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
 
+_REQUEST_LINE_BYTES = 8192  # kept of a request's first read, for the version llhttp refused
+_VERSION = re.compile(rb" HTTP/([0-9]+\.[0-9]+)\r?$")
 LINGER_SECONDS = 1.0  # after a refusal, how long what the client still sends is read and dropped
 LINGER_BYTES = 8 << 20  # and how much of it, at most (a completion body's default limit)
 

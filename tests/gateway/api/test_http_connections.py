@@ -160,3 +160,17 @@ def test_a_pipelined_request_whose_client_leaves_is_cancelled_and_logged_499(
         time.sleep(0.1)
         rows = read_log_rows(database)[before:]
     assert [row["status"] for row in rows] == [499], rows
+
+
+@pytest.mark.parametrize(
+    ("line", "status"), [(b"GET /health HTTP/1.2", 505), (b"GET /health HTTP/1.1 x", 400)]
+)
+def test_a_version_llhttp_does_not_know_is_505_like_the_others(
+    stack: tuple[ManagedServer, str, str], line: bytes, status: int
+) -> None:
+    """HTTP/2.0 was a 505 (refused after parsing), HTTP/1.2 a 400 (llhttp refuses it first)."""
+    gateway, _, _ = stack
+    with _connect(gateway) as sock:
+        sock.sendall(line + b"\r\nHost: x\r\n\r\n")
+        answered, _, body = read_response(sock)
+    assert answered == status, body
