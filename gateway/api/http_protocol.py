@@ -277,7 +277,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
 
-_REQUEST_LINE_BYTES = 8192  # kept of a request's first read, for the version llhttp refused
+_REQUEST_LINE_BYTES = 1024  # kept of a request's first read, for the version llhttp refused
 _VERSION = re.compile(rb" HTTP/([0-9]+\.[0-9]+)\r?$")
 LINGER_SECONDS = 1.0  # after a refusal, how long what the client still sends is read and dropped
 LINGER_BYTES = 8 << 20  # and how much of it, at most (a completion body's default limit)
