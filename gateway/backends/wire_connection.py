@@ -32,6 +32,7 @@ class Connection(asyncio.Protocol):
         self.framed = False  # the answer declares its length (content-length or chunked)
         self.retry_after: bytes | None = None  # the answer's Retry-After (an overloaded replica's)
         self.complete = False  # the whole response is in
+        self.interim = False  # the answer being read is a 1xx, the final one still to come
         self.error: BaseException | None = None
         self.reusable = False  # complete, keep-alive, nothing wrong
         self.exchanges = 0  # responses completed on this connection
@@ -47,7 +48,7 @@ class Connection(asyncio.Protocol):
         self.received += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # (an upgrade: never asked)
             self.fail(WireError(f"the upstream's answer is not valid HTTP/1.1 ({type(exc).__name__})"))
             return
         if not self.status and self.received > MAX_HEAD_BYTES:  # headers without end: refused early
@@ -69,7 +70,18 @@ class Connection(asyncio.Protocol):
             self.retry_after = value[:32]
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status == 101:  # an upgrade nobody asked for: no HTTP follows
+            self.fail(WireError("the upstream switched protocols (HTTP 101)"))
+            return
+        if 100 <= status < 200:
+            # an interim answer (100 Continue, 103 Early Hints: RFC 9110 15.2, sent unasked too): the
+            # final one follows. Taken for it, the exchange ended at once, and the connection went
+            # back to the pool with the real answer still to come: the next request read it
+            self.interim = True
+            self.framed, self.retry_after = False, None
+            return
+        self.status = status
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
 
@@ -82,6 +94,9 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self.interim:  # (its head counts toward MAX_HEAD_BYTES with the final one's: no endless 1xx)
+            self.interim = False
+            return
         self.complete = True
         self.reusable = self.parser.should_keep_alive()
         self._wake()
@@ -121,7 +136,7 @@ def reset(conn: Connection) -> None:
     """A kept-alive connection, ready for its next exchange."""
     conn.parser = httptools.HttpResponseParser(conn)
     conn.received = conn.status = 0
-    conn.complete = conn.reusable = conn.framed = False
+    conn.complete = conn.reusable = conn.framed = conn.interim = False
     conn.retry_after = conn.error = None
     # a long body paused the socket on its last bytes (on_body cannot know they were the last)
     if conn.transport is not None and conn.transport.is_reading() is False:

@@ -510,3 +510,58 @@ def test_a_connection_given_back_after_the_pool_closed_is_closed_not_kept() -> N
             await asyncio.wait_for(ended.wait(), 2.0)
 
     asyncio.run(main())
+
+
+def test_an_interim_answer_is_skipped_and_the_next_request_reads_its_own_answer() -> None:
+    """A 103 Early Hints (or 100 Continue) was taken for the answer: the exchange ended at once, the
+    connection went back to the pool with the real answer still to come, and the next request, any
+    client's, read this one's answer."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            answer = b"ANSWER " + body[-1:]
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\ncontent-length: 9\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the final answer in a later read
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(answer), answer))  # fmt: skip
+            await writer.drain()
+
+    async def main() -> list[tuple[int, bytes]]:
+        async with serving(handler) as (url, connections):
+            pool = WirePool(url, {})
+            got = []
+            for name in (b"A", b"B", b"C"):
+                resp = await pool.post("/v1/x", b'"' + name, 1.0, 5.0)
+                got.append((resp.status, await resp.read(100)))
+                resp.release()
+            assert len(connections) == 1  # kept alive through the interim answers
+            return got
+
+    assert asyncio.run(main()) == [(200, b"ANSWER A"), (200, b"ANSWER B"), (200, b"ANSWER C")]
+
+
+def test_endless_interim_answers_pass_the_head_bound_and_an_upgrade_is_a_wire_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await read_request(reader)
+        if body.endswith(b"upgrade"):
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\nraw")
+            await writer.drain()
+            return
+        for _ in range(5000):  # 100 KiB of 103s: no final answer ever
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(2)
+
+    async def main() -> None:
+        async with serving(handler) as (url, _):
+            with pytest.raises(WireError, match="response head passed"):
+                await WirePool(url, {}).post("/v1/x", b"{}", 1.0, 5.0)
+            with pytest.raises(WireError, match="switched protocols"):
+                await WirePool(url, {}).post("/v1/x", b"upgrade", 1.0, 5.0)
+
+    asyncio.run(main())
