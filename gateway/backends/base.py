@@ -59,6 +59,7 @@ class UpstreamReply:
     url: str
     retry_after: int | None = None  # a 429's wait, sanitized (upstream_errors.retry_after_seconds)
     answer: dict[str, Any] | None = None  # a 200's body, parsed once it was found well formed
+    hidden: tuple[str, ...] = ()  # what its error text must never show a client (UpstreamStream's)
 
 
 def answer_object(body: bytes) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
+from urllib.parse import urlsplit
 
 from gateway.backends.base import (
     MAX_REPLY_BYTES,
@@ -50,7 +51,11 @@ class EnginePool:
         self.affinity_counts: dict[str, int] | None = {"hit": 0, "spill": 0} if self.homes else None
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         auth = {"authorization": f"Bearer {key}"} if key else {}
-        self._hidden = (key,) if key else ()  # masked in what a replica's error may echo
+        # masked in what a replica's error may echo: the key, and each replica's address (host:port
+        # first, then its host alone): replica URLs stay in the gateway's log
+        self._key = (key,) if key else ()
+        places = [place for p in map(urlsplit, urls) for place in (p.netloc, p.hostname or "")]
+        self._hidden = tuple(dict.fromkeys(h for h in (key or "", *places) if h))
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}
         # a whole answer sends nothing until it is done: a replica that has answered none of its health
@@ -153,7 +158,9 @@ class EnginePool:
                     body = await resp.read(MAX_REPLY_BYTES)
                     if resp.status != 200:
                         body = self._masked(body)
-                    reply = UpstreamReply(resp.status, body, replica.url, _retry_after(resp))
+                    reply = UpstreamReply(
+                        resp.status, body, replica.url, _retry_after(resp), hidden=self._hidden
+                    )
                 finally:
                     resp.release()
             if reply.status == 200:  # parsed here, once: an answer of the wrong shape is the replica's fault
@@ -214,7 +221,7 @@ class EnginePool:
         """A replica's error answer without the pool's key: an engine that echoes the Authorization
         header it refused must not hand the key to the client (a stream's error events are reduced
         with the key among their `hidden`: upstream_errors.reduced_fields)."""
-        for secret in self._hidden:
+        for secret in self._key:  # (the hosts too are masked in the error's fields: `hidden`)
             error = error.replace(secret.encode(), b"[hidden]")
         return error
 

@@ -11,6 +11,7 @@ import orjson
 _CODE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # an error code or type as OpenAI spells them
 MAX_ERROR_MESSAGE = 1000  # characters of an upstream's client error message passed on
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://\S*")  # a URL inside a message: an upstream's, never shown
+_IPV4 = re.compile(r"\b(?:[0-9]{1,3}\.){3}[0-9]{1,3}(?::[0-9]{1,5})?\b")  # an address, bare: its network's
 # An upstream that answers these refuses the gateway, not the client's request (whose key the
 # gateway checked, for a model the policy names): its credentials (401, 403, a proxy's 407), the
 # model's upstream name or the path (404, 405) are the operator's to fix. Another replica or model
@@ -70,7 +71,8 @@ def reduced_fields(
     can only describe the upstream (its hosts, load, internals). Codes and types that are not plain
     tokens are dropped; `param` is cut at 200 characters. Each of `hidden` (the gateway's key for
     that upstream, its host) is masked wherever it appears, before the clip cuts one in two: a
-    provider that echoes the Authorization header in a 400 must not hand our key to the client."""
+    provider that echoes the Authorization header in a 400 must not hand our key to the client. So
+    is an IPv4 address, bare (an engine naming its node)."""
 
     def token(value: object) -> str | None:
         return value if isinstance(value, str) and _CODE.fullmatch(value) else None
@@ -78,7 +80,7 @@ def reduced_fields(
     message, param = error.get("message"), error.get("param")
     if status < 500 and status != 429:
         text = masked(message, hidden) if isinstance(message, str) else ""
-        kept = _URL.sub("[url]", text[:MAX_ERROR_MESSAGE])
+        kept = _IPV4.sub("[host]", _URL.sub("[url]", text[:MAX_ERROR_MESSAGE]))
         message = kept or "the request cannot be completed"
         kind = token(error.get("type")) or "invalid_request_error"
     else:

@@ -109,7 +109,9 @@ class WireResponse:
                 if end - start > limit:
                     raise WireError(f"an SSE line longer than {limit} bytes")
                 if end - start > 1 or (end > start and buffer[start] != 13):  # not "" nor "\r"
-                    line = buffer[start:end].decode("utf-8", "replace").rstrip("\r")
+                    line = buffer[start:end].decode("utf-8", "replace").rstrip("\r \t")
+                    if line[:6] != "data: " and line[:5] == "data:":  # SSE's space there is optional:
+                        line = "data: " + line[5:]  # `data:[DONE]` did not end the stream, nor was counted
                     tail = len(buffer) - end - 1  # what follows: nothing or the event's blank line,
                     if (
                         not tail

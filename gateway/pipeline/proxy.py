@@ -115,6 +115,7 @@ class Proxy:
                 call, rt.failover.send(call.decision, path, body, trace, progress), progress
             )
             assert served.reply is not None
+            call.hidden = served.reply.hidden
             return self._answered(call, *whole(call, served.reply, rt.policy.log_bodies))
         except ChainExhaustedError as exc:  # every model failed
             call.attempts = exc.attempts
@@ -124,6 +125,7 @@ class Proxy:
                 return self._failed(call, exc)
             call.deployment = exc.last.url  # the last upstream error answer, as it was
             last = exc.last
+            call.hidden = last.hidden
             return self._answered(call, *passed_on(call, last.status, last.body, last.retry_after))
         except CapabilityError as exc:  # no model can serve what it needs: the skipped ones are logged
             call.attempts = exc.attempts

@@ -485,8 +485,10 @@ async def _hostile_head(writer: asyncio.StreamWriter, mode: str, arg: str | None
             writer.write(b"a" * 4096)
             await writer.drain()
         return False
+    host, port = writer.get_extra_info("sockname")[:2]
     error = {
-        "message": "failed at http://10.0.0.5:8001/internal token=abc on gpu-7.internal",
+        "message": "failed at http://10.0.0.5:8001/internal token=abc on gpu-7.internal,"
+        f" replica {host}:{port} (node 10.0.3.17)",
         "type": "invalid_request_error",
         "param": None,
         "code": "bad_thing",

@@ -565,3 +565,19 @@ def test_endless_interim_answers_pass_the_head_bound_and_an_upgrade_is_a_wire_er
                 await WirePool(url, {}).post("/v1/x", b"upgrade", 1.0, 5.0)
 
     asyncio.run(main())
+
+
+def test_data_lines_without_the_optional_space_or_with_trailing_blanks_read_as_any_other() -> None:
+    """SSE makes the space after `data:` optional: `data:[DONE]` did not end a stream (an error
+    event after the whole answer, a 502 row), and `data:{...}` events were not counted when the
+    usage had to be (every token free)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunked(b'data:{"a":1}\n\n', b"data:  two\r\n\r\n", b"data: [DONE] \t\n\n"))
+
+    async def main() -> list[str]:
+        async with serving(handler) as (url, _):
+            return await all_lines(WirePool(url, {}))
+
+    assert asyncio.run(main()) == ['data: {"a":1}', "data:  two", "data: [DONE]"]

@@ -393,6 +393,9 @@ def test_an_engines_error_reaches_the_client_as_its_four_fields_without_urls(sta
     body = orjson.loads(client_error.body)
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert "10.0.0.5" not in body["error"]["message"] and "[url]" in body["error"]["message"]
+    # the replica's address, bare, and another address of the upstream's network: never the client's
+    assert "127.0.0.1" not in body["error"]["message"] and "10.0.3.17" not in body["error"]["message"]
+    assert "replica [hidden]" in body["error"]["message"], body
     assert body["error"]["code"] == "bad_thing"
     server_error = asyncio.run(_one(stack, stack.key, chat("eng", "mode=error_leak:503", False)))
     assert server_error.status == 503

@@ -73,3 +73,25 @@ def test_a_usage_that_is_not_an_object_never_reaches_the_client(usage: object, w
     event = relay_line(call, beside, wants_usage)
     assert event is not None and b"usage" not in event and b'"hi"' in event
     assert call.usage == {}
+
+
+def test_a_flood_of_tiny_events_is_bounded_by_what_keeping_them_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A million `data: {}` are 8 MB of text and held 80 MB: each event counts what keeping it
+    costs (LINE_COST) toward the stream's bound, not its characters alone."""
+    from gateway.pipeline import relay
+
+    monkeypatch.setattr(relay, "MAX_STREAM_CHARS", 100_000)
+    key = KeyInfo(uuid.uuid4().hex, "k", "sk-test", None, None, {}, datetime.now(UTC), None, None, None)
+    call = Call("req-1", key, time.perf_counter(), datetime.now(UTC), model="m")
+    sent = 0
+    with pytest.raises(relay.StreamTooLongError):
+        while True:
+            relay_line(call, "data: {}", False)
+            sent += 1
+    assert (
+        sent * (len("data: {}") + relay.LINE_COST)
+        <= 100_000
+        < (sent + 1) * (len("data: {}") + relay.LINE_COST)
+    )
