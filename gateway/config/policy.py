@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from gateway.config.endpoints import BaseUrl, KeyEnv, ReplicaUrl
+from gateway.config.strict_yaml import strict_load
 
 # Ample: 20,000 teams take 1.5 MB. Parsing is pure-Python YAML (~6 s a MB, off the event loop on
 # a reload), so the cap also bounds how long a runaway file keeps a core busy.
@@ -368,13 +369,11 @@ class Policy(_Strict):
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
     """Validate YAML text; errors read like `routes.auto.tiers[1].threshold: must be between 0 and 1`."""
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        raw = strict_load(text)  # a key given twice is an error, not the last one kept
+    except (yaml.YAMLError, ValueError) as exc:  # (ValueError: an int of more than 4,300 digits)
         raise PolicyError(f"{source}: not valid YAML: {exc}") from exc
     except RecursionError as exc:  # the parser recurses per level: 10 KB of `[[[...` is enough
         raise PolicyError(f"{source}: not valid YAML: nested too deeply") from exc
-    except ValueError as exc:  # an int of more than 4,300 digits
-        raise PolicyError(f"{source}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise PolicyError(f"{source}: the policy must be a mapping")
     try:

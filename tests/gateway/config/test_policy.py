@@ -260,6 +260,12 @@ def test_api_key_env_may_not_name_the_gateways_own_secrets(name: str) -> None:
     [
         ("backends: " + "[" * 1000 + "]" * 1000, "p.yaml: not valid YAML: nested too deeply"),
         ("backends: " + "9" * 5000, "p.yaml: not valid YAML: Exceeds the limit (4300 digits)"),
+        # the last of two was kept without a word, the first (an invalid one, even) dropped
+        (
+            GOOD.replace("backends:\n", "backends:\n  local: {type: nope}\n", 1),
+            "the key 'local' is given twice",
+        ),
+        (GOOD + "models:\n  other: {backend: local}\n", "the key 'models' is given twice"),
     ],
 )
 def test_yaml_the_parser_cannot_build_is_a_policy_error(text: str, message: str) -> None:
@@ -355,3 +361,9 @@ def test_a_pipe_is_read_by_a_command_and_refused_by_the_watcher(tmp_path: Path) 
         writer.join(5)
     with pytest.raises(PolicyError, match="not a regular file"):
         read_policy_text(fifo)
+
+
+def test_a_merge_still_lets_a_key_beside_it_override_the_merged_one() -> None:
+    from gateway.config.strict_yaml import strict_load
+
+    assert strict_load("b: &b {x: 1, y: 2}\nm:\n  <<: *b\n  x: 3\n")["m"] == {"x": 3, "y": 2}
