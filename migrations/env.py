@@ -23,7 +23,13 @@ def _url() -> str:
     return GatewaySettings().resolved_database_url
 
 
+# PostgreSQL's advisory lock for migrations: one at a time (the second finds the first's work done)
+_MIGRATION_LOCK = 7_395_622_173
+
+
 def _run(connection: Connection) -> None:
+    if connection.dialect.name == "postgresql":  # held until the migration's transaction ends
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

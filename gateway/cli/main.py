@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from datetime import date
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from alembic.util import CommandError
 from pydantic import ValidationError
 from uvicorn.importer import import_from_string
 
@@ -21,6 +23,7 @@ from gateway.api.asgi import ASGIApp
 from gateway.api.http_protocol import LimitedConfig
 from gateway.cli.serving import CleanExitServer, WorkerSupervisor
 from gateway.config.policy import EngineBackend, PolicyError, load_policy, parse_policy, read_policy_text
+from gateway.config.private_files import PrivateFileError
 from gateway.config.secrets import resolve_key_secret
 from gateway.config.settings import GatewaySettings
 from gateway.governance.keys import KeyHasher, KeyStore
@@ -51,8 +54,11 @@ def _database_command(args: argparse.Namespace, settings: GatewaySettings) -> in
         downgrade(url, args.revision)
         print(f"database at revision {asyncio.run(current_revision(url))}")
     elif args.db_command == "wait":
+        if not math.isfinite(args.timeout):  # (nan waited for ever)
+            raise ValueError("--timeout must be a number of seconds")
         print(f"database at revision {asyncio.run(wait_for_schema(url, args.timeout))}")
     else:
+        require_database(url)  # it only reads: it must not create an empty database
         print(f"database at revision {asyncio.run(current_revision(url))}; code expects {head_revision()}")
     return 0
 
@@ -66,6 +72,8 @@ async def _create_key(args: argparse.Namespace, settings: GatewaySettings) -> di
          "metadata": json.loads(args.metadata)}
     )  # fmt: skip
     url = settings.resolved_database_url
+    if not settings.dev_mode:  # (dev mode creates and migrates its own database)
+        require_database(url)
     await ensure_schema(url, auto_upgrade=settings.dev_mode)
     db = create_db(url)
     try:
@@ -115,18 +123,31 @@ def _serve(args: argparse.Namespace) -> int:
     settings.require_secrets()  # fail here, naming the missing variables, not in a worker
     # fail here, with the path in the message, not in a worker; a regular file only, as the server
     # and its watcher read it again (a pipe, read once here, was empty there or blocked the start)
-    parse_policy(read_policy_text(settings.policy_path), str(settings.policy_path))
+    policy = parse_policy(read_policy_text(settings.policy_path), str(settings.policy_path))
+    _startable(settings, policy)
     config = server_config(settings, args)
     if args.workers > 1 and not settings.redis_url:
         print(f"warning: {args.workers} workers without GATEWAY_REDIS_URL: each keeps its own rate-limit "
               f"and budget counters, so keys may use up to {args.workers}x their limits and budgets",
               file=sys.stderr, flush=True)  # fmt: skip
     if args.workers > 1:  # uvicorn's supervisor, forwarding every stop signal to the workers
-        WorkerSupervisor(config, sockets=[config.bind_socket()]).run()
-        return 0
+        supervisor = WorkerSupervisor(config, sockets=[config.bind_socket()])
+        supervisor.run()
+        return 0 if supervisor.signalled else 3  # (it stops by itself when a worker fails to start)
     server = CleanExitServer(config)
     server.run()
     return 0 if server.started else 1
+
+
+def _startable(settings: GatewaySettings, policy: Any) -> None:
+    """What every worker would fail on, checked once here with a one-line error: the policy's
+    complexity weights (as `policy check`), a database unreachable or not at this code's
+    revision (in dev mode it is migrated here, once, not by each worker at the same time)."""
+    from gateway.routing.complexity import ComplexityModel
+    from gateway.routing.router import Router
+
+    Router(policy, ComplexityModel.load())
+    asyncio.run(ensure_schema(settings.resolved_database_url, auto_upgrade=settings.dev_mode))
 
 
 @dataclass(frozen=True)
@@ -170,16 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the gateway (OpenAI-compatible endpoint, admin API)")
     serve.add_argument("--policy", type=Path, default=None, help=_POLICY_HELP)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--workers", type=int, default=1, help="worker processes")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--workers", type=_positive, default=1, help="worker processes")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
         "--no-access-log", action="store_true", help="no JSON line per request on stdout (switchboard.access)"
     )
     dev = sub.add_parser("dev", help="run the engine and the gateway together in dev mode (make run)")
     dev.add_argument("--model", default="default", help="engine model: 'default' or a local HF folder")
-    dev.add_argument("--port", type=int, default=8000, help="gateway port")
-    dev.add_argument("--engine-port", type=int, default=8001)
+    dev.add_argument("--port", type=_port, default=8000, help="gateway port")
+    dev.add_argument("--engine-port", type=_port, default=8001)
     dev.add_argument(
         "--engine-option",
         action="append",
@@ -233,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "db":
             return _database_command(args, settings)
         if args.command == "report":
-            print(asyncio.run(_report(args, settings)))
+            text = asyncio.run(_report(args, settings))  # (a CSV ends its last row: no blank row after)
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
             return 0
         print(json.dumps(asyncio.run(_create_key(args, settings)), indent=2))
         return 0
@@ -244,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # What a command reports as `error: ...` (exit 2); the database failing included
 _ERRORS: tuple[type[Exception], ...] = (
-    ValidationError, SchemaMismatchError, PolicyError, ValueError, DatabaseUnavailableError, *DATABASE_ERRORS
+    ValidationError, SchemaMismatchError, PolicyError, ValueError, DatabaseUnavailableError, *DATABASE_ERRORS,
+    CommandError, PrivateFileError, RecursionError,
 )  # fmt: skip
 
 
@@ -260,6 +283,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:  # (99999 was bound as 34463, its remainder; 0: any free port)
+        raise argparse.ArgumentTypeError("must be a port, 0 to 65535")
     return value
 
 

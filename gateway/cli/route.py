@@ -47,10 +47,13 @@ def route_eval(policy_path: Path, data: Path, route: str | None) -> dict[str, fl
     router = Router(policy, ComplexityModel.load())
     first_tier = policy.routes[name].tiers[0].name
     tp = fp = tn = fn = frontier = 0
-    for line in data.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(data.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         row = json.loads(line)
+        # a row of another shape, or a label of another spelling, counted as "simple" made the figures wrong
+        if not isinstance(row, dict) or row.get("label") not in ("simple", "complex"):
+            raise ValueError(f"{data}:{number}: each row must be an object whose label is simple or complex")
         request = {"model": name, "messages": row.get("messages") or []}
         decision = router.decide(name, request, anonymous_key())
         predicted = decision.tier != first_tier

@@ -123,6 +123,11 @@ class WorkerSupervisor(Multiprocess):
         super().__init__(config, sockets)
         self._stops = 0  # SIGINT and SIGTERM received; terminate_all forwards the first
 
+    @property
+    def signalled(self) -> bool:
+        """Whether a stop signal ended the run (else a worker failed to start, and it stopped itself)."""
+        return self._stops > 0
+
     def handle_int(self) -> None:
         """Ctrl-C: stop (uvicorn's), counted."""
         self._stops += 1

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy.engine import Connection, make_url
 
 from gateway.store.db import DATABASE_ERRORS, create_db
@@ -30,12 +34,39 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Migrate the database up (blocking; call from a thread inside an event loop)."""
-    command.upgrade(alembic_config(url), revision)
+    with _one_at_a_time(url):
+        command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
     """Migrate the database down to `revision` ("base" drops everything)."""
-    command.downgrade(alembic_config(url), revision)
+    with _one_at_a_time(url):
+        command.downgrade(alembic_config(url), revision)
+
+
+@contextmanager
+def _one_at_a_time(url: str) -> Iterator[None]:
+    """One migration at a time on a SQLite file, by a lock file beside it (PostgreSQL: an advisory
+    lock, migrations/env.py): two run at once (two `db upgrade`, dev mode's workers) both created
+    the first tables, and one failed."""
+    parsed = make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:":
+        yield
+        return
+    lock = Path(path).with_name(Path(path).name + ".migrating")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _known(revision: str) -> bool:
+    """Whether `revision` is one of this code's migration scripts."""
+    try:
+        return ScriptDirectory.from_config(alembic_config("")).get_revision(revision) is not None
+    except CommandError:  # (alembic's ResolutionError is one)
+        return False
 
 
 def head_revision() -> str | None:
@@ -75,6 +106,11 @@ async def ensure_schema(url: str, auto_upgrade: bool) -> None:
     current, head = await current_revision(url), head_revision()
     if current == head:
         return
+    if current is not None and not _known(current):  # a newer release migrated it: upgrading cannot help
+        raise SchemaMismatchError(
+            f"the database schema is at revision {current}, which this gateway does not know (a newer release"
+            f" migrated it; this one needs {head}): run that release, or downgrade the database with it"
+        )
     if auto_upgrade:
         await asyncio.to_thread(upgrade, url)
         return

@@ -117,7 +117,7 @@ def test_serve_runs_uvicorn_with_the_limits_from_the_settings(
             started.append(config)
             for sock in sockets or []:
                 sock.close()
-            self.started = True
+            self.started = self.signalled = True
 
         def run(self) -> None:
             pass
@@ -161,7 +161,7 @@ def test_serve_without_policy_flag_serves_gateway_policy_path(
     class Recorder:
         def __init__(self, config: uvicorn.Config) -> None:
             started.append(config)
-            self.started = True
+            self.started = self.signalled = True
 
         def run(self) -> None:
             pass
@@ -255,3 +255,112 @@ def test_serve_refuses_a_pipe_at_once_and_policy_check_reads_one(
         assert cli.main(["policy", "check", str(fifo)]) == 0
     finally:
         writer.join(5)
+
+
+@pytest.mark.usefixtures("database")
+def test_serve_exits_3_when_a_worker_fails_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn's supervisor stops by itself when a worker fails to start: that was exit 0, and
+    nothing that restarts services saw a failed start."""
+    monkeypatch.setenv("GATEWAY_MASTER_KEY", "m")
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+
+    class Stopped:
+        signalled = False
+
+        def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
+            for sock in sockets:
+                sock.close()
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "WorkerSupervisor", Stopped)
+    assert cli.main(["serve", "--policy", str(POLICY), "--port", "0", "--workers", "2"]) == 3
+
+
+@pytest.mark.usefixtures("no_server")
+def test_serve_names_a_database_it_cannot_use_in_one_line_before_any_worker_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A database never migrated, or unreachable, was a traceback from every worker (exit 3)."""
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GATEWAY_MASTER_KEY", "m")
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    for url, said in (
+        (f"sqlite+aiosqlite:///{tmp_path / 'never.db'}", "error: the database schema is at revision none"),
+        ("postgresql+asyncpg://postgres@127.0.0.1:1/none", "error: "),
+    ):
+        monkeypatch.setenv("GATEWAY_DATABASE_URL", url)
+        assert cli.main(["serve", "--policy", str(POLICY), "--port", "0", "--workers", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(said) and "Traceback" not in err, err
+
+
+@pytest.mark.usefixtures("database", "no_server")
+def test_serve_checks_the_policys_complexity_weights_as_policy_check_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GATEWAY_MASTER_KEY", "m")
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    policy = tmp_path / "p.yaml"
+    text = POLICY.read_text().replace("  auto:", "  auto:\n    complexity_weights: {no_such_feature: 1.0}", 1)
+    policy.write_text(text)
+    assert cli.main(["policy", "check", str(policy)]) == 1
+    assert cli.main(["serve", "--policy", str(policy), "--port", "0"]) == 2
+    assert "no_such_feature" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "99999"],
+        ["serve", "--port", "-1"],
+        ["serve", "--workers", "0"],
+        ["dev", "--engine-port", "70000"],
+    ],
+)
+def test_ports_and_worker_counts_out_of_range_are_refused(argv: list[str]) -> None:
+    """--port 99999 was bound as 34463 (its remainder), --workers 0 ran one."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+
+
+def test_read_only_commands_create_no_database_and_wait_needs_a_number(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
+    monkeypatch.setenv("GATEWAY_DATABASE_URL", f"sqlite+aiosqlite:///{tmp_path / 'no' / 'gateway.db'}")
+    assert cli.main(["db", "current"]) == 2
+    assert cli.main(["keys", "create", "--name", "k"]) == 2
+    assert "there is no database at" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+    assert cli.main(["db", "wait", "--timeout", "nan"]) == 2
+
+
+@pytest.mark.usefixtures("database")
+def test_a_csv_report_ends_with_its_last_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["report", "spend", "--from", "2026-01-01", "--to", "2026-01-31", "--format", "csv"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\r\n") and not out.endswith("\n\n"), repr(out[-10:])
+
+
+def test_a_database_a_newer_release_migrated_is_named_as_such(tmp_path: Path) -> None:
+    """`db upgrade` was the advice for a schema newer than the code, which cannot help."""
+    import asyncio
+
+    import sqlalchemy
+
+    from gateway.store.migrate import SchemaMismatchError, ensure_schema
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    upgrade(url)
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'g.db'}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0999'")
+    engine.dispose()
+    with pytest.raises(SchemaMismatchError, match="0999, which this gateway does not know"):
+        asyncio.run(ensure_schema(url, auto_upgrade=True))

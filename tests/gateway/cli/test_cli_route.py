@@ -107,3 +107,13 @@ def test_route_explain_reads_the_gateways_own_policy_unless_policy_names_another
     env = {"GATEWAY_POLICY_PATH": str(tmp_path / "absent.yaml")}
     done = _cli("route", "explain", "hi", env=env)
     assert done.returncode != 0 and "absent.yaml" in done.stderr
+
+
+@pytest.mark.parametrize("row", ["[1]", '{"label": "Complex", "messages": []}', '{"messages": []}'])
+def test_route_eval_refuses_a_row_it_cannot_read_naming_the_line(tmp_path: Path, row: str) -> None:
+    """A row that is not an object was a traceback; a label other than simple or complex was
+    counted as simple, and the accuracy figure silently wrong."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"label": "simple", "messages": [{"role": "user", "content": "hi"}]}\n' + row + "\n")
+    done = _cli("route", "eval", "--policy", "policies/default.yaml", "--data", str(data))
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {data}:2: "), done.stderr

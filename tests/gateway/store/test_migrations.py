@@ -78,6 +78,22 @@ def test_db_upgrade_runs_without_the_gateway_secrets(database_url: str) -> None:
     assert asyncio.run(current_revision(database_url)) == head_revision()
 
 
+def test_two_upgrades_at_once_both_succeed(database_url: str) -> None:
+    """Two `db upgrade` at once (or dev mode's workers) both created the first tables: one failed
+    (5 runs of 8 on SQLite, 2 of 4 on PostgreSQL). One waits for the other now, then has nothing to do."""
+    env = {n: v for n, v in os.environ.items() if not n.startswith("GATEWAY_")}
+    env["GATEWAY_DATABASE_URL"] = database_url
+    command = [sys.executable, "-m", "gateway", "db", "upgrade"]
+    for _ in range(2):
+        downgrade(database_url, "base")
+        both = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(2)]  # fmt: skip
+        for process in both:
+            _, err = process.communicate(timeout=120)
+            assert process.returncode == 0, err
+    assert asyncio.run(current_revision(database_url)) == head_revision()
+
+
 def _db_wait(url: str, timeout: float) -> subprocess.Popen[str]:
     env = {n: v for n, v in os.environ.items() if not n.startswith("GATEWAY_")}
     env["GATEWAY_DATABASE_URL"] = url
