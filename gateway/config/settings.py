@@ -125,8 +125,15 @@ class GatewaySettings(BaseSettings):
 
     @property
     def resolved_database_url(self) -> str:
-        """The configured URL, else a SQLite file in the data directory."""
-        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'gateway.db'}"
+        """The configured URL, else a SQLite file in the data directory; a URL of another driver is a
+        ValueError that says which to use (it was SQLAlchemy's traceback, or a missing module's)."""
+        url = self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'gateway.db'}"
+        if not url.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
+            raise ValueError(
+                "GATEWAY_DATABASE_URL must be sqlite+aiosqlite:///PATH or postgresql+asyncpg://USER@HOST/DB "
+                f"(the async drivers the gateway uses), not {url.partition(':')[0] or 'that'}:..."
+            )
+        return url
 
     @property
     def resolved_log_spool_dir(self) -> Path:

@@ -364,3 +364,15 @@ def test_a_database_a_newer_release_migrated_is_named_as_such(tmp_path: Path) ->
     engine.dispose()
     with pytest.raises(SchemaMismatchError, match="0999, which this gateway does not know"):
         asyncio.run(ensure_schema(url, auto_upgrade=True))
+
+
+@pytest.mark.parametrize("url", ["garbage", "postgresql://u@h/db", "mysql://u@h/db"])
+def test_a_database_url_of_another_driver_says_which_to_use(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    """SQLAlchemy's ArgumentError, or `No module named 'psycopg'`, as a traceback."""
+    monkeypatch.setenv("GATEWAY_DATABASE_URL", url)
+    assert cli.main(["db", "current"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: GATEWAY_DATABASE_URL must be sqlite+aiosqlite") and "Traceback" not in err
+    assert "u@h" not in err  # (a password would be there too)
