@@ -135,6 +135,11 @@ class EngineConfig:
         unknown = set(kwargs) - cls.field_names()
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's LLM(seed=None): its default
+            kwargs["seed"] = 0
+        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        for name, value in kwargs.items():  # (max_model_len="512" was a TypeError naming nothing)
+            _check_type(name, value, types[name])
         return cls(model=model, **kwargs)
 
     @classmethod
@@ -150,6 +155,20 @@ class EngineConfig:
             values[f.name] = _parse_env_value(f.name, raw, str(f.type))
         values.update(overrides)
         return cls(**values)
+
+
+def _check_type(name: str, value: Any, type_name: str) -> None:
+    """A TypeError naming the option when `value` is not of its plain type (int, float, bool, str)."""
+    kinds = {part.strip() for part in type_name.split("|")}
+    if value is None and "None" in kinds:
+        return
+    plain = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+    allowed = tuple(t for kind in kinds for t in plain.get(kind, ()))
+    if len(kinds - {"None"}) != 1 or not allowed:  # (a union of richer types: checked by the config)
+        return
+    whole = isinstance(value, float) and value.is_integer() and int in allowed  # (kv_cache_memory=16e6)
+    if not (isinstance(value, allowed) or whole) or (isinstance(value, bool) and bool not in allowed):
+        raise TypeError(f"engine option {name} must be {type_name}, got {value!r}")
 
 
 def _parse_env_value(name: str, raw: str, type_name: str) -> Any:

@@ -98,6 +98,10 @@ class InputProcessor:
         truncate = params.truncate_prompt_tokens
         if truncate == -1:  # as many as the context holds beside the answer's tokens (at least one)
             truncate = max(1, self.max_model_len - (params.max_tokens or 1))
+        if params.stop_strings and self.tokenizer is None:  # (they were never looked for)
+            raise InvalidRequestError(
+                "this model folder has no tokenizer, which stop strings need", param="stop"
+            )
         prompt_text, prompt_ids = self._tokenize(prompt, add_special_tokens, truncate)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         self._check_logit_bias(params)

@@ -3,6 +3,7 @@ what its output is held to (vLLM's offline names)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -37,6 +38,10 @@ class StructuredOutputsParams:
         """The constraint, checked (GuidedDecodingError, a ValueError, names the field at fault)."""
         given = {f.name: getattr(self, f.name) for f in fields(self)}
         return from_structured_outputs({k: v for k, v in given.items() if v is not None})
+
+
+# the float fields, each a finite number
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -75,24 +80,43 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's allowed_token_ids: only these tokens may be sampled (every other logit is -inf)
     allowed_token_ids: list[int] | None = None
-    _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+    # the structured_outputs `guided` was made from (None: set directly, or none)
+    _guided_from: StructuredOutputsParams | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self._stop_list = [self.stop]
-        elif self.stop is None:
-            self._stop_list = []
-        else:
-            self._stop_list = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.structured_outputs is not None:
-            if self.guided is not None:
+            spec = self.structured_outputs.to_spec()
+            if self.guided is not None and self.guided != spec:  # (replace() hands the derived one back)
                 raise ValueError("give structured_outputs or guided, not both")
-            self.guided = self.structured_outputs.to_spec()
+            self.guided, self._guided_from = spec, self.structured_outputs
         self._validate()
 
+    def checked(self) -> SamplingParams:
+        """These params as their fields are now, checked again: a field set after construction
+        (`params.stop = [...]`, `params.structured_outputs = ...`) counts, as vLLM reads them when
+        a request is added (they were ignored)."""
+        if self.structured_outputs is not self._guided_from:
+            if self.structured_outputs is None:
+                self.guided = None
+            else:
+                self.guided = self.structured_outputs.to_spec()
+            self._guided_from = self.structured_outputs
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self._validate()
+        return self
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's name)."""
+        return copy.deepcopy(self)
+
     def _validate(self) -> None:
+        for name in _NUMBERS:  # (a string was "'<' not supported", NaN sampled token 0 for ever)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -113,9 +137,11 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive and finite, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if any(not isinstance(s, str) or not s for s in self._stop_list):
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError("stop_token_ids must be non-negative integers")
@@ -150,7 +176,8 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (the `stop` field accepts a single string too)."""
-        return self._stop_list
+        stop = self.stop
+        return [stop] if isinstance(stop, str) else list(stop or ())
 
     @property
     def is_greedy(self) -> bool:
