@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,20 +24,38 @@ from gateway.store.db import create_db, session_factory
 from gateway.store.migrate import ensure_schema
 
 _DEV_KEY_FILE = "dev-key.json"
+# the repository's default policy, wherever `dev` is run from (it was read relative to the folder)
+DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
+
+
+class DevStackError(RuntimeError):
+    """What stops `gateway dev`: said in one line (exit 1)."""
+
+
+def _free(host: str, port: int) -> None:
+    """DevStackError when something listens on the port already: a server answering /health there
+    was taken for our engine (its models served as ours), and ours died on "address in use"."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise DevStackError(f"port {port} on {host} is in use ({exc.strerror}): stop what runs there, "
+                                "or choose another with --port / --engine-port") from None  # fmt: skip
 
 
 def _wait_healthy(name: str, proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the {name} exited with status {proc.returncode} before becoming healthy")
+            raise DevStackError(f"the {name} exited with status {proc.returncode} before becoming healthy")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise RuntimeError(f"the {name} was not healthy after {timeout:.0f}s")
+    raise DevStackError(f"the {name} was not healthy after {timeout:.0f}s")
 
 
 async def _dev_key(settings: GatewaySettings) -> str:
@@ -69,7 +88,7 @@ def _policy_for(
     engine_url: str, model_names: list[str], data_dir: Path, tokenizer: Path | None = None
 ) -> Path:
     """policies/default.yaml with its engine URLs pointed at this run's engine (and its tokenizer)."""
-    policy = yaml.safe_load(Path("policies/default.yaml").read_text())
+    policy = yaml.safe_load(DEFAULT_POLICY.read_text())
     for backend in policy["backends"].values():
         if backend.get("type") == "engine":
             backend["urls"] = [engine_url]
@@ -204,6 +223,8 @@ def run_dev_stack(
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(stop, signals)
     try:
+        for free in (engine_port, port):  # before the engine's long start, not after
+            _free(host, free)
         engine_cmd = [sys.executable, "-m", "engine", "serve", "--model", model, "--host", host,
                       "--port", str(engine_port), "--no-access-log", *engine_options]  # fmt: skip
         procs.append(subprocess.Popen(engine_cmd, process_group=0))
@@ -225,7 +246,15 @@ def run_dev_stack(
         print(_banner(gateway_url, master, key, models, _hosted_lines(policy)), flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.2)
-        return 1  # one of them exited by itself
+        gone = next(
+            name for name, p in zip(("engine", "gateway"), procs, strict=True) if p.poll() is not None
+        )
+        raise DevStackError(
+            f"the {gone} exited by itself (status {procs[0 if gone == 'engine' else 1].returncode})"
+        )
+    except DevStackError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except _StopRequested:
         return 0
     finally:

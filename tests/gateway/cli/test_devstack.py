@@ -264,3 +264,19 @@ def test_a_second_signal_that_came_before_the_children_were_stopped_still_hurrie
     finally:
         signals.received += 2  # a stopper still waiting kills them
         _end((engine, gateway), stopper)
+
+
+def test_a_port_in_use_stops_dev_at_once_with_one_line_and_no_engine(tmp_path: Path) -> None:
+    """A server answering /health on the engine's port was taken for the engine (its models served
+    as ours), and ours died on "address in use"; dev then exited 1 without a word."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        engine_port = taken.getsockname()[1]
+        env = {**os.environ, "GATEWAY_DATA_DIR": str(tmp_path)}
+        command = [sys.executable, "-m", "gateway", "dev", "--port", str(free_port()),
+                   "--engine-port", str(engine_port)]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"error: port {engine_port} on 127.0.0.1 is in use"), done.stderr
+    assert "Traceback" not in done.stderr and "starting the engine" not in done.stdout
