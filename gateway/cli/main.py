@@ -260,8 +260,22 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asyncio.run(_create_key(args, settings)), indent=2))
         return 0
     except _ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: Exception) -> str:
+    """An error as one line: pydantic's per field (a setting named by its variable), a database
+    driver's first line (not its SQL, nor SQLAlchemy's link)."""
+    if isinstance(exc, ValidationError):
+        settings = exc.title == GatewaySettings.__name__
+        return "; ".join(
+            (f"GATEWAY_{str(e['loc'][0]).upper()}" if settings and e["loc"] else ".".join(map(str, e["loc"])))
+            + f": {e['msg']}"
+            for e in exc.errors()
+        )
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # What a command reports as `error: ...` (exit 2); the database failing included

@@ -376,3 +376,13 @@ def test_a_database_url_of_another_driver_says_which_to_use(
     err = capsys.readouterr().err
     assert err.startswith("error: GATEWAY_DATABASE_URL must be sqlite+aiosqlite") and "Traceback" not in err
     assert "u@h" not in err  # (a password would be there too)
+
+
+def test_a_bad_setting_is_one_line_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pydantic's four lines named `key_cache_ttl` and linked its docs."""
+    monkeypatch.setenv("GATEWAY_KEY_CACHE_TTL", "abc")
+    assert cli.main(["db", "current"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: GATEWAY_KEY_CACHE_TTL: ") and err.count("\n") == 1, err
