@@ -21,6 +21,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.api.asgi import BODY_PART, CLIENT_WRITER, REFUSED, WHOLE_BODY, send_error
+from gateway.api.close_delimited import close_delimited
 from gateway.api.request_head import framing_problem
 from gateway.errors import GatewayError, error_answer
 
@@ -127,6 +128,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """The headers are in: stop counting and timing them; measure them if they came in one read."""
         self.header_bytes = None
         self._cancel_header_timer()
+        # a request in the read that ended an early-answered body: the keep-alive timer armed for the
+        # idle connection (on_message_complete) would close it mid-answer
+        self._unset_keepalive_if_required()
         size = len(self.url)
         for name, value in self.headers:  # a loop, not sum(generator): every request, a cold CPU mostly
             size += len(name) + len(value) + 4  # (": " and CRLF: 15,000 empty-ish headers passed 32 KiB)
@@ -147,7 +151,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             scope[BODY_PART], scope[CLIENT_WRITER] = transport.body_part, transport
             scope[WHOLE_BODY] = transport.whole_body
             if scope["http_version"] == "1.0":
-                _close_delimited(self.cycle)
+                close_delimited(self.cycle)
 
     def on_response_complete(self) -> None:
         """An answer is out: a refusal that waited for it (and those before it) goes now; an answer
@@ -158,7 +162,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             status, message, code = self.refusal
             self.refusal = None
             self._refuse(status, message, code)
-        elif self.header_bytes is None and self.unread_timer is None and not self.transport.is_closing():
+        elif (  # (the answer is this request's own: not one before a pipelined request still arriving)
+            self.header_bytes is None
+            and self.cycle is not None
+            and self.cycle.response_complete
+            and self.unread_timer is None
+            and not self.transport.is_closing()
+        ):
             self.unread_timer = self.loop.call_later(self.body_timeout, self._unread_timed_out)
 
     def _unread_timed_out(self) -> None:
@@ -393,39 +403,6 @@ class _CycleTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
-
-
-_UNBOUNDED = 1 << 62  # the length uvicorn counts down for an answer that the connection's close ends
-
-
-def _close_delimited(cycle: Any) -> None:
-    """An HTTP/1.0 client cannot read chunked transfer coding, and RFC 9112 (7.1) forbids sending it
-    one; uvicorn chunks every answer without a Content-Length, whatever the request's version. Here
-    such an answer (a stream) goes as its bytes, ended by closing the connection: uvicorn's own
-    framing with a length it never reaches, set to what is left when the last part comes (its
-    checks then pass, and without keep-alive it closes). The cycle's writer and `body_part` see
-    no chunked coding and go through this `send` as well."""
-    send = cycle.send
-    unbounded = False
-
-    async def close_delimited_send(message: Any) -> None:
-        nonlocal unbounded
-        if message["type"] == "http.response.start" and not cycle.response_started:
-            headers = message.get("headers", ())
-            if (
-                cycle.scope["method"] != "HEAD"
-                and message["status"] not in (204, 304)
-                and not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers)
-            ):
-                unbounded = True
-                cycle.chunked_encoding = False
-                cycle.expected_content_length = _UNBOUNDED
-                cycle.keep_alive = False  # (uvicorn then sends `connection: close` and closes at the end)
-        elif unbounded and message["type"] == "http.response.body" and not message.get("more_body", False):
-            cycle.expected_content_length = len(message.get("body", b""))
-        await send(message)
-
-    cycle.send = close_delimited_send
 
 
 class _RefusedError(Exception):

@@ -54,7 +54,13 @@ class EnginePool:
         # masked in what a replica's error may echo: the key, and each replica's address (host:port
         # first, then its host alone): replica URLs stay in the gateway's log
         self._key = (key,) if key else ()
-        places = [place for p in map(urlsplit, urls) for place in (p.netloc, p.hostname or "")]
+        # (a single-label host, `engine`, is left: masked, it took that word out of every message)
+        places = [
+            place
+            for p in map(urlsplit, urls)
+            for place in (p.netloc, p.hostname or "")
+            if "." in place or ":" in place
+        ]
         self._hidden = tuple(dict.fromkeys(h for h in (key or "", *places) if h))
         headers = {"content-type": "application/json", **auth}
         self._wires = {r.url: WirePool(r.url, headers, limit=1000, idle_seconds=60.0) for r in self.replicas}

@@ -89,7 +89,7 @@ def reduced_fields(
     return {
         "message": message,
         "type": kind,
-        "param": masked(param, hidden)[:200] if isinstance(param, str) else None,
+        "param": _IPV4.sub("[host]", masked(param, hidden))[:200] if isinstance(param, str) else None,
         "code": token(error.get("code")),
     }
 

@@ -109,9 +109,7 @@ class WireResponse:
                 if end - start > limit:
                     raise WireError(f"an SSE line longer than {limit} bytes")
                 if end - start > 1 or (end > start and buffer[start] != 13):  # not "" nor "\r"
-                    line = buffer[start:end].decode("utf-8", "replace").rstrip("\r \t")
-                    if line[:6] != "data: " and line[:5] == "data:":  # SSE's space there is optional:
-                        line = "data: " + line[5:]  # `data:[DONE]` did not end the stream, nor was counted
+                    line = _sse_line(buffer[start:end])
                     tail = len(buffer) - end - 1  # what follows: nothing or the event's blank line,
                     if (
                         not tail
@@ -131,7 +129,7 @@ class WireResponse:
             if conn.complete:
                 self._scanned = 0
                 if buffer.strip(b"\r"):
-                    line = buffer.decode("utf-8", "replace").rstrip("\r")
+                    line = _sse_line(buffer)
                     buffer.clear()
                     return line
                 return None
@@ -359,3 +357,10 @@ def _header_block(headers: Mapping[str, str]) -> bytes:
             raise ValueError(f"header {name!r} holds a line break")
         lines.append(f"{name}: {value}\r\n")
     return "".join(lines).encode("latin-1")
+
+
+def _sse_line(raw: bytes | bytearray) -> str:
+    """One SSE line as text: trailing blanks dropped, and `data:` given its optional space (SSE's),
+    so that `data:[DONE]` ends a stream and `data:{...}` is counted as `data: {...}` is."""
+    line = raw.decode("utf-8", "replace").rstrip("\r \t")
+    return "data: " + line[5:] if line[:6] != "data: " and line[:5] == "data:" else line

@@ -212,7 +212,7 @@ class Failover:
                 continue
             if upstream.status != 200:
                 reply = UpstreamReply(upstream.status, upstream.error_body, upstream.url,
-                                      upstream.retry_after)  # fmt: skip
+                                      upstream.retry_after, hidden=upstream.hidden)  # fmt: skip
                 if upstream.status not in RETRY_STATUSES and upstream.status not in NEXT_MODEL_STATUSES:
                     return Served(model, pool.name, upstream.url, state.attempts, stream=upstream,
                                   owner=owner)  # fmt: skip

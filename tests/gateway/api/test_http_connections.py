@@ -174,3 +174,34 @@ def test_a_version_llhttp_does_not_know_is_505_like_the_others(
         sock.sendall(line + b"\r\nHost: x\r\n\r\n")
         answered, _, body = read_response(sock)
     assert answered == status, body
+
+
+def test_a_request_in_the_read_that_ends_an_answered_body_is_not_cut_off_by_the_idle_timer(
+    stack: tuple[ManagedServer, str, str],
+) -> None:
+    """The idle timer armed when the 401's body ended closed the stream that came with it (1 s in)."""
+    gateway, key, _ = stack
+    body = json.dumps({"model": "fast", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    stream = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+              f"content-length: {len(body)}\r\nconnection: close\r\n\r\n{body}").encode()  # fmt: skip
+    with _connect(gateway) as sock:
+        sock.sendall(UNAUTHENTICATED)
+        assert read_response(sock)[0] == 401
+        sock.sendall(b"0123456789" + stream)
+        received = b""
+        sock.settimeout(TOKENS * GAP_MS / 1000 + 10)
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert b"data: [DONE]" in received, received[-200:]
+
+
+def test_a_pipelined_request_whose_body_is_slow_gets_its_408(stack: tuple[ManagedServer, str, str]) -> None:
+    """The timer for an answered request's body was armed for the next one's, and closed it silently."""
+    gateway, key, _ = stack
+    slow = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Length: 100\r\n\r\n{").encode()  # fmt: skip
+    with _connect(gateway) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + slow)
+        assert read_response(sock)[0] == 200
+        status, _, body = read_response(sock)  # (the rest never comes)
+    assert status == 408 and openai_error(body)["code"] == "request_timeout", body

@@ -573,11 +573,19 @@ def test_data_lines_without_the_optional_space_or_with_trailing_blanks_read_as_a
     usage had to be (every token free)."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(SSE_HEAD + chunked(b'data:{"a":1}\n\n', b"data:  two\r\n\r\n", b"data: [DONE] \t\n\n"))
+        body = await read_request(reader)
+        ending = b"data:[DONE] " if body.endswith(b"!") else b"data: [DONE] \t\n\n"  # (no newline: the end)
+        writer.write(SSE_HEAD + chunked(b'data:{"a":1}\n\n', b"data:  two\r\n\r\n", ending))
 
-    async def main() -> list[str]:
+    async def main(body: bytes) -> list[str]:
         async with serving(handler) as (url, _):
-            return await all_lines(WirePool(url, {}))
+            pool = WirePool(url, {})
+            resp = await pool.post("/v1/x", body, 1.0, 5.0)
+            lines = []
+            while (line := await resp.next_line(1 << 20)) is not None:
+                lines.append(line)
+            resp.release()
+            return lines
 
-    assert asyncio.run(main()) == ['data: {"a":1}', "data:  two", "data: [DONE]"]
+    for body in (b"{}", b"{}!"):
+        assert asyncio.run(main(body)) == ['data: {"a":1}', "data:  two", "data: [DONE]"]
