@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,7 @@ class EngineConfig:
             kwargs["seed"] = 0
         types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
         for name, value in kwargs.items():  # (max_model_len="512" was a TypeError naming nothing)
-            _check_type(name, value, types[name])
+            kwargs[name] = _typed(name, value, types[name])
         return cls(model=model, **kwargs)
 
     @classmethod
@@ -157,18 +158,27 @@ class EngineConfig:
         return cls(**values)
 
 
-def _check_type(name: str, value: Any, type_name: str) -> None:
-    """A TypeError naming the option when `value` is not of its plain type (int, float, bool, str)."""
-    kinds = {part.strip() for part in type_name.split("|")}
-    if value is None and "None" in kinds:
-        return
-    plain = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
-    allowed = tuple(t for kind in kinds for t in plain.get(kind, ()))
-    if len(kinds - {"None"}) != 1 or not allowed:  # (a union of richer types: checked by the config)
-        return
-    whole = isinstance(value, float) and value.is_integer() and int in allowed  # (kv_cache_memory=16e6)
-    if not (isinstance(value, allowed) or whole) or (isinstance(value, bool) and bool not in allowed):
-        raise TypeError(f"engine option {name} must be {type_name}, got {value!r}")
+def _typed(name: str, value: Any, type_name: str) -> Any:
+    """`value` as its option's plain type (int, float, bool, str; numpy's numbers too, and a whole
+    float for an int: kv_cache_memory=16e6), else a TypeError naming the option."""
+    kinds = {part.strip() for part in type_name.split("|")} - {"None"}
+    if (
+        (value is None and "None" in type_name)
+        or len(kinds) != 1
+        or not kinds <= {"int", "float", "bool", "str"}
+    ):
+        return value  # (a union of richer types: checked by the config itself)
+    kind = kinds.pop()
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind == "int" and number and float(value).is_integer():
+        return int(value)
+    if kind == "float" and number:
+        return float(value)
+    if kind == "bool" and (isinstance(value, bool) or (number and value in (0, 1))):
+        return bool(value)
+    if kind == "str" and isinstance(value, str):
+        return value
+    raise TypeError(f"engine option {name} must be {type_name}, got {value!r}")
 
 
 def _parse_env_value(name: str, raw: str, type_name: str) -> Any:

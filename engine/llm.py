@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 import threading
 from collections.abc import Sequence as Seq
@@ -52,7 +53,7 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts: "
                     "pass one for all or one per prompt"
                 )
-        checked = {id(p): p.checked() for p in params_list}  # each object once, as it is now
+        checked = {id(p): p.checked() for p in params_list}  # each object's own copy, as it is now
         with self._lock:
             ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
             try:
@@ -119,8 +120,8 @@ def _normalize_prompts(prompts: OfflinePrompt | Seq[OfflinePrompt]) -> list[Prom
         return [_one_prompt(prompts)]
     if not isinstance(prompts, Seq) or len(prompts) == 0:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
-    if all(isinstance(p, int) for p in prompts):
-        return [cast(list[int], list(prompts))]
+    if all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompts):
+        return [_token_ids(prompts)]
     return [_one_prompt(p) for p in prompts]
 
 

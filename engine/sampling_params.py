@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -40,8 +41,9 @@ class StructuredOutputsParams:
         return from_structured_outputs({k: v for k, v in given.items() if v is not None})
 
 
-# the float fields, each a finite number
+# the float fields, each a finite number; the integer fields
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INTEGERS = ("n", "max_tokens", "top_k", "seed", "logprobs", "min_tokens", "truncate_prompt_tokens")
 
 
 @dataclass
@@ -84,8 +86,7 @@ class SamplingParams:
     _guided_from: StructuredOutputsParams | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
+        self._normalize()
         if self.structured_outputs is not None:
             spec = self.structured_outputs.to_spec()
             if self.guided is not None and self.guided != spec:  # (replace() hands the derived one back)
@@ -94,19 +95,32 @@ class SamplingParams:
         self._validate()
 
     def checked(self) -> SamplingParams:
-        """These params as their fields are now, checked again: a field set after construction
-        (`params.stop = [...]`, `params.structured_outputs = ...`) counts, as vLLM reads them when
-        a request is added (they were ignored)."""
-        if self.structured_outputs is not self._guided_from:
-            if self.structured_outputs is None:
-                self.guided = None
-            else:
-                self.guided = self.structured_outputs.to_spec()
-            self._guided_from = self.structured_outputs
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        self._validate()
-        return self
+        """A request's own copy of these params as their fields are now, checked again: a field set
+        after construction (`params.stop = [...]`, `params.structured_outputs = ...`) counts, as vLLM
+        reads them when a request is added (they were ignored), and a change made later does not
+        reach the request (the sampler reads its params at every step)."""
+        own = self.clone()
+        if own.structured_outputs is not own._guided_from:
+            own.guided = None if own.structured_outputs is None else own.structured_outputs.to_spec()
+            own._guided_from = own.structured_outputs
+        own._normalize()
+        own._validate()
+        return own
+
+    def _normalize(self) -> None:
+        """Plain Python values: numpy's numbers as ints and floats, `stop` a list (a generator was
+        used up by the first look), `stop_token_ids` a list."""
+        for name in _INTEGERS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, name, int(value))
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                setattr(self, name, float(value))
+        if self.stop is not None and not isinstance(self.stop, str | list):
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's name)."""

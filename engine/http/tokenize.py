@@ -13,6 +13,7 @@ kept, as vLLM decodes them). Both are under the API key, as the /v1 routes; `/ve
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -76,9 +77,12 @@ def add_token_routes(
         assert info is not None  # (it has a tokenizer)
         max_len = info.max_model_len
         if options.messages is not None:
+            if options.add_special_tokens:  # the chat route adds none: the count would not be its bill
+                message = "a conversation is counted as the chat route reads it: without added special tokens"
+                raise APIError(400, message, param="add_special_tokens", code="invalid_value")
             chat = await parse(request, ChatCompletionRequest)
             rendered = await serving.render_chat(chat, chat.tool_request(), TRUNCATE_SLACK)
-            special, field = bool(options.add_special_tokens), "messages"
+            special, field = False, "messages"
         elif options.prompt is None:
             raise APIError(400, "/tokenize needs a `prompt` (a string) or `messages`", param="prompt")
         else:
@@ -90,7 +94,13 @@ def add_token_routes(
             ids = _token_ids(*work) if inline else await asyncio.to_thread(_token_ids, *work)
         else:
             ids = rendered
-        strs = tokenizer.convert_ids_to_tokens(ids) if options.return_token_strs else None
+        strs = None
+        if options.return_token_strs:  # (tens of thousands of ids: off the loop)
+            strs = (
+                await asyncio.to_thread(tokenizer.convert_ids_to_tokens, ids)
+                if len(ids) > _INLINE_IDS
+                else (tokenizer.convert_ids_to_tokens(ids))
+            )
         body = {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
         return Response(dumps(body), media_type="application/json")
 
@@ -129,6 +139,7 @@ def _decoded(tokenizer: Any, ids: list[int]) -> str:
     return str(tokenizer.decode(ids))
 
 
+@functools.cache
 def _release() -> str:
     try:
         return importlib.metadata.version("switchboard")

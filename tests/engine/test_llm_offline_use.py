@@ -155,10 +155,45 @@ def test_engine_options_of_the_wrong_type_name_the_option_and_seed_none_is_the_d
     with pytest.raises(TypeError, match="gpu_memory_utilization"):
         EngineConfig.from_kwargs("m", gpu_memory_utilization="0.5")
     assert EngineConfig.from_kwargs("m", seed=None).seed == 0
-    assert EngineConfig.from_kwargs("m", kv_cache_memory=16e6).kv_cache_memory == 16e6
+    assert EngineConfig.from_kwargs("m", kv_cache_memory=16e6).kv_cache_memory == 16_000_000
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(tiny: LLM) -> None:
     """They were never looked for: the answer ran to its length."""
     with pytest.raises(InvalidRequestError, match="stop strings"):
         tiny.generate([[1, 2, 3]], SamplingParams(stop=["a"], max_tokens=20), use_tqdm=False)
+
+
+def test_a_request_keeps_the_params_it_was_added_with(tiny: LLM) -> None:
+    """The sampler read the caller's object at every step: a change made while it ran reached it."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = tiny.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    own = params.checked()
+    assert own is not params and own == params
+    params.temperature = 2.0
+    assert (
+        own.temperature == 0
+        and tiny.generate([[5, 6, 7]], own, use_tqdm=False)[0].outputs[0].token_ids == before
+    )
+
+
+def test_numpy_numbers_and_whole_floats_are_taken_as_before() -> None:
+    """The type checks refused numpy's numbers (they used to work) and let 64e6 through as a float."""
+    from engine.config import EngineConfig
+
+    options = {"max_model_len": np.int64(512), "gpu_memory_utilization": np.float32(0.5),
+               "kv_cache_memory": 64e6, "enforce_eager": 1, "seed": np.int64(3)}  # fmt: skip
+    config = EngineConfig.from_kwargs("m", **options)
+    assert (config.max_model_len, config.kv_cache_memory, config.seed) == (512, 64_000_000, 3)
+    assert type(config.kv_cache_memory) is int and config.enforce_eager is True
+    params = SamplingParams(temperature=np.float32(0.5), min_tokens=np.int64(2), max_tokens=np.int64(8))
+    assert type(params.temperature) is float and type(params.min_tokens) is int
+    assert SamplingParams(stop=(s for s in ["END"])).stop_strings == ["END"]  # (a generator was used up)
+
+
+def test_numpy_ids_in_a_plain_list_are_a_prompt(tiny: LLM) -> None:
+    want = tiny.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        tiny.generate([np.int64(5), np.int64(6), np.int64(7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        == want
+    )

@@ -110,6 +110,8 @@ def test_detokenize_gives_the_text_back(client: TestClient) -> None:
         ("/tokenize", {"messages": []}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{x}}"}, 400,
          "chat_template"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, 400,
+         "add_special_tokens"),
         ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
         ("/detokenize", {"tokens": [1, True]}, 400, "tokens[1]"),
