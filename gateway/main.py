@@ -180,9 +180,12 @@ def _admission(settings: GatewaySettings, db: AsyncEngine, log: RequestLogWriter
         return Admission(LocalRateLimiter(), LocalBudgetStore(settings.budget_fail_open), seed)
     pool = pool_config(settings)
     limiter = RedisRateLimiter(settings.redis_url, settings.rate_limit_fail_open, pool=pool)
-    return RedisAdmission(
-        limiter, RedisBudgetStore(settings.redis_url, settings.budget_fail_open, pool=pool), seed
+    # a request's row is in the log within two batch intervals and a second, unless the log is behind
+    logged = 2 * settings.log_flush_seconds + 1.0
+    budgets = RedisBudgetStore(
+        settings.redis_url, settings.budget_fail_open, pool=pool, logged_seconds=logged, log_behind=log.behind
     )
+    return RedisAdmission(limiter, budgets, seed)
 
 
 def _tracing(settings: GatewaySettings) -> GatewayTracing | None:

@@ -251,7 +251,11 @@ class RedisBudgetStore:
         fail_open: bool = False,
         prefix: str = "switchboard:",
         pool: RedisPoolConfig = DEFAULT_POOL,
+        logged_seconds: float | None = None,
+        log_behind: Callable[[], bool] | None = None,
     ) -> None:
+        """`logged_seconds`: how long after its end a request's row is surely in the log;
+        `log_behind`: whether the request log cannot write now (owed_settles.py)."""
         import redis.asyncio as aioredis
 
         self._redis: Any = pool.client(url)
@@ -262,7 +266,9 @@ class RedisBudgetStore:
         self._prefix = prefix
         self.fail_open = fail_open
         self._errors: tuple[type[BaseException], ...] = (aioredis.RedisError, OSError, TimeoutError)
-        self._owed = OwedSettles(self._send_settle, self._errors)  # settles Redis did not confirm
+        self._owed = OwedSettles(
+            self._send_settle, self._errors, logged_seconds, log_behind
+        )  # not confirmed yet
 
     async def reserve(self, charges: Sequence[Charge], seed: Seed) -> bool:
         try:

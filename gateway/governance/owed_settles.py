@@ -16,9 +16,12 @@ from collections.abc import Awaitable, Callable
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 1.0
-# how long after a request's end its row is surely in the log (the writer's batch interval, 0.5 s,
-# with room): a counter seeded later has the cost of a request admitted blind (budget_scripts.py)
+# how long after a request's end its row is surely in the log, by default (the store is given its
+# writer's batch interval, twice, plus a second): a counter seeded later has the cost of a request
+# admitted blind (budget_scripts.py). While the writer cannot write (an outage, a spool to replay),
+# no time is: the settle adds the cost, whenever the counter was seeded.
 LOGGED_SECONDS = 1.0
+NEVER = 1e18  # (a time no seed is after: finite, for Redis's Lua to read)
 
 Owed = tuple[str, str]  # (counter, marker)
 Settle = Callable[[Owed, int, str, float], Awaitable[None]]  # sends one settle (raises `errors`)
@@ -27,9 +30,17 @@ Settle = Callable[[Owed, int, str, float], Awaitable[None]]  # sends one settle 
 class OwedSettles:
     """What settles still owe, by (counter, marker): (target, mode, logged by)."""
 
-    def __init__(self, send: Settle, errors: tuple[type[BaseException], ...]) -> None:
+    def __init__(
+        self,
+        send: Settle,
+        errors: tuple[type[BaseException], ...],
+        logged_seconds: float | None = None,
+        log_behind: Callable[[], bool] | None = None,
+    ) -> None:
         self._send = send
         self._errors = errors
+        self._logged_seconds = LOGGED_SECONDS if logged_seconds is None else logged_seconds
+        self._log_behind = log_behind
         self.pending: dict[Owed, tuple[int, str, float]] = {}
         self._writing = False
         self._retry_at = 0.0  # monotonic time before which they are not tried again
@@ -43,7 +54,8 @@ class OwedSettles:
     def owe(self, owed: Owed, target: int, mode: str) -> None:
         """A settle to write (a later one replaces an earlier; a bound never undoes a final)."""
         if mode != "part" or self.pending.get(owed, (0, "part", 0.0))[1] == "part":
-            self.pending[owed] = (target, mode, time.time() + LOGGED_SECONDS)
+            behind = self._log_behind is not None and self._log_behind()
+            self.pending[owed] = (target, mode, NEVER if behind else time.time() + self._logged_seconds)
 
     async def write(self, now: bool = False) -> None:
         """Write what is owed, one writer at a time (`now`: even within the pause after a failure)."""

@@ -211,6 +211,11 @@ class RequestLogWriter:
                 self._enter_outage()
             _answer(waiters, self._caught_up())
 
+    def behind(self) -> bool:
+        """Whether rows wait for the database now (an outage, a spool to replay): a row queued now
+        may reach it much later (budgets' owed settles read this: owed_settles.py)."""
+        return self._outage_since is not None or self._replay_due
+
     def _caught_up(self) -> bool:
         """Whether every row queued so far is in the database (none waits here or in the spool)."""
         return self._outage_since is None and not self._pending and not self._replay_due

@@ -142,3 +142,31 @@ def test_the_replica_owing_a_blind_settle_writes_it_before_it_seeds_the_counter_
                 await _cleanup(counter)
 
     assert asyncio.run(run()) == 25 * CENTS
+
+
+def test_a_blind_settle_owed_while_the_log_cannot_write_is_added_whenever_the_counter_was_seeded() -> None:
+    """Its row may reach the log long after (spooled through a database outage): a counter seeded
+    meanwhile does not have it, so the time rule must not drop the settle (it undercounted)."""
+    budget = _budget()
+    counter = "switchboard:" + _charge(budget, datetime.now(UTC), "0").counter
+
+    async def run() -> int:
+        with tcp_proxy("127.0.0.1", 6379) as proxy:
+            url = REDIS.replace(":6379/", f":{proxy.port}/")
+            cut_off = RedisBudgetStore(url, True, pool=RedisPoolConfig(timeout=0.5, socket_timeout=0.3),
+                                       logged_seconds=0.0, log_behind=lambda: True)  # fmt: skip
+            other = RedisBudgetStore(REDIS)
+            try:
+                await _blind_and_owed(cut_off, proxy, budget)
+                await _redis_lost(counter)
+                proxy.restore()
+                await asyncio.sleep(0.01)
+                await other.reserve([_charge(budget, datetime.now(UTC), "0.20")], _logged(0))  # (no row yet)
+                await asyncio.sleep(owed_settles.RETRY_SECONDS + 0.5)
+                return await _counter(REDIS, counter)
+            finally:
+                await cut_off.close()
+                await other.close()
+                await _cleanup(counter)
+
+    assert asyncio.run(run()) == 25 * CENTS
