@@ -6,8 +6,7 @@ accepts exactly what `POST /admin/keys` and `PATCH /admin/keys/{id}` accept.
 
 from __future__ import annotations
 
-import base64
-import binascii
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -19,10 +18,10 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 
 from gateway.api.admin_keys import KeyCreate, KeyUpdate, apply_update
-from gateway.api.services import Database, Keys, ServicesDep
+from gateway.api.services import Database, Keys, Services, ServicesDep
 from gateway.console.data import key_spend
-from gateway.console.session import Session
-from gateway.console.web import CheckedForm, ConsoleSession, page, redirect
+from gateway.console.session import Session, SessionSigner
+from gateway.console.web import CheckedForm, ConsoleSession, page, redirect, signer
 from gateway.governance.keys import KeyInfo, KeyNotFoundError
 from gateway.governance.periods import counted_period
 from gateway.store.reports import usd
@@ -35,7 +34,7 @@ PAGE_KEYS = 100  # keys a page (their spend is one query over the page's keys)
 # just handed out then dead. A minute, HttpOnly, this path only, cleared by the page that shows it.
 SHOWN = "switchboard_console_shown"
 _SHOWN_SECONDS = 60
-_SHOWN_CHARS = 4096
+_SHOWN_CHARS = 3800  # (a browser keeps a cookie of about 4 KB at most, its name and attributes included)
 OPTIONAL = ("team", "allowed_models", "rpm_limit", "tpm_limit", "budget_usd")
 
 
@@ -161,12 +160,13 @@ async def keys_page(
     keys: Keys,
     db: Database,
     session: ConsoleSession,
+    services: ServicesDep,
     after: Annotated[str | None, Query(max_length=300)] = None,
 ) -> Response:
     """The keys, newest first, PAGE_KEYS a page, with their spend against their budgets; the create
     form; and, once, the secret a create or rotate just made."""
     handed = request.cookies.get(SHOWN)
-    shown = _read_shown(handed)
+    shown = _read_shown(signer(services), session, handed)
     extra = {} if shown is None else {"created": shown, "notice": shown["notice"]}
     response = await _list(keys, db, session, after, **extra)
     if handed is not None:
@@ -174,23 +174,30 @@ async def keys_page(
     return response
 
 
-def _shown_once(request: Request, secure_setting: str, created: dict[str, str], notice: str) -> Response:
-    """The redirect to the keys page, carrying what it shows once."""
-    value = base64.urlsafe_b64encode(orjson.dumps({**created, "notice": notice})).decode()
+async def _shown_once(
+    request: Request, services: Services, session: Session, created: dict[str, str], notice: str
+) -> Response:
+    """The redirect to the keys page, carrying what it shows once in a cookie sealed to this
+    session for a minute (no Max-Age: kept in memory, not written to the browser's disk); one too
+    big for a browser to keep (an old, long key name) is shown on this answer instead."""
+    value = signer(services).seal(session, orjson.dumps({**created, "notice": notice}).decode(), time.time())
+    if len(value) > _SHOWN_CHARS:
+        keys, db = services.keys, services.db
+        return await _list(keys, db, session, created=created, notice=notice)
     response = redirect("/ui/keys")
-    secure = secure_setting == "always" or request.url.scheme == "https"
-    response.set_cookie(SHOWN, value, max_age=_SHOWN_SECONDS, path="/ui/keys", secure=secure, httponly=True,
-                        samesite="strict")  # fmt: skip
+    secure = services.settings.console_cookie_secure == "always" or request.url.scheme == "https"
+    response.set_cookie(SHOWN, value, path="/ui/keys", secure=secure, httponly=True, samesite="strict")
     return response
 
 
-def _read_shown(value: str | None) -> dict[str, str] | None:
-    """What the cookie hands the page (None: none, or not ours)."""
-    if not value or len(value) > _SHOWN_CHARS:
+def _read_shown(sealer: SessionSigner, session: Session, value: str | None) -> dict[str, str] | None:
+    """What the cookie hands the page (None: none, too old, or not this session's)."""
+    text = sealer.unseal(session, value, time.time(), _SHOWN_SECONDS) if value else None
+    if text is None:
         return None
     try:
-        shown = orjson.loads(base64.urlsafe_b64decode(value.encode("ascii")))
-    except (UnicodeEncodeError, binascii.Error, ValueError):
+        shown = orjson.loads(text)
+    except orjson.JSONDecodeError:
         return None
     fields = ("title", "name", "key", "notice")
     if not isinstance(shown, dict) or not all(isinstance(shown.get(f), str) for f in fields):
@@ -222,7 +229,7 @@ async def create_key(
         budget_period=body.budget_period if body.budget_usd is not None else None,
     )  # fmt: skip
     created = {"title": "New key", "name": info.name, "key": plaintext}
-    return _shown_once(request, services.settings.console_cookie_secure, created, f"Created {info.name}")
+    return await _shown_once(request, services, session, created, f"Created {info.name}")
 
 
 @router.get("/{key_id}")
@@ -278,10 +285,10 @@ async def revoke_key(key_id: str, _: CheckedForm, keys: Keys) -> Response:
 
 @router.post("/{key_id}/rotate")
 async def rotate_key(
-    request: Request, key_id: str, _: CheckedForm, keys: Keys, services: ServicesDep
+    request: Request, key_id: str, _: CheckedForm, keys: Keys, session: ConsoleSession, services: ServicesDep
 ) -> Response:
     """Replace the key's secret and show the new plaintext this once (on the page this redirects to)."""
     info, plaintext = await keys.rotate(key_id)
     created = {"title": "Rotated key", "name": info.name, "key": plaintext}
     notice = f"Rotated {info.name}: the old secret no longer works"
-    return _shown_once(request, services.settings.console_cookie_secure, created, notice)
+    return await _shown_once(request, services, session, created, notice)

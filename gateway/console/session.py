@@ -13,6 +13,7 @@ nor guess it, and the cookie is SameSite=Strict besides.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 import secrets
@@ -68,6 +69,27 @@ class SessionSigner:
 
     def _session(self, nonce: str, expires: int) -> Session:
         return Session(nonce, expires, self._mac(f"csrf.{nonce}"))
+
+    def seal(self, session: Session, text: str, now: float) -> str:
+        """`text` for a later page of this session to read back (`unseal`): MAC'd under the
+        session's key and nonce with the time, so that no other session, and no planted cookie, reads
+        as it, and it is good for a short while only."""
+        body = f"{int(now)}.{_b64(text.encode())}"
+        return f"{body}.{self._mac(f'seal.{session.nonce}.{body}')}"
+
+    def unseal(self, session: Session, value: str, now: float, seconds: float) -> str | None:
+        """What `seal` sealed for this session at most `seconds` ago, else None."""
+        parts = value.split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or not 0 <= now - int(parts[0]) <= seconds:
+            return None
+        body = f"{parts[0]}.{parts[1]}"
+        if not hmac.compare_digest(self._mac(f"seal.{session.nonce}.{body}").encode(),
+                                   parts[2].encode("utf-8", "surrogatepass")):  # fmt: skip
+            return None
+        try:
+            return base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)).decode()
+        except (binascii.Error, ValueError):
+            return None
 
     @staticmethod
     def csrf_matches(session: Session, presented: str | None) -> bool:

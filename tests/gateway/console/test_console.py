@@ -248,6 +248,9 @@ def test_a_reload_after_a_create_or_rotate_shows_nothing_and_does_nothing_again(
     assert made.status_code == 303 and made.headers["location"] == "/ui/keys"
     cookie = made.headers["set-cookie"].lower()
     assert "httponly" in cookie and "path=/ui/keys" in cookie and "samesite=strict" in cookie
+    assert "max-age" not in cookie and "expires" not in cookie  # kept in memory, never on disk
+    sealed = client.cookies.get("switchboard_console_shown")
+    assert sealed is not None and sealed.count(".") == 2  # time, text, MAC (bound to this session)
     shown = client.get("/ui/keys", headers=HTML)
     plaintext = _plaintext(shown.text)
     assert "Created once" in shown.text and "max-age=0" in shown.headers["set-cookie"].lower()
@@ -262,6 +265,9 @@ def test_a_reload_after_a_create_or_rotate_shows_nothing_and_does_nothing_again(
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {fresh}"}).status_code == 200
     client.cookies.set("switchboard_console_shown", "bm90IGpzb24", path="/ui/keys")  # not ours: ignored
     assert client.get("/ui/keys", headers=HTML).status_code == 200
+    forged = sealed.rsplit(".", 1)[0] + ".AAAA"  # another session's, or made up: never shown
+    client.cookies.set("switchboard_console_shown", forged, path="/ui/keys")
+    assert 'id="new-key"' not in client.get("/ui/keys", headers=HTML).text
 
 
 def test_keys_are_created_used_edited_rotated_and_revoked_from_the_forms(ops: tuple[TestClient, str]) -> None:
@@ -618,3 +624,15 @@ def test_request_log_filters_read_zones_and_refuse_control_characters(url: str) 
         assert client.get("/ui/requests/%00", headers=HTML).status_code == 404
         assert len(ids("after=9999-12-31T23:59:59-14:00|x")) == 10  # a cursor no page made: the first page
         assert len(ids("after=2026-11-01T00:00:09Z|a%00")) == 10
+
+
+def test_a_sealed_text_reads_back_only_in_its_session_and_for_its_while() -> None:
+    signer = SessionSigner("master", 3600)
+    _, session = signer.issue(1000.0)
+    _, other = signer.issue(1000.0)
+    sealed = signer.seal(session, "the secret", 1000.0)
+    assert signer.unseal(session, sealed, 1030.0, 60) == "the secret"
+    assert signer.unseal(other, sealed, 1030.0, 60) is None  # another session's
+    assert signer.unseal(session, sealed, 1061.0, 60) is None  # too old
+    assert SessionSigner("other master", 3600).unseal(session, sealed, 1030.0, 60) is None
+    assert signer.unseal(session, sealed.replace("the", "thx"), 1030.0, 60) is None
