@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -64,6 +67,25 @@ async def _cleanup(counter: str) -> None:
         await cleaner.aclose()
 
 
+@asynccontextmanager
+async def _two_replicas(
+    budget: Budget, **options: Any
+) -> AsyncIterator[tuple[TcpProxy, RedisBudgetStore, RedisBudgetStore]]:
+    """(Redis's proxy, a replica behind it whose budgets fail open, another replica on Redis itself);
+    both closed, the budget's counter and markers gone, after."""
+    counter = "switchboard:" + _charge(budget, datetime.now(UTC), "0").counter
+    with tcp_proxy("127.0.0.1", 6379) as proxy:
+        url = REDIS.replace(":6379/", f":{proxy.port}/")
+        quick = RedisPoolConfig(timeout=0.5, socket_timeout=0.3)
+        cut_off, other = RedisBudgetStore(url, True, pool=quick, **options), RedisBudgetStore(REDIS)
+        try:
+            yield proxy, cut_off, other
+        finally:
+            await cut_off.close()
+            await other.close()
+            await _cleanup(counter)
+
+
 def test_a_counter_another_replica_seeded_from_a_log_with_the_request_does_not_count_it_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -75,20 +97,14 @@ def test_a_counter_another_replica_seeded_from_a_log_with_the_request_does_not_c
     counter = "switchboard:" + _charge(budget, datetime.now(UTC), "0").counter
 
     async def run() -> tuple[int, bool]:
-        with tcp_proxy("127.0.0.1", 6379) as proxy:
-            cut_off, other = _deaf_redis_store(proxy.port, fail_open=True), RedisBudgetStore(REDIS)
-            try:
-                await _blind_and_owed(cut_off, proxy, budget)
-                await _redis_lost(counter)
-                proxy.restore()
-                await asyncio.sleep(0.01)
-                await other.reserve([_charge(budget, datetime.now(UTC), "0.20")], _logged(5))
-                await asyncio.sleep(owed_settles.RETRY_SECONDS + 0.5)  # no request on the replica owing it
-                return await _counter(REDIS, counter), bool(cut_off._owed.pending)
-            finally:
-                await cut_off.close()
-                await other.close()
-                await _cleanup(counter)
+        async with _two_replicas(budget) as (proxy, cut_off, other):
+            await _blind_and_owed(cut_off, proxy, budget)
+            await _redis_lost(counter)
+            proxy.restore()
+            await asyncio.sleep(0.01)
+            await other.reserve([_charge(budget, datetime.now(UTC), "0.20")], _logged(5))
+            await asyncio.sleep(owed_settles.RETRY_SECONDS + 0.5)  # no request on the replica owing it
+            return await _counter(REDIS, counter), bool(cut_off._owed.pending)
 
     value, still_owed = asyncio.run(run())
     assert value == 25 * CENTS  # the 5 cents the log had, the other's 20 held: not 5 more
@@ -101,21 +117,15 @@ def test_a_request_still_in_flight_when_its_counter_is_seeded_again_adds_its_cos
     counter = "switchboard:" + _charge(budget, datetime.now(UTC), "0").counter
 
     async def run() -> int:
-        with tcp_proxy("127.0.0.1", 6379) as proxy:
-            cut_off, other = _deaf_redis_store(proxy.port, fail_open=True), RedisBudgetStore(REDIS)
-            try:
-                proxy.cut()
-                charge = _charge(budget, datetime.now(UTC), "0.50")
-                assert not await cut_off.reserve([charge], _nothing_spent)  # admitted unchecked, in flight
-                await _redis_lost(counter)
-                proxy.restore()
-                await other.reserve([_charge(budget, datetime.now(UTC), "0.20")], _logged(0))
-                await cut_off.settle(_unreserved([charge])[0], 5 * CENTS)  # it ends now
-                return await _counter(REDIS, counter)
-            finally:
-                await cut_off.close()
-                await other.close()
-                await _cleanup(counter)
+        async with _two_replicas(budget) as (proxy, cut_off, other):
+            proxy.cut()
+            charge = _charge(budget, datetime.now(UTC), "0.50")
+            assert not await cut_off.reserve([charge], _nothing_spent)  # admitted unchecked, in flight
+            await _redis_lost(counter)
+            proxy.restore()
+            await other.reserve([_charge(budget, datetime.now(UTC), "0.20")], _logged(0))
+            await cut_off.settle(_unreserved([charge])[0], 5 * CENTS)  # it ends now
+            return await _counter(REDIS, counter)
 
     assert asyncio.run(run()) == 25 * CENTS
 
@@ -151,22 +161,17 @@ def test_a_blind_settle_owed_while_the_log_cannot_write_is_added_whenever_the_co
     counter = "switchboard:" + _charge(budget, datetime.now(UTC), "0").counter
 
     async def run() -> int:
-        with tcp_proxy("127.0.0.1", 6379) as proxy:
-            url = REDIS.replace(":6379/", f":{proxy.port}/")
-            cut_off = RedisBudgetStore(url, True, pool=RedisPoolConfig(timeout=0.5, socket_timeout=0.3),
-                                       logged_seconds=0.0, log_behind=lambda: True)  # fmt: skip
-            other = RedisBudgetStore(REDIS)
-            try:
-                await _blind_and_owed(cut_off, proxy, budget)
-                await _redis_lost(counter)
-                proxy.restore()
-                await asyncio.sleep(0.01)
-                await other.reserve([_charge(budget, datetime.now(UTC), "0.20")], _logged(0))  # (no row yet)
-                await asyncio.sleep(owed_settles.RETRY_SECONDS + 0.5)
-                return await _counter(REDIS, counter)
-            finally:
-                await cut_off.close()
-                await other.close()
-                await _cleanup(counter)
+        async with _two_replicas(budget, logged_seconds=0.0, log_behind=lambda: True) as (
+            proxy,
+            cut_off,
+            other,
+        ):
+            await _blind_and_owed(cut_off, proxy, budget)
+            await _redis_lost(counter)
+            proxy.restore()
+            await asyncio.sleep(0.01)
+            await other.reserve([_charge(budget, datetime.now(UTC), "0.20")], _logged(0))  # (no row yet)
+            await asyncio.sleep(owed_settles.RETRY_SECONDS + 0.5)
+            return await _counter(REDIS, counter)
 
     assert asyncio.run(run()) == 25 * CENTS
