@@ -360,7 +360,10 @@ def _header_block(headers: Mapping[str, str]) -> bytes:
 
 
 def _sse_line(raw: bytes | bytearray) -> str:
-    """One SSE line as text: trailing blanks dropped, and `data:` given its optional space (SSE's),
-    so that `data:[DONE]` ends a stream and `data:{...}` is counted as `data: {...}` is."""
+    """One SSE line as text: trailing blanks dropped, a byte order mark before it too (SSE allows one
+    at the stream's start: the stream failed as "not an event stream"), and `data:` given its optional
+    space, so that `data:[DONE]` ends a stream and `data:{...}` is counted as `data: {...}` is."""
     line = raw.decode("utf-8", "replace").rstrip("\r \t")
+    if line[:1] == "\ufeff":
+        line = line[1:]
     return "data: " + line[5:] if line[:6] != "data: " and line[:5] == "data:" else line

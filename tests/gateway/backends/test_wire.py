@@ -575,7 +575,8 @@ def test_data_lines_without_the_optional_space_or_with_trailing_blanks_read_as_a
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         body = await read_request(reader)
         ending = b"data:[DONE] " if body.endswith(b"!") else b"data: [DONE] \t\n\n"  # (no newline: the end)
-        writer.write(SSE_HEAD + chunked(b'data:{"a":1}\n\n', b"data:  two\r\n\r\n", ending))
+        bom = b"\xef\xbb\xbf"  # (a byte order mark, as SSE allows at the start)
+        writer.write(SSE_HEAD + chunked(bom + b'data:{"a":1}\n\n', b"data:  two\r\n\r\n", ending))
 
     async def main(body: bytes) -> list[str]:
         async with serving(handler) as (url, _):
