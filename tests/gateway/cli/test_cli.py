@@ -18,11 +18,16 @@ from gateway.store.migrate import upgrade
 POLICY = Path("policies/default.yaml")
 
 
+def _without_gateway_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GATEWAY_* variable of this machine's reaches the command under test."""
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def database(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
     """A migrated SQLite database in GATEWAY_DATABASE_URL, and no other GATEWAY_* variable."""
-    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
-        monkeypatch.delenv(name)
+    _without_gateway_settings(monkeypatch)
     url = f"sqlite+aiosqlite:///{tmp_path / 'gateway.db'}"
     upgrade(url)
     monkeypatch.setenv("GATEWAY_DATABASE_URL", url)
@@ -188,8 +193,7 @@ def test_report_days_are_yyyy_mm_dd_as_the_admin_api_and_console_read_them(
 def test_a_report_without_a_database_says_so_and_creates_none(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
-        monkeypatch.delenv(name)
+    _without_gateway_settings(monkeypatch)
     data = tmp_path / "data"
     monkeypatch.setenv("GATEWAY_DATA_DIR", str(data))
     assert cli.main(["report", "spend", "--from", "2026-11-01", "--to", "2026-11-30"]) == 2
@@ -283,8 +287,7 @@ def test_serve_names_a_database_it_cannot_use_in_one_line_before_any_worker_star
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A database never migrated, or unreachable, was a traceback from every worker (exit 3)."""
-    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
-        monkeypatch.delenv(name)
+    _without_gateway_settings(monkeypatch)
     monkeypatch.setenv("GATEWAY_MASTER_KEY", "m")
     monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
     for url, said in (
@@ -330,8 +333,7 @@ def test_ports_and_worker_counts_out_of_range_are_refused(argv: list[str]) -> No
 def test_read_only_commands_create_no_database_and_wait_needs_a_number(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
-        monkeypatch.delenv(name)
+    _without_gateway_settings(monkeypatch)
     monkeypatch.setenv("GATEWAY_KEY_SECRET", "s")
     monkeypatch.setenv("GATEWAY_DATABASE_URL", f"sqlite+aiosqlite:///{tmp_path / 'no' / 'gateway.db'}")
     assert cli.main(["db", "current"]) == 2
